@@ -1,0 +1,5 @@
+import sys
+
+from fp4select.cli import main
+
+sys.exit(main())

@@ -1,0 +1,374 @@
+"""``best_mm_fp4``: flashinfer.mm_fp4's signature, with the backend chosen per problem.
+
+Design rules:
+
+* The warm path is one tuple of cheap attributes (shapes, device index, the scalar arguments),
+  one dict lookup and one call of a bound runner: no device sync, no host-device copy, no
+  logging, so it is safe inside CUDA graph capture and costs well under a microsecond.
+* Arguments are checked in full the first time a call signature is seen, before any kernel
+  runs; a signature that passed is not re-checked (``FP4SELECT_CHECK=always`` re-checks every
+  call). Bad input raises ``TypeError``/``ValueError`` naming the argument.
+* A miss while a CUDA graph is being captured never tunes (tuning syncs and allocates): a
+  fallback serves the capture, and the key is tuned on the next eager call or by
+  ``tune_pending()``.
+"""
+
+import os
+import threading
+from typing import Any, Literal
+
+import torch
+
+from fp4select.keys import B_LAYOUTS, OUT_DTYPES, Problem, m_bucket
+from fp4select.selector import Decision, Selector
+from fp4select.store import Store
+from fp4select.timing import TimingOptions
+
+CHECK_ENV = "FP4SELECT_CHECK"
+_FP4_DTYPES = tuple(
+    d for d in (torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None
+)
+_SF_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+_DTYPE_NAMES = {v: k for k, v in OUT_DTYPES.items()}
+
+_table: dict[tuple, Any] = {}
+_table_lock = threading.Lock()
+_selector: Selector | None = None
+_always_check = os.environ.get(CHECK_ENV, "").strip().lower() == "always"
+
+
+def selector() -> Selector:
+    """The process-wide selector, created on first use from the environment variables."""
+    global _selector
+    if _selector is None:
+        with _table_lock:
+            if _selector is None:
+                _selector = Selector()
+    return _selector
+
+
+def configure(
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    isolation: Literal["subprocess", "inprocess"] | None = None,
+    timing: TimingOptions | None = None,
+) -> Selector:
+    """Replace the process-wide selector (and forget bound runners); returns the new one."""
+    global _selector
+    with _table_lock:
+        if _selector is not None:
+            _selector.close()
+        _selector = Selector(Store(cache_dir), isolation=isolation, timing=timing)
+        _table.clear()
+    return _selector
+
+
+def reset() -> None:
+    """Forget every bound runner in this process (the disk store is untouched)."""
+    with _table_lock:
+        _table.clear()
+
+
+def stats() -> dict[str, int]:
+    counters = selector().counters.as_dict()
+    counters["bound_signatures"] = len(_table)
+    return counters
+
+
+def best_mm_fp4(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_descale: torch.Tensor,
+    b_descale: torch.Tensor,
+    alpha: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    block_size: int = 16,
+    use_8x4_sf_layout: bool = False,
+    backend: Literal[
+        "cudnn", "trtllm", "cutlass", "cute-dsl", "cutedsl_low_latency", "b12x", "cake", "auto"
+    ] = "auto",
+    use_nvfp4: bool = True,
+    enable_pdl: bool = True,
+    *,
+    b_layout: Literal["plain", "trtllm"] = "plain",
+    allow_blacklisted: bool = False,
+) -> torch.Tensor:
+    """FP4 GEMM ``out = (a @ b) * alpha`` by the fastest backend proven correct for this problem.
+
+    Drop-in for ``flashinfer.mm_fp4``: ``backend="auto"`` selects (validated, timed, cached
+    on disk); a concrete name runs that backend unless it is blacklisted here. ``b_layout``
+    says how ``b`` was prepared: ``"plain"`` (128x4 scales, as cudnn/cutlass/b12x take it) or
+    ``"trtllm"`` (row-shuffled weight and scales); only backends taking that layout compete.
+    """
+    try:
+        signature = (
+            a.shape,
+            b.shape,
+            a.get_device(),
+            out_dtype,
+            block_size,
+            use_8x4_sf_layout,
+            backend,
+            use_nvfp4,
+            b_layout,
+            None if alpha is None else alpha.shape,
+            None if out is None else out.shape,
+            allow_blacklisted,
+        )
+        runner = _table.get(signature)
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments
+        signature, runner = None, None
+    if runner is None or _always_check:
+        runner = _miss(
+            signature,
+            a,
+            b,
+            a_descale,
+            b_descale,
+            alpha,
+            out_dtype,
+            out,
+            block_size,
+            use_8x4_sf_layout,
+            backend,
+            use_nvfp4,
+            enable_pdl,
+            b_layout,
+            allow_blacklisted,
+        )
+    return runner(
+        a,
+        b,
+        a_descale,
+        b_descale,
+        alpha,
+        out_dtype,
+        out,
+        block_size,
+        use_8x4_sf_layout,
+        use_nvfp4,
+        enable_pdl,
+    )
+
+
+# Marks the patched-in function so fp4select never mistakes it for flashinfer's own mm_fp4
+# (an engine plugin may set flashinfer.mm_fp4 = best_mm_fp4).
+best_mm_fp4.__fp4select__ = True  # type: ignore[attr-defined]
+
+
+def _miss(
+    signature,
+    a,
+    b,
+    a_descale,
+    b_descale,
+    alpha,
+    out_dtype,
+    out,
+    block_size,
+    use_8x4_sf_layout,
+    backend,
+    use_nvfp4,
+    enable_pdl,
+    b_layout,
+    allow_blacklisted,
+):
+    problem = check_arguments(
+        a,
+        b,
+        a_descale,
+        b_descale,
+        alpha,
+        out_dtype,
+        out,
+        block_size,
+        use_8x4_sf_layout,
+        backend,
+        use_nvfp4,
+        enable_pdl,
+        b_layout,
+    )
+    sel = selector()
+    device = a.device
+    if backend != "auto":
+        runner = sel.explicit(backend, problem, device, allow_blacklisted)
+    else:
+        decision = sel.lookup(problem, device)
+        if decision is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            runner, _ = sel.fallback(problem, device)
+            return runner  # not cached: the next eager call tunes this key properly
+        if decision is None:
+            decision = sel.decide(problem, device)
+        runner = sel.bind(decision, device)
+    if signature is not None:
+        with _table_lock:
+            _table[signature] = runner
+    return runner
+
+
+def _need_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _pad(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def check_arguments(
+    a: Any,
+    b: Any,
+    a_descale: Any,
+    b_descale: Any,
+    alpha: Any = None,
+    out_dtype: Any = torch.bfloat16,
+    out: Any = None,
+    block_size: Any = 16,
+    use_8x4_sf_layout: Any = False,
+    backend: Any = "auto",
+    use_nvfp4: Any = True,
+    enable_pdl: Any = True,
+    b_layout: Any = "plain",
+) -> Problem:
+    """Every check that can be made without running a kernel; returns the problem key."""
+    a = _need_tensor("a", a)
+    b = _need_tensor("b", b)
+    a_descale = _need_tensor("a_descale", a_descale)
+    b_descale = _need_tensor("b_descale", b_descale)
+    for name, flag in (
+        ("use_8x4_sf_layout", use_8x4_sf_layout),
+        ("use_nvfp4", use_nvfp4),
+        ("enable_pdl", enable_pdl),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str ('auto' or a backend name), got {backend!r}")
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {b_layout!r}")
+    if out_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")
+    if a.ndim != 2:
+        raise ValueError(f"a must be 2-D (M, K/2), got shape {tuple(a.shape)}")
+    if b.ndim != 2:
+        raise ValueError(f"b must be 2-D (K/2, N), got shape {tuple(b.shape)}")
+    if a.dtype not in _FP4_DTYPES:
+        raise TypeError(f"a must hold packed FP4 (uint8 or float4_e2m1fn_x2), got {a.dtype}")
+    if b.dtype not in _FP4_DTYPES:
+        raise TypeError(f"b must hold packed FP4 (uint8 or float4_e2m1fn_x2), got {b.dtype}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"K mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)}; "
+            "a.shape[1] must equal b.shape[0] (both K/2)"
+        )
+    m, n, k = a.shape[0], b.shape[1], 2 * a.shape[1]
+    if m < 1 or n < 1 or k < 1:
+        raise ValueError(f"a and b must be non-empty, got M={m}, N={n}, K={k}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise TypeError(f"block_size must be an int, got {block_size!r}")
+    expected_block = 16 if use_nvfp4 else 32
+    if block_size != expected_block:
+        fmt = "nvfp4" if use_nvfp4 else "mxfp4"
+        raise ValueError(f"block_size must be {expected_block} for {fmt}, got {block_size}")
+    if k % block_size:
+        raise ValueError(f"K={k} (2 * a.shape[1]) must be a multiple of block_size={block_size}")
+    if b_layout == "trtllm" and n % 128:
+        raise ValueError(f"b_layout='trtllm' needs N % 128 == 0 (row shuffle in tiles), got N={n}")
+    for name, sf in (("a_descale", a_descale), ("b_descale", b_descale)):
+        if sf.dtype not in _SF_DTYPES:
+            raise TypeError(f"{name} must be float8_e4m3fn or uint8, got {sf.dtype}")
+        if not use_nvfp4 and sf.dtype != torch.uint8:
+            raise TypeError(f"{name} must be uint8 (UE8M0) for mxfp4, got {sf.dtype}")
+    cols = _pad(k // block_size, 4)
+    row_tile = 8 if use_8x4_sf_layout else 128
+    need_a = _pad(m, row_tile) * cols
+    extra = a_descale.numel() - need_a
+    if extra < 0 or extra % (row_tile * cols):
+        layout = "8x4" if use_8x4_sf_layout else "128x4"
+        raise ValueError(
+            f"a_descale has {a_descale.numel()} elements; the {layout} layout for M={m}, "
+            f"K/block={k // block_size} needs {need_a} ({_pad(m, row_tile)} x {cols}), "
+            "or that plus whole row tiles"
+        )
+    need_b = _pad(n, 128) * cols
+    if b_descale.numel() != need_b:
+        raise ValueError(
+            f"b_descale has {b_descale.numel()} elements; the 128x4 layout for N={n}, "
+            f"K/block={k // block_size} needs {need_b} ({cols} x {_pad(n, 128)})"
+        )
+    if alpha is None:
+        alpha_kind = "none"
+    else:
+        alpha = _need_tensor("alpha", alpha)
+        if alpha.dtype != torch.float32:
+            raise TypeError(f"alpha must be a float32 tensor, got {alpha.dtype}")
+        if alpha.numel() == 1:
+            alpha_kind = "scalar"
+        elif alpha.numel() == m:
+            alpha_kind = "per_token"
+        else:
+            raise ValueError(
+                f"alpha must have 1 element or M={m} (one per row of a), got {alpha.numel()}"
+            )
+    tensors = [("b", b), ("a_descale", a_descale), ("b_descale", b_descale)]
+    if alpha is not None:
+        tensors.append(("alpha", alpha))
+    if out is not None:
+        out = _need_tensor("out", out)
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out must have shape (M, N) = {(m, n)}, got {tuple(out.shape)}")
+        if out.dtype != out_dtype:
+            raise TypeError(f"out must have dtype out_dtype={out_dtype}, got {out.dtype}")
+        tensors.append(("out", out))
+    for name, t in tensors:
+        if t.device != a.device:
+            raise ValueError(
+                f"{name} is on {t.device} but a is on {a.device}; all must be on one device"
+            )
+    return Problem(
+        n=n,
+        k=k,
+        m_bucket=m_bucket(m),
+        out_dtype=_DTYPE_NAMES[out_dtype],
+        block_size=block_size,
+        use_nvfp4=use_nvfp4,
+        a_sf_layout="8x4" if use_8x4_sf_layout else "128x4",
+        b_layout=b_layout,
+        alpha_kind=alpha_kind,
+    )
+
+
+def explain(
+    *args: Any,
+    problem: Problem | None = None,
+    device: torch.device | str | None = None,
+    tune: bool = True,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """The decision record for a call (same arguments as best_mm_fp4) or for a Problem.
+
+    Says which backends were considered, each one's verdict and reason, the timings, the
+    winner and its margin, and where the decision came from (memory, disk, tuned).
+    """
+    if problem is None:
+        b_layout = kwargs.pop("b_layout", "plain")
+        kwargs.pop("allow_blacklisted", None)
+        problem = check_arguments(*args, **kwargs, b_layout=b_layout)
+        device = args[0].device if args else kwargs["a"].device
+    device = torch.device(device or "cpu")
+    sel = selector()
+    decision: Decision | None = sel.lookup(problem, device)
+    source = None
+    if decision is not None:
+        source = decision.source
+        decision.source = "memory"
+    elif tune:
+        decision = sel.decide(problem, device)
+        source = decision.source
+    if decision is None:
+        return {"problem": problem.to_json(), "source": "none", "winner": None}
+    record = decision.to_json()
+    record["source"] = source
+    return record

@@ -1,0 +1,202 @@
+"""What a backend is, to the selector: a runner plus the promises it makes about its inputs.
+
+Design rules:
+
+* A backend declares what it accepts (formats, scale layouts, b layout, output dtypes, alpha
+  kinds, divisibility, M limit, devices). The selector never runs a candidate on a problem its
+  declaration excludes: an impossible candidate is a recorded reason, not a failed probe.
+* Availability problems (a package missing, a compute capability unsupported, a JIT toolchain
+  missing) are returned as reason strings, never raised: one broken backend must not hide the
+  others.
+* A runner has exactly ``flashinfer.mm_fp4``'s positional order without ``backend``:
+  ``(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout,
+  use_nvfp4, enable_pdl)``, called positionally so the warm path pays no keyword binding.
+* A backend that must run in the sandbox child is rebuilt there from importable references
+  (``module:qualname``) and plain data; nothing but JSON crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
+
+Runner = Callable[..., torch.Tensor]
+ALL_FORMATS = frozenset({"nvfp4", "mxfp4"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The problems a backend claims to handle; the default is flashinfer's plain-layout family."""
+
+    formats: frozenset[str] = ALL_FORMATS
+    a_sf_layouts: frozenset[str] = frozenset({"128x4"})
+    b_layouts: frozenset[str] = frozenset({"plain"})
+    out_dtypes: frozenset[str] = frozenset(OUT_DTYPES)
+    alpha_kinds: frozenset[str] = frozenset({"none", "scalar"})
+    n_multiple: int = 1
+    k_multiple: int = 1
+    max_m: int | None = None
+    devices: frozenset[str] = frozenset({"cuda"})
+
+    def rejects(self, problem: Problem, device_type: str) -> str | None:
+        """Why this problem is outside the declaration, or None when it is inside."""
+        if device_type not in self.devices:
+            return f"runs on {sorted(self.devices)} only, not {device_type}"
+        if problem.format not in self.formats:
+            return f"does not take {problem.format} (takes {sorted(self.formats)})"
+        if problem.a_sf_layout not in self.a_sf_layouts:
+            return f"does not take a {problem.a_sf_layout} scale layout for a"
+        if problem.b_layout not in self.b_layouts:
+            return f"does not take b in the {problem.b_layout!r} layout"
+        if problem.out_dtype not in self.out_dtypes:
+            return f"does not produce {problem.out_dtype}"
+        if problem.alpha_kind not in self.alpha_kinds:
+            return f"does not take alpha of kind {problem.alpha_kind!r}"
+        if problem.n % self.n_multiple:
+            return f"needs N % {self.n_multiple} == 0, got N={problem.n}"
+        if problem.k % self.k_multiple:
+            return f"needs K % {self.k_multiple} == 0, got K={problem.k}"
+        if self.max_m is not None and problem.m_range[0] > self.max_m:
+            return f"needs M <= {self.max_m}, bucket starts at {problem.m_range[0]}"
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            name: sorted(value) if isinstance(value, frozenset) else value
+            for name, value in self.__dict__.items()
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Capabilities:
+        return cls(**{k: frozenset(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    def __post_init__(self) -> None:
+        unknown = set(self.alpha_kinds) - set(ALPHA_KINDS)
+        if unknown:
+            raise ValueError(f"alpha_kinds must be drawn from {ALPHA_KINDS}, got {sorted(unknown)}")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A candidate for one matrix product.
+
+    ``run`` is the runner itself for simple backends; ``bind`` (problem -> runner) is for those
+    that need the problem to build one (the b layout, a pre-compiled kernel). ``available``
+    returns a reason when the backend cannot run in this environment at all. ``preference``
+    breaks near-ties: lower wins, so ranks and restarts agree when timings are inside noise.
+    """
+
+    name: str
+    run: Runner | None = None
+    bind: Callable[[Problem], Runner] | None = None
+    available: Callable[[Mapping[str, Any]], str | None] | None = None
+    caps: Capabilities = field(default_factory=Capabilities)
+    preference: int = 100
+    family: str = "plugin"
+    experimental: bool = False
+    description: str = ""
+    dispatch_bind: Callable[[Problem], Runner] | None = None
+    unsupported_errors: tuple[type[BaseException], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name == "auto":
+            raise ValueError(
+                f"backend name must be a non-empty string other than 'auto', got {self.name!r}"
+            )
+        if (self.run is None) == (self.bind is None):
+            raise ValueError(f"backend {self.name!r}: give exactly one of run= or bind=")
+
+    def runner(self, problem: Problem) -> Runner:
+        """The runner used while probing (with whatever checks the backend has)."""
+        return self.bind(problem) if self.bind is not None else self.run  # type: ignore[misc,return-value]
+
+    def dispatcher(self, problem: Problem) -> Runner:
+        """The runner bound for the warm path, once this backend is proven on the problem."""
+        if self.dispatch_bind is not None:
+            return self.dispatch_bind(problem)
+        return self.runner(problem)
+
+    def is_unsupported(self, exc: BaseException) -> bool:
+        """Whether an exception from the runner means "not my problem" rather than a fault."""
+        return isinstance(exc, (UnsupportedProblem, *self.unsupported_errors))
+
+    def unavailable_reason(self, env: Mapping[str, Any]) -> str | None:
+        if self.available is None:
+            return None
+        try:
+            return self.available(env)
+        except Exception as exc:  # a broken availability check is itself a reason
+            return f"availability check raised {type(exc).__name__}: {exc}"
+
+    def rejects(self, problem: Problem, env: Mapping[str, Any]) -> str | None:
+        return self.caps.rejects(problem, env.get("device") or "cpu")
+
+    # -- crossing into the sandbox -------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """Plain-data form for the sandbox child; raises if a function cannot be re-imported."""
+        return {
+            "name": self.name,
+            "run": _reference(self.run),
+            "bind": _reference(self.bind),
+            "available": _reference(self.available),
+            "caps": self.caps.to_json(),
+            "preference": self.preference,
+            "family": self.family,
+            "experimental": self.experimental,
+            "description": self.description,
+            "dispatch_bind": _reference(self.dispatch_bind),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Backend:
+        return cls(
+            name=data["name"],
+            run=_resolve(data["run"]),
+            bind=_resolve(data["bind"]),
+            available=_resolve(data["available"]),
+            caps=Capabilities.from_json(data["caps"]),
+            preference=data["preference"],
+            family=data["family"],
+            experimental=data["experimental"],
+            description=data.get("description", ""),
+            dispatch_bind=_resolve(data.get("dispatch_bind")),
+        )
+
+
+class UnsupportedProblem(Exception):
+    """Raised by a runner to say it cannot take this problem: recorded, never blacklisted."""
+
+
+class NotImportableError(ValueError):
+    """A backend function that a child process could not import by name."""
+
+
+def _reference(fn: Callable[..., Any] | None) -> str | None:
+    if fn is None:
+        return None
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<" in qualname:
+        raise NotImportableError(
+            f"{fn!r} cannot be imported by the sandbox child: define it at module level in an "
+            "importable module (not __main__, not a lambda or closure), or use isolation='inprocess'"
+        )
+    if _resolve(f"{module}:{qualname}") is not fn:
+        raise NotImportableError(f"{module}:{qualname} does not name {fn!r}")
+    return f"{module}:{qualname}"
+
+
+def _resolve(ref: str | None) -> Any:
+    if ref is None:
+        return None
+    module_name, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

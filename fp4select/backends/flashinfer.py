@@ -1,0 +1,228 @@
+"""flashinfer's mm_fp4 backends, as the installed flashinfer lists them at runtime.
+
+Design rules:
+
+* The list of backends is read from ``inspect.signature(flashinfer.mm_fp4)`` every process,
+  never written down here: a backend that appears in a later flashinfer is a candidate with no
+  change to fp4select.
+* Which compute capabilities a backend supports comes from ``mm_fp4.is_backend_supported``
+  (feature-detected; an older flashinfer without it is asked by running the probe).
+* What is written down here is only what flashinfer cannot tell without a GPU and real
+  tensors: the layout family each backend expects (trtllm takes row-shuffled weights and is
+  the one that takes 8x4 scales for a), output dtypes, alpha kinds and divisibility. A backend
+  missing from that table gets the plain-layout defaults, and flashinfer's own per-call checks
+  (left on while probing) reject what it cannot do; those rejections are "unsupported", not
+  failures.
+* Dispatch after validation calls mm_fp4 with ``skip_check=True``: the checks already ran on
+  this problem while probing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import os
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from fp4select.backends.base import Backend, Capabilities, Runner
+from fp4select.keys import Problem
+
+FAMILY = "flashinfer"
+# Compute capabilities to ask flashinfer about, to say *where* a backend would run.
+KNOWN_CCS = (75, 80, 86, 87, 89, 90, 100, 103, 107, 110, 120, 121)
+EXPERIMENTAL_ENV = "FP4SELECT_EXPERIMENTAL"
+
+_PLAIN = frozenset({"plain"})
+_128 = frozenset({"128x4"})
+_NV = frozenset({"nvfp4"})
+_BF16 = frozenset({"bfloat16"})
+
+# name -> (capabilities, preference, python modules it needs). Facts from flashinfer 0.7.2's
+# requirement functions and docs; see the module docstring for why they live here.
+KNOWN: dict[str, tuple[Capabilities, int, tuple[str, ...]]] = {
+    "cutlass": (Capabilities(formats=_NV), 10, ()),
+    "cudnn": (Capabilities(), 20, ("cudnn",)),
+    "b12x": (Capabilities(k_multiple=32), 30, ("cutlass",)),
+    "cute-dsl": (
+        Capabilities(n_multiple=8, alpha_kinds=frozenset({"none", "scalar", "per_token"})),
+        40,
+        ("cutlass",),
+    ),
+    "cutedsl_low_latency": (Capabilities(max_m=8, k_multiple=64), 50, ("cutlass",)),
+    "trtllm": (
+        Capabilities(
+            formats=_NV,
+            a_sf_layouts=frozenset({"128x4", "8x4"}),
+            b_layouts=frozenset({"trtllm"}),
+            out_dtypes=_BF16,
+        ),
+        60,
+        (),
+    ),
+    "cake": (
+        Capabilities(
+            formats=_NV,
+            n_multiple=8,
+            k_multiple=256,
+            alpha_kinds=frozenset({"per_token"}),
+        ),
+        90,
+        (),
+    ),
+}
+UNKNOWN_PREFERENCE = 500
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> tuple[Any, str | None]:
+    """(flashinfer.mm_fp4 or None, why not). Imported once: it takes seconds."""
+    try:
+        import flashinfer
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        return None, f"flashinfer is not importable ({type(exc).__name__}: {exc})"
+    # An engine plugin may have replaced flashinfer.mm_fp4 with best_mm_fp4: look where the
+    # original is defined first, and never take our own function for flashinfer's.
+    for module_name in ("flashinfer.gemm.gemm_base", "flashinfer.gemm", "flashinfer"):
+        try:
+            mm_fp4 = getattr(importlib.import_module(module_name), "mm_fp4", None)
+        except Exception:
+            continue
+        if mm_fp4 is not None and not getattr(mm_fp4, "__fp4select__", False):
+            return mm_fp4, None
+    return None, f"flashinfer {getattr(flashinfer, '__version__', '?')} has no mm_fp4"
+
+
+def listed_names(mm_fp4: Any) -> list[str]:
+    """Backend names from the ``backend`` parameter's Literal annotation, in flashinfer's order."""
+    try:
+        param = inspect.signature(mm_fp4).parameters["backend"]
+    except (KeyError, TypeError, ValueError):
+        return []
+    annotation = param.annotation
+    if isinstance(annotation, str):  # postponed annotations
+        try:
+            annotation = typing.get_type_hints(inspect.unwrap(mm_fp4))["backend"]
+        except Exception:
+            return []
+    names = [n for n in typing.get_args(annotation) if isinstance(n, str)]
+    return [n for n in names if n != "auto"]
+
+
+def experimental_names(mm_fp4: Any) -> frozenset[str]:
+    return frozenset(getattr(mm_fp4, "experimental_backends", frozenset()))
+
+
+def supported_ccs(mm_fp4: Any, name: str) -> list[int] | None:
+    """CCs flashinfer says the backend runs on, or None when this flashinfer cannot say."""
+    query = getattr(mm_fp4, "is_backend_supported", None)
+    if query is None:
+        return None
+    out = []
+    for cc in KNOWN_CCS:
+        try:
+            if query(name, cc):
+                out.append(cc)
+        except Exception:
+            return None
+    return out
+
+
+def experimental_allowed() -> bool:
+    return os.environ.get(EXPERIMENTAL_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _availability(name: str, modules: tuple[str, ...]):
+    def available(env: Mapping[str, Any]) -> str | None:
+        mm_fp4, why = load()
+        if mm_fp4 is None:
+            return why
+        if env.get("device") != "cuda":
+            return "flashinfer's FP4 kernels need a CUDA GPU"
+        cc = env.get("cc")
+        ccs = supported_ccs(mm_fp4, name)
+        if ccs is not None and cc not in ccs:
+            where = ", ".join(f"SM{c}" for c in ccs) or "no compute capability"
+            return f"flashinfer reports '{name}' unsupported on SM{cc} (supported: {where})"
+        if name in experimental_names(mm_fp4) and not experimental_allowed():
+            return f"experimental in flashinfer; set {EXPERIMENTAL_ENV}=1 to consider it"
+        for module in modules:
+            if importlib.util.find_spec(module) is None:
+                return f"needs the Python module '{module}', which is not installed"
+        return None
+
+    return available
+
+
+def _binder(name: str, *, skip_check: bool):
+    def bind(problem: Problem) -> Runner:
+        mm_fp4, why = load()
+        if mm_fp4 is None:
+            raise RuntimeError(why)
+
+        def run(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4, nvfp4, pdl):
+            return mm_fp4(
+                a,
+                b,
+                a_descale,
+                b_descale,
+                alpha,
+                out_dtype,
+                out,
+                block_size,
+                use_8x4,
+                name,
+                nvfp4,
+                pdl,
+                skip_check=skip_check,
+            )
+
+        return run
+
+    return bind
+
+
+def unsupported_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions by which flashinfer's checks say "this problem is not mine"."""
+    errors: list[type[BaseException]] = [ValueError, NotImplementedError]
+    try:
+        from flashinfer.utils import BackendSupportedError
+
+        errors.append(BackendSupportedError)
+    except Exception:
+        pass
+    return tuple(errors)
+
+
+def backends() -> tuple[list[Backend], str | None]:
+    """One Backend per runtime-listed name, or ([], why) when flashinfer is unusable."""
+    mm_fp4, why = load()
+    if mm_fp4 is None:
+        return [], why
+    names = listed_names(mm_fp4)
+    if not names:
+        return [], "flashinfer.mm_fp4 lists no backends in its signature"
+    experimental = experimental_names(mm_fp4)
+    out = []
+    for name in names:
+        caps, preference, modules = KNOWN.get(name, (Capabilities(), UNKNOWN_PREFERENCE, ()))
+        out.append(
+            Backend(
+                name=name,
+                bind=_binder(name, skip_check=False),
+                dispatch_bind=_binder(name, skip_check=True),
+                available=_availability(name, modules),
+                caps=caps,
+                preference=preference,
+                family=FAMILY,
+                experimental=name in experimental,
+                unsupported_errors=unsupported_errors(),
+                description=""
+                if name in KNOWN
+                else "new in this flashinfer; checked by its own checks",
+            )
+        )
+    return out, None

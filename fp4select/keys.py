@@ -1,0 +1,196 @@
+"""What a decision is keyed on: the environment it was measured in and the problem it answers.
+
+Design rules:
+
+* A key field that is missing lets a decision be replayed where it is invalid (flashinfer once
+  replayed tactics across the 8x4 and 128x4 scale layouts). Every input that can change which
+  backend is *correct* or *fastest* is a field here, and a test flips each one.
+* The environment holds the versions of everything that compiles or runs a kernel: a change in
+  any of them gives a new environment, so stale decisions and blacklists are simply not found.
+* M is bucketed as flashinfer buckets it (powers of two to 256, steps of 256 to 2048, of 512
+  to 4096, then powers of two) and rounded up, so that one decision covers a range of batch
+  sizes; the validator checks several M inside the bucket so the decision holds for all of them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import importlib.metadata
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from fp4select._version import __version__
+from fp4select.store import SCHEMA_VERSION, digest
+
+OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+A_SF_LAYOUTS = ("128x4", "8x4")
+B_LAYOUTS = ("plain", "trtllm")
+ALPHA_KINDS = ("none", "scalar", "per_token")
+
+
+def _bucket_edges() -> list[int]:
+    edges = [1 << i for i in range(9)]  # 1 .. 256
+    edges += list(range(512, 2048 + 1, 256))
+    edges += list(range(2560, 4096 + 1, 512))
+    edges += [1 << i for i in range(13, 31)]  # 8192 .. 2**30
+    return edges
+
+
+M_BUCKETS: tuple[int, ...] = tuple(_bucket_edges())
+_DIRECT_LIMIT = 4096
+# Index = M, value = bucket: the warm path pays one list index, not a search.
+_BUCKET_OF_M: list[int] = [1] + [
+    M_BUCKETS[bisect.bisect_left(M_BUCKETS, m)] for m in range(1, _DIRECT_LIMIT + 1)
+]
+
+
+def m_bucket(m: int) -> int:
+    """Round M up to its bucket; the decision for a bucket is made once and reused for all M in it."""
+    if m <= _DIRECT_LIMIT:
+        if m < 1:
+            raise ValueError(f"M (rows of a) must be >= 1, got {m}")
+        return _BUCKET_OF_M[m]
+    return 1 << (m - 1).bit_length()
+
+
+def bucket_range(bucket: int) -> tuple[int, int]:
+    """The (lowest, highest) M that round up to ``bucket``."""
+    i = bisect.bisect_left(M_BUCKETS, bucket)
+    if i == len(M_BUCKETS) or M_BUCKETS[i] != bucket:
+        raise ValueError(f"{bucket} is not an M bucket")
+    lo = M_BUCKETS[i - 1] + 1 if i else 1
+    return lo, bucket
+
+
+def validation_ms(bucket: int) -> tuple[int, ...]:
+    """The M values a candidate must be right at before it may serve the bucket.
+
+    The edges catch tile-boundary bugs (one backend returned zeros only at M=3072); the odd M
+    catches kernels that assume even or aligned M.
+    """
+    lo, hi = bucket_range(bucket)
+    odd = lo + (hi - lo) // 2
+    odd |= 1
+    if odd > hi:
+        odd = hi
+    return tuple(sorted({lo, odd, hi}))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One dense FP4 GEMM shape class: everything except the exact M.
+
+    ``k`` is the logical K in elements (twice ``a.shape[1]``). It is also what the sandbox child
+    receives: no tensor crosses a process boundary, only this description.
+    """
+
+    n: int
+    k: int
+    m_bucket: int
+    out_dtype: str = "bfloat16"
+    block_size: int = 16
+    use_nvfp4: bool = True
+    a_sf_layout: str = "128x4"
+    b_layout: str = "plain"
+    alpha_kind: str = "scalar"
+
+    def __post_init__(self) -> None:
+        if self.out_dtype not in OUT_DTYPES:
+            raise ValueError(
+                f"out_dtype must be one of {sorted(OUT_DTYPES)}, got {self.out_dtype!r}"
+            )
+        if self.a_sf_layout not in A_SF_LAYOUTS:
+            raise ValueError(f"a_sf_layout must be one of {A_SF_LAYOUTS}, got {self.a_sf_layout!r}")
+        if self.b_layout not in B_LAYOUTS:
+            raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {self.b_layout!r}")
+        if self.alpha_kind not in ALPHA_KINDS:
+            raise ValueError(f"alpha_kind must be one of {ALPHA_KINDS}, got {self.alpha_kind!r}")
+        for name in ("n", "k", "m_bucket", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.m_bucket not in M_BUCKETS:
+            raise ValueError(f"m_bucket must be an M bucket (see M_BUCKETS), got {self.m_bucket}")
+
+    @property
+    def format(self) -> str:
+        return "nvfp4" if self.use_nvfp4 else "mxfp4"
+
+    @property
+    def torch_out_dtype(self) -> torch.dtype:
+        return OUT_DTYPES[self.out_dtype]
+
+    @property
+    def m_range(self) -> tuple[int, int]:
+        return bucket_range(self.m_bucket)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Problem:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def digest(self) -> str:
+        return digest(self.to_json())
+
+    def describe(self) -> str:
+        lo, hi = self.m_range
+        return (
+            f"N={self.n} K={self.k} M={lo}..{hi} {self.format} out={self.out_dtype} "
+            f"a_sf={self.a_sf_layout} b={self.b_layout} alpha={self.alpha_kind}"
+        )
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def environment(device_index: int | None = None) -> dict[str, Any]:
+    """The fingerprint of the machine and the kernel-producing software on it.
+
+    ``device_index`` None means the CPU. Cached: versions and device properties do not change
+    inside a process, and the selector asks on every miss.
+    """
+    env: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "fp4select": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "flashinfer": _version("flashinfer-python"),
+        "flashinfer_cubin": _version("flashinfer-cubin"),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "cudnn_frontend": _version("nvidia-cudnn-frontend"),
+    }
+    if device_index is None:
+        env.update(device="cpu", gpu=None, cc=None, sm_count=None)
+        return env
+    props = torch.cuda.get_device_properties(device_index)
+    env.update(
+        device="cuda",
+        gpu=props.name,
+        cc=props.major * 10 + props.minor,
+        sm_count=props.multi_processor_count,
+    )
+    try:
+        env["cudnn"] = torch.backends.cudnn.version()
+    except Exception:  # cuDNN missing from this torch build: recorded as None
+        env["cudnn"] = None
+    return env
+
+
+def environment_for(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        return environment(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+    return environment(None)

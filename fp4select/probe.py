@@ -1,0 +1,274 @@
+"""One probe: validate each candidate at several M of the bucket, then time the survivors.
+
+Design rules:
+
+* The probe takes a problem *description* and builds its own inputs, so the very same function
+  runs in the caller's process or in the sandbox child with nothing but JSON crossing over.
+* Before anything runs, ``report`` hears which backend, phase and M are about to run. If the
+  process dies there, the parent (sandbox) knows whom to blame and at which shape.
+* Exceptions are classified, never propagated: the backend saying "not my problem" is
+  ``unsupported``; out of memory is ``oom``; a CUDA error is ``cuda-error`` and ends the probe,
+  because the CUDA context of this process is now unusable (the sandbox restarts the child);
+  anything else is ``error``. Wrong numbers are ``wrong``.
+* The output is checked with ``out=None`` at every validation M, and once more into a
+  caller-supplied ``out`` poisoned with NaN, so a backend that ignores ``out=`` or leaves
+  elements unwritten fails. A repeat run records whether the backend is bit-for-bit
+  deterministic (recorded, not required: split-K kernels may legitimately differ).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from fp4select import timing, validate
+from fp4select.backends.base import Backend
+from fp4select.keys import Problem, validation_ms
+
+Report = Callable[[Mapping[str, Any]], None]
+
+PASSED = "passed"
+# Statuses that condemn a backend for the whole environment (the process died or its CUDA
+# context broke); the rest are about one key only.
+FATAL_STATUSES = frozenset({"crash", "hang", "cuda-error"})
+
+
+@dataclass
+class Verdict:
+    backend: str
+    status: str
+    reason: str = ""
+    m: int | None = None
+    worst_ratio: float | None = None
+    deterministic: bool | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Verdict:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    timing: timing.TimingOptions = field(default_factory=timing.TimingOptions)
+    seed: int = 0
+    validate_only: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "timing": self.timing.to_json(),
+            "seed": self.seed,
+            "validate_only": self.validate_only,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ProbeOptions:
+        return cls(timing.TimingOptions(**data["timing"]), data["seed"], data["validate_only"])
+
+
+@dataclass
+class ProbeResult:
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    timings: dict[str, timing.Timing] = field(default_factory=dict)
+    method: str = "none"
+    seconds: float = 0.0
+    aborted: bool = False  # a CUDA error ended the probe early; remaining candidates unprobed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdicts": {k: v.to_json() for k, v in self.verdicts.items()},
+            "timings": {k: v.to_json() for k, v in self.timings.items()},
+            "method": self.method,
+            "seconds": self.seconds,
+            "aborted": self.aborted,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ProbeResult:
+        return cls(
+            verdicts={k: Verdict.from_json(v) for k, v in data["verdicts"].items()},
+            timings={k: timing.Timing.from_json(v) for k, v in data["timings"].items()},
+            method=data["method"],
+            seconds=data["seconds"],
+            aborted=data["aborted"],
+        )
+
+
+def _is_cuda_error(exc: BaseException) -> bool:
+    text = str(exc)
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return (accelerator_error and isinstance(exc, accelerator_error)) or any(
+        marker in text
+        for marker in ("CUDA error", "illegal memory access", "device-side assert", "cudaError")
+    )
+
+
+def classify(backend: Backend, exc: BaseException, m: int | None) -> Verdict:
+    message = f"{type(exc).__name__}: {exc}".strip()[:2000]
+    if backend.is_unsupported(exc):
+        return Verdict(backend.name, "unsupported", message, m)
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return Verdict(backend.name, "oom", message, m)
+    if _is_cuda_error(exc):
+        return Verdict(backend.name, "cuda-error", message, m)
+    tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
+    return Verdict(backend.name, "error", message, m, detail={"traceback": tail})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: an unmeasurable error is recorded as null."""
+    return value if math.isfinite(value) else None
+
+
+class _Inputs:
+    """Validation inputs per M, built once and shared by every candidate."""
+
+    def __init__(self, problem: Problem, device: torch.device, seed: int):
+        self.problem, self.device, self.seed = problem, device, seed
+        self._cache: dict[int, validate.ProbeInputs] = {}
+
+    def __getitem__(self, m: int) -> validate.ProbeInputs:
+        if m not in self._cache:
+            self._cache[m] = validate.make_inputs(self.problem, m, self.device, self.seed)
+        return self._cache[m]
+
+
+def validate_backend(
+    backend: Backend, problem: Problem, inputs: _Inputs, device: torch.device, report: Report
+) -> Verdict:
+    out_dtype = problem.torch_out_dtype
+    ms = validation_ms(problem.m_bucket)
+    worst = 0.0
+    m = None
+    try:
+        report({"event": "run", "backend": backend.name, "phase": "bind", "m": None})
+        runner = backend.runner(problem)
+        last = None
+        for m in ms:
+            report({"event": "run", "backend": backend.name, "phase": "validate", "m": m})
+            data = inputs[m]
+            out = runner(*data.args(problem))
+            _sync(device)
+            result = validate.check(out, data, out_dtype)
+            if not result.ok:
+                return Verdict(backend.name, "wrong", result.reason, m, _finite(result.worst_ratio))
+            worst = max(worst, result.worst_ratio)
+            last = out
+        m = ms[-1]
+        data = inputs[m]
+        report({"event": "run", "backend": backend.name, "phase": "out=", "m": m})
+        poisoned = torch.full((m, problem.n), float("nan"), dtype=out_dtype, device=device)
+        returned = runner(*data.args(problem, out=poisoned))
+        _sync(device)
+        result = validate.check(poisoned, data, out_dtype)
+        if not result.ok:
+            return Verdict(
+                backend.name, "wrong", f"with out=: {result.reason}", m, _finite(result.worst_ratio)
+            )
+        if isinstance(returned, torch.Tensor) and returned.data_ptr() != poisoned.data_ptr():
+            return Verdict(backend.name, "wrong", "with out=: returned a different tensor", m)
+        deterministic = bool(torch.equal(poisoned, last)) if last is not None else None
+    except Exception as exc:
+        return classify(backend, exc, m)
+    return Verdict(backend.name, PASSED, "", None, worst, deterministic, {"ms": list(ms)})
+
+
+def time_backends(
+    backends: Sequence[Backend],
+    problem: Problem,
+    device: torch.device,
+    options: ProbeOptions,
+    report: Report,
+) -> tuple[dict[str, timing.Timing], str]:
+    """Time at the bucket's largest M (the heaviest the decision must serve)."""
+    m = problem.m_bucket
+    first = validate.make_inputs(problem, m, device, options.seed + 1, with_reference=False)
+    sets = timing.input_sets_for_cold_l2(device, first.nbytes(), options.timing.cold_l2)
+    input_sets = [first] + [
+        validate.make_inputs(problem, m, device, options.seed + 1 + i, with_reference=False)
+        for i in range(1, sets)
+    ]
+    calls = {}
+    for backend in backends:
+        runner = backend.runner(problem)
+        calls[backend.name] = [functools.partial(runner, *s.args(problem)) for s in input_sets]
+
+    def on_start(name: str) -> None:
+        report({"event": "run", "backend": name, "phase": "time", "m": m})
+
+    return timing.time_interleaved(calls, device, options.timing, on_start)
+
+
+def probe(
+    problem: Problem,
+    backends: Sequence[Backend],
+    device: torch.device | str,
+    options: ProbeOptions = ProbeOptions(),
+    report: Report | None = None,
+) -> ProbeResult:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    report = report or (lambda event: None)
+    started = time.perf_counter()
+    result = ProbeResult()
+    inputs = _Inputs(problem, device, options.seed)
+    passed: list[Backend] = []
+    for backend in backends:
+        verdict = validate_backend(backend, problem, inputs, device, report)
+        result.verdicts[backend.name] = verdict
+        report({"event": "verdict", "verdict": verdict.to_json()})
+        if verdict.status == "cuda-error":
+            result.aborted = True
+            break
+        if verdict.passed:
+            passed.append(backend)
+    if passed and not options.validate_only and not result.aborted:
+        try:
+            result.timings, result.method = time_backends(passed, problem, device, options, report)
+        except Exception as exc:
+            # Timing broke: we cannot tell which candidate did it from here, so no one wins on
+            # speed; the selector falls back to preference order among the validated.
+            result.method = f"timing failed: {type(exc).__name__}: {exc}"[:300]
+            if _is_cuda_error(exc):
+                result.aborted = True
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+class InProcessProber:
+    """Runs the probe in the caller's process: fast, and only as safe as the candidates."""
+
+    isolation = "inprocess"
+
+    def probe(
+        self,
+        problem: Problem,
+        backends: Sequence[Backend],
+        device: torch.device,
+        options: ProbeOptions,
+        report: Report | None = None,
+    ) -> ProbeResult:
+        return probe(problem, backends, device, options, report)
+
+    def close(self) -> None:
+        pass

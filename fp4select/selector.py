@@ -1,0 +1,432 @@
+"""Miss handling: candidates -> probe -> decide -> store -> bind.
+
+Design rules:
+
+* Order of lookup: this process's memory, then the disk store, then tuning. Tuning happens
+  under the per-key file lock, and the entry is read again once the lock is held: when N
+  processes miss together, one tunes and the others read its result.
+* A candidate is probed only if it is listed, available here, declares the problem, and is not
+  blacklisted for this environment. Every excluded one gets a verdict with the reason, so
+  ``explain`` can say why a backend was never tried.
+* Verdicts that mean the process died or its CUDA context broke (crash, hang, cuda-error)
+  blacklist the backend for the whole environment (``FP4SELECT_BLACKLIST_SCOPE=key`` narrows
+  it to the key); wrong numbers, OOM and errors only reject it for this key (kept in the entry).
+* An entry names the backends that existed when it was made. A backend that appears later
+  (an upgrade, a new plugin) makes the entry stale, so it gets its chance.
+* While a CUDA graph is being captured nothing is tuned: a proven backend of the same shape
+  (another bucket) or emulation serves, and the key is remembered for ``tune_pending``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp4select import backends as registry_mod
+from fp4select._version import __version__
+from fp4select.backends import emulation
+from fp4select.backends.base import Backend, Runner
+from fp4select.keys import Problem, environment_for
+from fp4select.probe import FATAL_STATUSES, InProcessProber, ProbeOptions, ProbeResult, Verdict
+from fp4select.store import Store, digest
+from fp4select.timing import Timing, TimingOptions, rank
+
+log = logging.getLogger("fp4select")
+
+ISOLATION_ENV = "FP4SELECT_ISOLATION"
+BLACKLIST_SCOPE_ENV = "FP4SELECT_BLACKLIST_SCOPE"
+TIME_BUDGET_ENV = "FP4SELECT_TIME_BUDGET_S"
+ISOLATIONS = ("subprocess", "inprocess")
+
+
+class BlacklistedBackendError(RuntimeError):
+    """An explicitly requested backend is blacklisted in this environment."""
+
+
+class NoCorrectBackendError(RuntimeError):
+    """No candidate passed validation for a problem (not even emulation)."""
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def default_isolation() -> str:
+    value = os.environ.get(ISOLATION_ENV, "subprocess").strip().lower()
+    if value not in ISOLATIONS:
+        raise ValueError(f"{ISOLATION_ENV} must be one of {ISOLATIONS}, got {value!r}")
+    return value
+
+
+def default_timing() -> TimingOptions:
+    budget = os.environ.get(TIME_BUDGET_ENV)
+    if budget is None:
+        return TimingOptions()
+    try:
+        return TimingOptions(budget_s=float(budget))
+    except ValueError:
+        raise ValueError(f"{TIME_BUDGET_ENV} must be a number of seconds, got {budget!r}") from None
+
+
+@dataclass
+class Decision:
+    """The record of one choice; ``to_json`` is what the store keeps and ``explain`` returns."""
+
+    problem: Problem
+    env: dict[str, Any]
+    winner: str | None
+    verdicts: dict[str, Verdict]
+    timings: dict[str, Timing] = field(default_factory=dict)
+    ranking: dict[str, Any] | None = None
+    method: str = ""
+    considered: list[str] = field(default_factory=list)
+    created: str = field(default_factory=_now)
+    tuning_seconds: float = 0.0
+    isolation: str = ""
+    source: str = "tuned"  # memory | disk | tuned | fallback | explicit
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "problem": self.problem.to_json(),
+            "env": self.env,
+            "winner": self.winner,
+            "verdicts": {k: v.to_json() for k, v in self.verdicts.items()},
+            "timings": {k: v.to_json() for k, v in self.timings.items()},
+            "ranking": self.ranking,
+            "method": self.method,
+            "considered": self.considered,
+            "created": self.created,
+            "tuning_seconds": self.tuning_seconds,
+            "isolation": self.isolation,
+            "fp4select": __version__,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str) -> Decision:
+        """Rebuild from a store record; raises (KeyError/TypeError/ValueError) if malformed."""
+        return cls(
+            problem=Problem.from_json(data["problem"]),
+            env=dict(data["env"]),
+            winner=data["winner"],
+            verdicts={k: Verdict.from_json(v) for k, v in data["verdicts"].items()},
+            timings={k: Timing.from_json(v) for k, v in data["timings"].items()},
+            ranking=data.get("ranking"),
+            method=data.get("method", ""),
+            considered=list(data.get("considered", [])),
+            created=data.get("created", ""),
+            tuning_seconds=float(data.get("tuning_seconds", 0.0)),
+            isolation=data.get("isolation", ""),
+            source=source,
+        )
+
+
+@dataclass
+class Counters:
+    hits: int = 0  # warm-path table hits (counted by api)
+    memory_hits: int = 0
+    disk_hits: int = 0
+    tunings: int = 0
+    waited_for_other_process: int = 0
+    fallbacks: int = 0
+    explicit: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Selector:
+    def __init__(
+        self,
+        store: Store | None = None,
+        isolation: str | None = None,
+        timing: TimingOptions | None = None,
+        lock_timeout: float = 3600.0,
+    ) -> None:
+        self.store = store if store is not None else Store()
+        self.isolation = isolation or default_isolation()
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
+        self.timing = timing or default_timing()
+        self.lock_timeout = lock_timeout
+        self.counters = Counters()
+        self.pending: set[tuple[Problem, str]] = set()
+        self._memory: dict[str, Decision] = {}
+        self._prober: Any = None
+        self._lock = threading.RLock()
+        self._registry: registry_mod.Registry | None = None
+
+    # -- parts -----------------------------------------------------------------------------
+    def registry(self, refresh: bool = False) -> registry_mod.Registry:
+        if self._registry is None or refresh:
+            self._registry = registry_mod.discover()
+        return self._registry
+
+    def prober(self) -> Any:
+        if self._prober is None:
+            if self.isolation == "inprocess":
+                self._prober = InProcessProber()
+            else:
+                from fp4select.sandbox import SandboxProber
+
+                self._prober = SandboxProber()
+        return self._prober
+
+    def close(self) -> None:
+        if self._prober is not None:
+            self._prober.close()
+            self._prober = None
+
+    @staticmethod
+    def _memory_key(env: Mapping[str, Any], problem: Problem) -> str:
+        return digest({"env": env, "problem": problem.to_json()})
+
+    # -- candidates ----------------------------------------------------------------------
+    def candidates(
+        self, problem: Problem, env: Mapping[str, Any], registry: registry_mod.Registry
+    ) -> tuple[list[Backend], dict[str, Verdict]]:
+        blacklist = self.store.blacklist(env)
+        runnable: list[Backend] = []
+        excluded: dict[str, Verdict] = {}
+        for name, backend in registry.backends.items():
+            entry = blacklist.get(name)
+            if entry and _blacklist_applies(entry, problem):
+                excluded[name] = Verdict(
+                    name,
+                    "blacklisted",
+                    f"{entry.get('kind', '?')} on {entry.get('when', '?')}: "
+                    f"{entry.get('reason', '')}",
+                    detail={"blacklist": entry},
+                )
+                continue
+            why = backend.unavailable_reason(env)
+            if why:
+                excluded[name] = Verdict(name, "unavailable", why)
+                continue
+            why = backend.rejects(problem, env)
+            if why:
+                excluded[name] = Verdict(name, "unsupported", why)
+                continue
+            runnable.append(backend)
+        return runnable, excluded
+
+    # -- decisions ----------------------------------------------------------------------------
+    def lookup(self, problem: Problem, device: torch.device) -> Decision | None:
+        """Memory, then disk; no tuning."""
+        env = environment_for(device)
+        mkey = self._memory_key(env, problem)
+        with self._lock:
+            decision = self._memory.get(mkey)
+        if decision is not None:
+            self.counters.memory_hits += 1
+            return decision
+        decision = self._read(env, problem)
+        if decision is not None:
+            self.counters.disk_hits += 1
+            with self._lock:
+                self._memory[mkey] = decision
+        return decision
+
+    def _read(self, env: Mapping[str, Any], problem: Problem) -> Decision | None:
+        record = self.store.read_entry(env, problem.to_json())
+        if record is None:
+            return None
+        try:
+            decision = Decision.from_json(record, source="disk")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.warning("ignoring a malformed decision for %s: %s", problem.describe(), exc)
+            return None
+        if decision.problem != problem:
+            return None
+        new = set(self.registry().backends) - set(decision.considered)
+        if new:
+            log.info(
+                "decision for %s predates backends %s; tuning again",
+                problem.describe(),
+                sorted(new),
+            )
+            return None
+        return decision
+
+    def decide(self, problem: Problem, device: torch.device) -> Decision:
+        decision = self.lookup(problem, device)
+        if decision is not None:
+            return decision
+        env = environment_for(device)
+        with self.store.lock(env, problem.to_json(), timeout=self.lock_timeout):
+            decision = self._read(env, problem)
+            if decision is not None:
+                self.counters.waited_for_other_process += 1
+            else:
+                decision = self.tune(problem, device)
+        with self._lock:
+            self._memory[self._memory_key(env, problem)] = decision
+        return decision
+
+    def tune(self, problem: Problem, device: torch.device, write: bool = True) -> Decision:
+        env = environment_for(device)
+        registry = self.registry()
+        runnable, excluded = self.candidates(problem, env, registry)
+        log.info(
+            "tuning %s on %s: %d candidates (%s)",
+            problem.describe(),
+            env.get("gpu") or "cpu",
+            len(runnable),
+            ", ".join(b.name for b in runnable),
+        )
+        self.counters.tunings += 1
+        started = time.perf_counter()
+        result = self._probe(problem, runnable, device)
+        verdicts = {**excluded, **result.verdicts}
+        self._record_fatal(env, problem, result)
+        decision = Decision(
+            problem=problem,
+            env=dict(env),
+            winner=None,
+            verdicts=verdicts,
+            timings=result.timings,
+            method=result.method,
+            considered=sorted(registry.backends),
+            tuning_seconds=time.perf_counter() - started,
+            isolation=self.prober().isolation,
+        )
+        passed = {n: registry.backends[n] for n, v in result.verdicts.items() if v.passed}
+        preference = {n: b.preference for n, b in registry.backends.items()}
+        timed = {n: t for n, t in result.timings.items() if n in passed}
+        if timed:
+            ranking = rank(timed, preference)
+            decision.winner = ranking.winner
+            decision.ranking = ranking.to_json()
+        elif passed:  # validated but timing failed: preference order decides
+            decision.winner = min(passed, key=lambda n: (preference[n], n))
+            decision.ranking = {
+                "winner": decision.winner,
+                "order": [],
+                "margin": None,
+                "tie_broken_by_preference": True,
+            }
+        log.info(
+            "decided %s: %s (%s)",
+            problem.describe(),
+            decision.winner,
+            "; ".join(f"{n}={v.status}" for n, v in verdicts.items()),
+        )
+        if write and decision.winner is not None:
+            self.store.write_entry(env, problem.to_json(), decision.to_json())
+        return decision
+
+    def _probe(
+        self, problem: Problem, runnable: list[Backend], device: torch.device
+    ) -> ProbeResult:
+        if not runnable:
+            return ProbeResult()
+        return self.prober().probe(problem, runnable, device, ProbeOptions(timing=self.timing))
+
+    def _record_fatal(self, env: Mapping[str, Any], problem: Problem, result: ProbeResult) -> None:
+        scope = os.environ.get(BLACKLIST_SCOPE_ENV, "environment").strip().lower()
+        for name, verdict in result.verdicts.items():
+            if verdict.status not in FATAL_STATUSES:
+                continue
+            record = {
+                "backend": name,
+                "kind": verdict.status,
+                "reason": verdict.reason,
+                "when": _now(),
+                "scope": "key" if scope == "key" else "environment",
+                "key": problem.to_json(),
+                "m": verdict.m,
+                "detail": verdict.detail,
+            }
+            log.warning("blacklisting %s (%s): %s", name, verdict.status, verdict.reason)
+            self.store.add_to_blacklist(env, name, record)
+
+    # -- binding ------------------------------------------------------------------------------
+    def bind(self, decision: Decision, device: torch.device) -> Runner:
+        if decision.winner is None:
+            reasons = "; ".join(f"{n}: {v.status} {v.reason}" for n, v in decision.verdicts.items())
+            raise NoCorrectBackendError(
+                f"no backend is correct for {decision.problem.describe()}: {reasons}"
+            )
+        backend = self.registry().get(decision.winner)
+        if backend is None:
+            raise NoCorrectBackendError(
+                f"backend {decision.winner!r} chosen earlier is not registered here"
+            )
+        return backend.dispatcher(decision.problem)
+
+    def fallback(self, problem: Problem, device: torch.device) -> tuple[Runner, str]:
+        """A runner that needs no probing: a backend proven on this N, K in another bucket, or emulation."""
+        env = environment_for(device)
+        self.counters.fallbacks += 1
+        self.pending.add((problem, str(device)))
+        with self._lock:
+            proven = [
+                d
+                for d in self._memory.values()
+                if d.env == env and d.winner and _same_shape_class(d.problem, problem)
+            ]
+        for d in sorted(proven, key=lambda d: abs(d.problem.m_bucket - problem.m_bucket)):
+            backend = self.registry().get(d.winner)  # type: ignore[arg-type]
+            if backend is not None:
+                return backend.dispatcher(problem), d.winner  # type: ignore[return-value]
+        return emulation.BACKEND.dispatcher(problem), emulation.NAME
+
+    def explicit(
+        self, name: str, problem: Problem, device: torch.device, allow_blacklisted: bool
+    ) -> Runner:
+        """A caller-named backend: refused if blacklisted, proven before it runs in this process."""
+        env = environment_for(device)
+        registry = self.registry()
+        backend = registry.get(name)
+        if backend is None:
+            raise ValueError(
+                f"backend must be 'auto' or one of {sorted(registry.backends)}, got {name!r}"
+            )
+        entry = self.store.blacklist(env).get(name)
+        if entry and not allow_blacklisted and _blacklist_applies(entry, problem):
+            raise BlacklistedBackendError(
+                f"backend {name!r} was blacklisted in this environment on {entry.get('when')} "
+                f"({entry.get('kind')}: {entry.get('reason')}); pass allow_blacklisted=True to use it anyway"
+            )
+        self.counters.explicit += 1
+        decision = self.lookup(problem, device)
+        if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
+            return backend.dispatcher(problem)
+        if self.isolation == "inprocess" or backend.family == "builtin":
+            return backend.runner(problem)  # unproven here: keep the backend's own checks on
+        options = ProbeOptions(timing=self.timing, validate_only=True)
+        result = self.prober().probe(problem, [backend], device, options)
+        self._record_fatal(env, problem, result)
+        verdict = result.verdicts.get(name)
+        if verdict is None or not verdict.passed:
+            why = f"{verdict.status}: {verdict.reason}" if verdict else "not probed"
+            raise NoCorrectBackendError(
+                f"backend {name!r} failed its check on {problem.describe()} ({why})"
+            )
+        return backend.dispatcher(problem)
+
+    def tune_pending(self) -> list[Decision]:
+        """Tune every key that was served by a fallback during graph capture."""
+        done = []
+        while self.pending:
+            problem, device = self.pending.pop()
+            done.append(self.decide(problem, torch.device(device)))
+        return done
+
+
+def _same_shape_class(a: Problem, b: Problem) -> bool:
+    return a.to_json() | {"m_bucket": 0} == b.to_json() | {"m_bucket": 0}
+
+
+def _blacklist_applies(entry: Mapping[str, Any], problem: Problem) -> bool:
+    if entry.get("scope") == "key":
+        return entry.get("key") == problem.to_json()
+    return True

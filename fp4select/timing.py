@@ -1,0 +1,243 @@
+"""Timing candidates the way engines run them, and ranking them so every process agrees.
+
+Design rules:
+
+* On CUDA a sample is one CUDA-graph replay of R calls, timed with events, divided by R:
+  engines replay graphs, so launch overhead counts as it does in serving, no more. Where a
+  candidate cannot be captured, every candidate of that key is timed eagerly instead, so
+  times stay comparable; the method is recorded.
+* Cold L2: the R calls rotate over enough input sets to overflow the L2 cache (three times
+  its size), because in serving the weights of a layer are not in L2 when its GEMM starts.
+* Candidates are interleaved round by round (the order rotating), so clock and thermal drift
+  hit all of them alike. The statistic is the median; the spread is the 10th-90th percentile.
+* Ranking: the fastest median wins unless another candidate is within the noise (the larger
+  half-spread of the two, at least 2%); then the lower ``preference`` wins. The margin to the
+  runner-up is recorded. A fixed tie-break means ranks and restarts pick the same backend
+  when the measurement cannot tell them apart.
+* On the CPU the same statistics come from ``time.perf_counter``.
+* A time budget bounds each key: rounds stop once it is spent and the minimum is met.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+MIN_TIE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class TimingOptions:
+    use_cuda_graph: bool = True
+    cold_l2: bool = True
+    budget_s: float = 3.0
+    min_rounds: int = 5
+    max_rounds: int = 100
+    target_sample_s: float = 2e-4  # choose R so one sample lasts about this long
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    samples: int
+    calls_per_sample: int
+    method: str
+
+    @property
+    def half_spread(self) -> float:
+        return (self.p90_us - self.p10_us) / (2 * self.median_us) if self.median_us > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Timing:
+        return cls(**data)
+
+
+def input_sets_for_cold_l2(device: torch.device, bytes_per_set: int, cold_l2: bool) -> int:
+    """How many input sets the rotation needs so that L2 never holds the next one."""
+    if not cold_l2 or device.type != "cuda" or bytes_per_set <= 0:
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    return max(1, min(64, -(-3 * l2 // bytes_per_set)))
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(samples_us: Sequence[float], calls_per_sample: int, method: str) -> Timing:
+    ordered = sorted(samples_us)
+    return Timing(
+        median_us=statistics.median(ordered),
+        p10_us=_quantile(ordered, 0.1),
+        p90_us=_quantile(ordered, 0.9),
+        samples=len(ordered),
+        calls_per_sample=calls_per_sample,
+        method=method,
+    )
+
+
+class _Sampler:
+    """Runs R calls of one candidate and returns microseconds per call."""
+
+    def __init__(
+        self, calls: Sequence[Callable[[], Any]], reps: int, device: torch.device, graph: bool
+    ):
+        self.calls = calls
+        self.reps = reps
+        self.device = device
+        self.graph: Any = None
+        if graph:
+            self.graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for fn in calls:  # warm-up on the capture stream, as torch recommends
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            with torch.cuda.graph(self.graph):
+                for i in range(reps):
+                    calls[i % len(calls)]()
+
+    def _loop(self) -> None:
+        calls, n = self.calls, len(self.calls)
+        for i in range(self.reps):
+            calls[i % n]()
+
+    def sample(self) -> float:
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            self._loop()
+            return (time.perf_counter() - start) * 1e6 / self.reps
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._loop()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) * 1e3 / self.reps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _calls_per_sample(
+    calls: Sequence[Callable[[], Any]], device: torch.device, target_s: float
+) -> int:
+    """Enough calls that one sample dwarfs event and launch resolution; a multiple of the sets."""
+    _sync(device)
+    start = time.perf_counter()
+    for fn in calls:
+        fn()
+    _sync(device)
+    per_call = max((time.perf_counter() - start) / len(calls), 1e-7)
+    reps = max(1, int(target_s / per_call))
+    sets = len(calls)
+    return max(sets, -(-reps // sets) * sets)
+
+
+def time_interleaved(
+    calls: Mapping[str, Sequence[Callable[[], Any]]],
+    device: torch.device,
+    options: TimingOptions = TimingOptions(),
+    on_start: Callable[[str], None] | None = None,
+) -> tuple[dict[str, Timing], str]:
+    """Time every candidate; returns (timings, method). ``calls[name]`` rotates over input sets.
+
+    ``on_start(name)`` is called before a candidate first runs here, so that a sandbox parent
+    knows whom to blame if the process dies while timing.
+    """
+    names = list(calls)
+    if not names:
+        return {}, "none"
+    use_graph = device.type == "cuda" and options.use_cuda_graph
+    samplers: dict[str, _Sampler] = {}
+    method = (
+        "cuda-graph" if use_graph else ("cuda-events" if device.type == "cuda" else "wall-clock")
+    )
+    reps = {}
+    for name in names:
+        if on_start:
+            on_start(name)
+        reps[name] = _calls_per_sample(calls[name], device, options.target_sample_s)
+    if use_graph:
+        try:
+            for name in names:
+                if on_start:
+                    on_start(name)
+                samplers[name] = _Sampler(calls[name], reps[name], device, graph=True)
+        except Exception as exc:  # one uncapturable candidate: time everyone eagerly
+            samplers.clear()
+            method = f"cuda-events (graph capture failed: {type(exc).__name__}: {exc})"[:200]
+            use_graph = False
+            _sync(device)
+    if not samplers:
+        samplers = {n: _Sampler(calls[n], reps[n], device, graph=False) for n in names}
+    if options.cold_l2 and device.type == "cuda":
+        method += "+cold-l2"
+
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    deadline = time.perf_counter() + options.budget_s
+    for round_index in range(options.max_rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in order:
+            if on_start:
+                on_start(name)
+            samples[name].append(samplers[name].sample())
+        if round_index + 1 >= options.min_rounds and time.perf_counter() > deadline:
+            break
+    return {n: summarize(samples[n], reps[n], method) for n in names}, method
+
+
+@dataclass
+class Ranking:
+    winner: str
+    order: list[str]
+    margin: float | None  # runner-up median / winner median - 1; None with one candidate
+    tie_broken_by_preference: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rank(timings: Mapping[str, Timing], preference: Mapping[str, int]) -> Ranking:
+    """The fastest candidate, unless a preferred one is inside the noise of it."""
+    if not timings:
+        raise ValueError("rank() needs at least one timing")
+    by_speed = sorted(timings, key=lambda n: (timings[n].median_us, preference.get(n, 100), n))
+    fastest = by_speed[0]
+    best = timings[fastest]
+    tied = [
+        n
+        for n in by_speed
+        if timings[n].median_us
+        <= best.median_us * (1 + max(MIN_TIE_TOLERANCE, best.half_spread, timings[n].half_spread))
+    ]
+    winner = min(tied, key=lambda n: (preference.get(n, 100), n))
+    order = [winner] + [n for n in by_speed if n != winner]
+    margin = None
+    if len(order) > 1:
+        margin = timings[order[1]].median_us / timings[winner].median_us - 1
+    return Ranking(winner, order, margin, winner != fastest)

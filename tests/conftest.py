@@ -1,0 +1,34 @@
+"""Shared fixtures: every test gets its own cache directory and a fresh process-wide selector."""
+
+from __future__ import annotations
+
+import pytest
+
+import fp4select
+from fp4select import backends as registry
+from fp4select.timing import TimingOptions
+
+FAST_TIMING = TimingOptions(budget_s=0.02, min_rounds=3, max_rounds=20, target_sample_s=1e-4)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("FP4SELECT_CACHE_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def inprocess(cache_dir):
+    """A selector that probes in this process, with a tiny timing budget."""
+    selector = fp4select.configure(cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING)
+    yield selector
+    fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
+
+
+@pytest.fixture(autouse=True)
+def _forget_registrations():
+    before = set(registry._registered)
+    yield
+    for name in set(registry._registered) - before:
+        registry.unregister_backend(name)

@@ -1,0 +1,288 @@
+"""The selector end to end on the CPU, with test backends registered through the public path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import fake_backends
+import pytest
+import torch
+
+import fp4select
+from fp4select import backends as registry
+from fp4select.keys import Problem
+from fp4select.store import CacheWarning
+from fp4select.timing import Timing, rank
+from fp4select.validate import check, make_inputs
+
+HERE = Path(__file__).parent
+PROBLEM = Problem(n=64, k=128, m_bucket=16)
+
+
+def register(*names, **caps):
+    caps.setdefault("devices", {"cpu"})
+    for name in names:
+        fp4select.register_backend(getattr(fake_backends, name), name=name, **caps)
+
+
+def call(problem=PROBLEM, m=13, **extra):
+    inputs = make_inputs(problem, m, "cpu")
+    out = fp4select.best_mm_fp4(**inputs.kwargs(problem), **extra)
+    return out, inputs
+
+
+def test_fastest_correct_backend_wins_and_wrong_ones_never(inprocess):
+    register("fast", "slow", "wrong_fast", "nan_fast", "raises", "off_by_alpha")
+    out, inputs = call()
+    assert check(out, inputs, torch.bfloat16).ok
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    assert record["winner"] == "fast"
+    verdicts = record["verdicts"]
+    assert verdicts["fast"]["status"] == verdicts["slow"]["status"] == "passed"
+    assert (
+        verdicts["wrong_fast"]["status"] == "wrong"
+        and "all zero" in verdicts["wrong_fast"]["reason"]
+    )
+    assert (
+        verdicts["nan_fast"]["status"] == "wrong" and "non-finite" in verdicts["nan_fast"]["reason"]
+    )
+    assert verdicts["off_by_alpha"]["status"] == "wrong"
+    assert (
+        verdicts["raises"]["status"] == "error"
+        and "invalid configuration" in verdicts["raises"]["reason"]
+    )
+    assert set(record["timings"]) == {"fast", "slow", "emulation"}
+    assert record["timings"]["slow"]["median_us"] > record["timings"]["fast"]["median_us"]
+
+
+def test_excluded_backends_carry_their_reason(inprocess):
+    register("fast", formats={"mxfp4"})
+    call()
+    verdicts = fp4select.explain(problem=PROBLEM, device="cpu")["verdicts"]
+    assert verdicts["fast"]["status"] == "unsupported" and "nvfp4" in verdicts["fast"]["reason"]
+    assert verdicts["cutlass"]["status"] == "unavailable"
+
+
+def test_warm_path_does_not_touch_the_selector_again(inprocess):
+    register("fast")
+    call()
+    before = fp4select.stats()
+    for _ in range(5):
+        out, inputs = call()
+        assert check(out, inputs, torch.bfloat16).ok
+    after = fp4select.stats()
+    assert {k: v for k, v in after.items() if k != "bound_signatures"} == {
+        k: v for k, v in before.items() if k != "bound_signatures"
+    }
+    assert after["tunings"] == 1
+
+
+def test_every_m_in_the_bucket_uses_one_decision(inprocess):
+    register("fast")
+    for m in (9, 12, 16):
+        out, inputs = call(m=m)
+        assert check(out, inputs, torch.bfloat16).ok
+    assert fp4select.stats()["tunings"] == 1
+
+
+def test_explicit_backend_is_used_as_given(inprocess, tmp_path, monkeypatch):
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("FP4SELECT_TEST_MARKER", str(marker))
+    register("fast", "slow")
+    call(backend="slow")
+    assert marker.read_text().split() == ["slow"]
+    assert fp4select.stats()["tunings"] == 0
+
+
+def _worker(cache, m, names, env=None):
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_selector_worker.py"), str(cache), str(m), ",".join(names)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_reuses_the_entry_without_tuning(cache_dir, tmp_path):
+    marker = tmp_path / "marker"
+    env = {"FP4SELECT_TEST_MARKER": str(marker)}
+    first = _worker(cache_dir, 13, ["fast", "slow", "wrong_fast"], env)
+    assert first["ok"] and first["winner"] == "fast" and first["stats"]["tunings"] == 1
+    probed = marker.read_text().split()
+    assert "wrong_fast" in probed and "slow" in probed
+    second = _worker(cache_dir, 11, ["fast", "slow", "wrong_fast"], env)
+    assert second["ok"] and second["winner"] == "fast"
+    assert second["stats"]["tunings"] == 0 and second["stats"]["disk_hits"] == 1
+    ran_later = marker.read_text().split()[len(probed) :]
+    assert set(ran_later) == {"fast"}  # only the winner ran: the dispatch itself
+
+
+def test_eight_processes_missing_one_key_tune_it_once_and_agree(cache_dir):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_selector_worker.py"), str(cache_dir), "13", "fast,slow"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(r["stats"]["tunings"] for r in results) == 1
+    assert {r["winner"] for r in results} == {"fast"}
+    assert all(r["ok"] for r in results)
+    waited = sum(r["stats"]["waited_for_other_process"] + r["stats"]["disk_hits"] for r in results)
+    assert waited == 7
+
+
+def _entry_files(cache_dir):
+    return sorted(Path(cache_dir).rglob("entries/*.json"))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"",
+        b"{not json",
+        b"\xff\xfe\x00garbage",
+        b"[1, 2, 3]",
+        b'{"schema": 999, "kind": "fp4select.entry"}',
+    ],
+    ids=["empty", "truncated", "binary", "list", "foreign-schema"],
+)
+def test_a_damaged_entry_is_a_miss_with_one_warning_and_is_repaired(cache_dir, damage):
+    assert _worker(cache_dir, 13, ["fast"])["winner"] == "fast"
+    (entry,) = _entry_files(cache_dir)
+    entry.write_bytes(damage)
+    fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
+    register("fast")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, inputs = call()
+        assert check(out, inputs, torch.bfloat16).ok
+        fp4select.reset()  # forget the bound runner: the next call reads the store again
+        call(m=12)
+    cache_warnings = [w for w in caught if issubclass(w.category, CacheWarning)]
+    assert len(cache_warnings) == 1, [str(w.message) for w in caught]
+    assert fp4select.stats()["tunings"] == 1
+    again = _worker(cache_dir, 13, ["fast"])  # the re-tuned entry replaced the damaged file
+    assert again["stats"]["tunings"] == 0 and again["winner"] == "fast"
+
+
+def test_an_unwritable_cache_degrades_to_memory_with_one_warning(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    fp4select.configure(cache_dir=blocker / "cache", isolation="inprocess")
+    register("fast")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (13, 14):
+            out, inputs = call(m=m)
+            assert check(out, inputs, torch.bfloat16).ok
+    assert len([w for w in caught if issubclass(w.category, CacheWarning)]) == 1
+    assert fp4select.stats()["tunings"] == 1
+    fp4select.configure(cache_dir=tmp_path / "ok", isolation="inprocess")
+
+
+def test_a_backend_added_later_makes_the_entry_stale(cache_dir):
+    assert _worker(cache_dir, 13, ["slow"])["winner"] == "emulation"
+    later = _worker(cache_dir, 13, ["slow", "fast"])
+    assert later["stats"]["tunings"] == 1 and later["winner"] == "fast"
+
+
+def test_a_capture_time_miss_falls_back_and_is_tuned_later(inprocess):
+    register("fast")
+    runner, name = inprocess.fallback(PROBLEM, torch.device("cpu"))
+    assert name == "emulation"
+    inputs = make_inputs(PROBLEM, 16, "cpu")
+    assert check(runner(*inputs.args(PROBLEM)), inputs, torch.bfloat16).ok
+    assert inprocess.counters.fallbacks == 1
+    (decision,) = fp4select.tune_pending()
+    assert decision.winner == "fast" and not inprocess.pending
+    other = Problem(n=64, k=128, m_bucket=32)
+    runner, name = inprocess.fallback(other, torch.device("cpu"))
+    assert name == "fast"  # proven on the same N, K in another bucket
+
+
+def test_entry_point_backends_are_discovered(tmp_path, monkeypatch, inprocess):
+    dist = tmp_path / "fp4select_testplugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fp4select-testplugin\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[fp4select.backends]\nplugged = testplugin_mod:BACKENDS\nbroken = testplugin_mod:missing\n"
+    )
+    (tmp_path / "testplugin_mod.py").write_text(
+        textwrap.dedent("""
+        import fake_backends
+        from fp4select import Backend, Capabilities
+        BACKENDS = [Backend(name="plugged", run=fake_backends.fast,
+                            caps=Capabilities(devices=frozenset({"cpu"})))]
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.reload_entry_points()
+    try:
+        found = registry.discover()
+        assert "plugged" in found.backends
+        assert any("broken" in source for source in found.source_errors)
+        call()
+        assert (
+            fp4select.explain(problem=PROBLEM, device="cpu")["verdicts"]["plugged"]["status"]
+            == "passed"
+        )
+    finally:
+        monkeypatch.undo()
+        registry.reload_entry_points()
+
+
+def test_register_refuses_duplicates_unless_replacing():
+    register("fast")
+    with pytest.raises(ValueError, match="already registered"):
+        register("fast")
+    fp4select.register_backend(fake_backends.slow, name="fast", replace=True, devices={"cpu"})
+
+
+def test_shadowing_a_builtin_needs_replace(inprocess):
+    fp4select.register_backend(fake_backends.fast, name="emulation", devices={"cpu"})
+    found = registry.discover()
+    assert found.backends["emulation"].family == "builtin"
+    assert any("emulation" in s for s in found.source_errors)
+
+
+def _t(median, spread=0.0):
+    return Timing(median, median * (1 - spread), median * (1 + spread), 10, 1, "test")
+
+
+def test_rank_takes_the_fastest_outside_the_noise():
+    ranking = rank({"a": _t(10.0), "b": _t(12.0)}, {"a": 50, "b": 10})
+    assert ranking.winner == "a" and ranking.margin == pytest.approx(0.2)
+    assert not ranking.tie_broken_by_preference
+
+
+def test_rank_breaks_near_ties_by_preference_and_says_so():
+    ranking = rank({"a": _t(10.0), "b": _t(10.1)}, {"a": 50, "b": 10})
+    assert ranking.winner == "b" and ranking.tie_broken_by_preference
+    noisy = rank({"a": _t(10.0, 0.2), "b": _t(11.0, 0.2)}, {"a": 50, "b": 10})
+    assert noisy.winner == "b"
+
+
+def test_rank_is_independent_of_input_order():
+    timings = {n: _t(10.0 + i * 0.01) for i, n in enumerate("abcdef")}
+    prefs = {n: i for i, n in enumerate("fedcba")}
+    reversed_timings = dict(reversed(list(timings.items())))
+    assert rank(timings, prefs).winner == rank(reversed_timings, prefs).winner == "f"
