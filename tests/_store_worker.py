@@ -1,0 +1,82 @@
+"""A separate process for tests/test_store.py: locks only mean something between processes.
+
+Usage: python _store_worker.py MODE ROOT ARGS_JSON.  A worker announces itself in the
+``ready`` directory and then waits for the ``go`` file (when given), so that the test can
+release all workers at the same moment, once every interpreter has started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# store.py imports nothing from fp4select, so load it by path: the package __init__ pulls in
+# torch, which would make eight workers on two cores take seconds instead of a fraction.
+_spec = importlib.util.spec_from_file_location(
+    "_fp4select_store", Path(__file__).resolve().parents[1] / "fp4select" / "store.py"
+)
+assert _spec is not None and _spec.loader is not None
+_store = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _store
+_spec.loader.exec_module(_store)
+CacheWarning, Store = _store.CacheWarning, _store.Store
+
+
+def wait_for(path: str | None, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while path is not None and not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {path}")
+        time.sleep(0.005)
+
+
+def tune(store: Any, args: dict) -> None:
+    # The caller's documented pattern: a cheap unlocked read, then lock and read again.
+    env, key = args["env"], args["key"]
+    missed = store.read_entry(env, key) is None
+    with store.lock(env, key, timeout=args.get("timeout", 30.0)):
+        if store.read_entry(env, key) is None:
+            time.sleep(args["tune_seconds"])
+            store.write_entry(env, key, {"tuned_by": os.getpid()})
+            with open(args["log"], "a") as log:
+                log.write(f"{os.getpid()}\n")
+    print(json.dumps({"missed": missed, "record": store.read_entry(env, key)}))
+
+
+def blacklist(store: Any, args: dict) -> None:
+    store.add_to_blacklist(args["env"], args["backend"], {"reason": "test", "kind": "crash"})
+
+
+def hold(store: Any, args: dict) -> None:
+    with store.lock(args["env"], args["key"]):
+        Path(args["held"]).touch()
+        wait_for(args["release"])
+
+
+def churn(store: Any, args: dict) -> None:
+    # Any torn or half-written file would show up as a CacheWarning, which is an error here.
+    env, key = args["env"], args["key"]
+    for i in range(args["rounds"]):
+        store.write_entry(env, key, {"writer": args["id"], "round": i, "pad": "x" * 4096})
+        if store.read_entry(env, key) is None:
+            raise SystemExit("read after write missed")
+
+
+def main() -> None:
+    mode, root, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    warnings.simplefilter("error", CacheWarning)
+    store = Store(root)
+    if "ready" in args:
+        Path(args["ready"], str(os.getpid())).touch()
+    wait_for(args.get("go"))
+    {"tune": tune, "blacklist": blacklist, "hold": hold, "churn": churn}[mode](store, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1037 @@
+"""Tests for fp4select.store: real files, real processes, every damaged-cache case."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import filelock
+import platformdirs
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from fp4select.store import SCHEMA_VERSION, CacheWarning, Store, default_root, digest
+
+ENV = {"gpu": "NVIDIA B200", "sm": 100, "cuda": "12.8", "torch": "2.9.0", "flashinfer": "0.4.1"}
+OTHER_ENV = {**ENV, "gpu": "NVIDIA GB200"}
+KEY = {"m": 128, "n": 4096, "k": 7168, "dtype": "nvfp4"}
+KEY2 = {"m": 256, "n": 4096, "k": 7168, "dtype": "nvfp4"}
+RECORD = {"backend": "cutlass", "tactic": 3, "us": 12.5}
+RECORD2 = {"backend": "cudnn", "tactic": None, "us": 14.0}
+WORKER = Path(__file__).with_name("_store_worker.py")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "cache")
+
+
+def entry_path(store: Store, env: dict, key: dict) -> Path:
+    return store.env_dir(env) / "entries" / f"{digest(key)}.json"
+
+
+def canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def all_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]
+
+
+@contextlib.contextmanager
+def no_cache_warnings() -> Iterator[None]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert [str(w.message) for w in caught if issubclass(w.category, CacheWarning)] == []
+
+
+@contextlib.contextmanager
+def one_cache_warning(match: str) -> Iterator[list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+    cache = [w for w in caught if issubclass(w.category, CacheWarning)]
+    assert len(cache) == 1, [str(w.message) for w in cache]
+    assert match in str(cache[0].message)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory that an unprivileged uid can reach (pytest's tmp_path is 0o700 root-only)."""
+    path = Path(tempfile.mkdtemp(prefix="fp4select-test-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        for p in [path, *path.rglob("*")]:
+            with contextlib.suppress(OSError):
+                p.chmod(0o755)
+        shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def unprivileged() -> Iterator[None]:
+    """Make permission bits bite: as root, run the block with the effective uid of nobody."""
+    if os.geteuid() != 0:
+        yield
+        return
+    try:
+        os.seteuid(65534)
+    except OSError as exc:
+        pytest.skip(f"running as root and cannot drop privileges to test permissions: {exc}")
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def spawn(mode: str, root: Path, **args: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), mode, str(root), json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def start_together(procs: list[subprocess.Popen[str]], ready: Path, go: Path) -> None:
+    """Release the workers at once, after every interpreter has started."""
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(ready.iterdir())) < len(procs):
+            assert all(p.poll() is None for p in procs), "a worker died before the start"
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.01)
+    except BaseException:
+        finish(procs, check=False)
+        raise
+    go.touch()
+
+
+def finish(
+    procs: list[subprocess.Popen[str]], timeout: float = 60.0, *, check: bool = True
+) -> list[str]:
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout if check else 0.01)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append((proc.returncode, out, err))
+    if check:
+        for returncode, _, err in results:
+            assert returncode == 0, err
+    return [out for _, out, _ in results]
+
+
+# --------------------------------------------------------------------------- location
+
+
+def test_store_is_the_lowest_layer() -> None:
+    tree = ast.parse(Path(store_module_file()).read_text("utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "store.py must not import from its own package"
+            assert not (node.module or "").startswith("fp4select")
+        elif isinstance(node, ast.Import):
+            assert not any(alias.name.startswith("fp4select") for alias in node.names)
+
+
+def store_module_file() -> str:
+    import fp4select.store
+
+    return fp4select.store.__file__
+
+
+def test_default_root_uses_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FP4SELECT_CACHE_DIR", str(tmp_path / "here"))
+    assert default_root() == tmp_path / "here"
+    assert Store().root == tmp_path / "here"
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_default_root_falls_back_to_platformdirs(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    if value is None:
+        monkeypatch.delenv("FP4SELECT_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("FP4SELECT_CACHE_DIR", value)
+    assert default_root() == Path(platformdirs.user_cache_dir("fp4select")).absolute()
+
+
+def test_relative_root_is_pinned_at_construction(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = Store("rel")
+    monkeypatch.chdir("/")
+    assert store.root == tmp_path / "rel"
+    assert store.root.is_absolute()
+
+
+def test_constructing_touches_nothing(tmp_path: Path) -> None:
+    Store(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------- digest
+
+
+def test_digest_canonical_form_is_frozen() -> None:
+    # Changing this orphans every cache in the field; bump SCHEMA_VERSION instead.
+    expected = hashlib.sha256(b'{"a":[1,2.5,"x"],"b":{"c":null,"d":true}}').hexdigest()[:20]
+    assert digest({"b": {"d": True, "c": None}, "a": [1, 2.5, "x"]}) == expected
+    assert len(digest({})) == 20
+    assert set(digest(KEY)) <= set("0123456789abcdef")
+
+
+def test_digest_rejects_non_json() -> None:
+    with pytest.raises(TypeError):
+        digest({"s": {1, 2}})
+    with pytest.raises(ValueError):
+        digest({"x": float("nan")})
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+_json = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_dicts = st.dictionaries(st.text(max_size=6), _json, min_size=1, max_size=6)
+
+
+def _reordered(value: Any, rnd: Any) -> Any:
+    if isinstance(value, dict):
+        items = list(value.items())
+        rnd.shuffle(items)
+        return {k: _reordered(v, rnd) for k, v in items}
+    if isinstance(value, list):
+        return [_reordered(v, rnd) for v in value]
+    return value
+
+
+@given(_dicts, st.randoms())
+def test_digest_ignores_dict_order(obj: dict, rnd: Any) -> None:
+    assert digest(_reordered(obj, rnd)) == digest(obj)
+
+
+@given(_dicts, st.data())
+def test_digest_changes_with_any_single_field(obj: dict, data: st.DataObject) -> None:
+    field = data.draw(st.sampled_from(sorted(obj)))
+    new_value = data.draw(_json)
+
+    def canonical(v: Any) -> str:
+        return json.dumps(v, sort_keys=True)
+
+    assume(canonical(new_value) != canonical(obj[field]))
+    assert digest({**obj, field: new_value}) != digest(obj)
+    renamed = data.draw(st.text(max_size=6))
+    assume(renamed not in obj)
+    moved = {k: v for k, v in obj.items() if k != field} | {renamed: obj[field]}
+    assert digest(moved) != digest(obj)
+
+
+# --------------------------------------------------------------------------- entries
+
+
+def test_round_trip_and_misses(store: Store) -> None:
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY) is None
+        assert store.write_entry(ENV, KEY, RECORD) is True
+        assert store.read_entry(ENV, KEY) == RECORD
+        assert store.read_entry(ENV, KEY2) is None
+        assert store.read_entry(OTHER_ENV, KEY) is None
+        assert not store.memory_only
+
+
+def test_layout_and_file_contents(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "segfault", "kind": "crash"})
+    env_dir = store.root / f"v{SCHEMA_VERSION}" / digest(ENV)
+    assert store.env_dir(ENV) == env_dir
+    assert all_files(store.root) == sorted(
+        [
+            env_dir / "env.json",
+            env_dir / "entries" / f"{digest(KEY)}.json",
+            env_dir / "blacklist" / "cudnn.json",
+        ]
+    )
+    entry = json.loads((env_dir / "entries" / f"{digest(KEY)}.json").read_text("utf-8"))
+    assert entry["schema"] == SCHEMA_VERSION
+    assert entry["kind"] == "fp4select.entry"
+    assert entry["env_hash"] == digest(ENV)
+    assert (entry["env"], entry["key"], entry["record"]) == (ENV, KEY, RECORD)
+    env_file = json.loads((env_dir / "env.json").read_text("utf-8"))
+    assert env_file["kind"] == "fp4select.env"
+    assert env_file["env"] == ENV
+    assert env_file["env_hash"] == digest(ENV)
+    listed = json.loads((env_dir / "blacklist" / "cudnn.json").read_text("utf-8"))
+    assert listed["kind"] == "fp4select.blacklist"
+    assert listed["schema"] == SCHEMA_VERSION
+    assert listed["env_hash"] == digest(ENV)
+    with store.lock(ENV, KEY):
+        assert (env_dir / "locks" / f"{digest(KEY)}.lock").exists()
+
+
+def test_no_temp_files_left(store: Store) -> None:
+    for i in range(20):
+        store.write_entry(ENV, {"m": i}, RECORD)
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY, RECORD2)
+    store.export_archive(store.root / "archive.json")
+    assert temp_files(store.root) == []
+
+
+def test_files_are_readable_by_others(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    assert entry_path(store, ENV, KEY).stat().st_mode & 0o777 == 0o644
+
+
+def test_overwrite_replaces(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY, RECORD2)
+    assert store.read_entry(ENV, KEY) == RECORD2
+
+
+def test_accepts_any_mapping_and_returns_json_values(store: Store) -> None:
+    store.write_entry(MappingProxyType(ENV), MappingProxyType(KEY), MappingProxyType({"t": (1, 2)}))
+    assert store.read_entry(ENV, KEY) == {"t": [1, 2]}  # JSON has no tuples
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [({"s": {1, 2}}, TypeError), ({"us": float("nan")}, ValueError), ([1, 2], TypeError)],
+)
+def test_write_rejects_non_json_before_touching_disk(
+    store: Store, record: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        store.write_entry(ENV, KEY, record)
+    assert not store.root.exists()
+    assert not store.memory_only
+
+
+def test_delete_entry(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY2, RECORD2)
+    assert store.delete_entry(ENV, KEY) is True
+    assert store.delete_entry(ENV, KEY) is False
+    assert store.delete_entry(OTHER_ENV, KEY) is False
+    assert store.read_entry(ENV, KEY) is None
+    assert store.read_entry(ENV, KEY2) == RECORD2
+
+
+def test_iter_entries_and_environments(store: Store) -> None:
+    assert list(store.iter_entries()) == []
+    assert store.environments() == []
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY2, RECORD2)
+    store.write_entry(OTHER_ENV, KEY, RECORD2)
+    everything = list(store.iter_entries())
+    assert len(everything) == 3
+    assert (OTHER_ENV, KEY, RECORD2) in everything
+    assert sorted(map(canon, store.iter_entries(ENV))) == sorted(
+        map(canon, [(ENV, KEY, RECORD), (ENV, KEY2, RECORD2)])
+    )
+    assert list(store.iter_entries({"never": "seen"})) == []
+    assert sorted(map(canon, store.environments())) == sorted(map(canon, [ENV, OTHER_ENV]))
+
+
+def test_iter_entries_ignores_foreign_names(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    entries = store.env_dir(ENV) / "entries"
+    (entries / "README.txt").write_text("not ours")
+    (entries / f".{digest(KEY2)}.json.abc.tmp").write_text("{half")  # a SIGKILLed writer
+    (store.root / f"v{SCHEMA_VERSION}" / "not-a-hash").mkdir()
+    (store.root / "v2").mkdir()  # a future schema
+    with no_cache_warnings():
+        assert list(store.iter_entries()) == [(ENV, KEY, RECORD)]
+        assert store.environments() == [ENV]
+
+
+def test_clear_one_env_and_all(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY2, RECORD2)
+    store.write_entry(OTHER_ENV, KEY, RECORD)
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    with store.lock(ENV, KEY):
+        pass
+    assert store.clear(ENV) == 2
+    assert list(store.iter_entries(ENV)) == []
+    assert store.blacklist(ENV) == {}
+    assert store.read_entry(OTHER_ENV, KEY) == RECORD
+    assert (store.env_dir(ENV) / "env.json").exists()  # kept: it names the directory
+    assert store.clear() == 1
+    assert list(store.iter_entries()) == []
+    assert store.clear() == 0
+
+
+def test_clear_removes_damaged_files(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    entry_path(store, ENV, KEY).write_bytes(b"garbage")
+    assert store.clear(ENV) == 1
+    assert not entry_path(store, ENV, KEY).exists()
+
+
+# --------------------------------------------------------------------------- damaged files
+
+
+def _rewrite(**changes: Any) -> Callable[[Path, Path], None]:
+    def damage(path: Path, other: Path) -> None:
+        obj = json.loads(path.read_bytes())
+        for name, value in changes.items():
+            if value is _DELETE:
+                del obj[name]
+            else:
+                obj[name] = value
+        path.write_text(json.dumps(obj), "utf-8")
+
+    return damage
+
+
+def _bytes(data: bytes) -> Callable[[Path, Path], None]:
+    return lambda path, other: path.write_bytes(data)
+
+
+def _truncate(path: Path, other: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _bad_utf8_inside_json(path: Path, other: Path) -> None:
+    path.write_bytes(path.read_bytes().replace(b'"nvfp4"', b'"nvfp4\xff"'))
+
+
+def _other_keys_file(path: Path, other: Path) -> None:
+    shutil.copyfile(other, path)
+
+
+def _directory(path: Path, other: Path) -> None:
+    path.unlink()
+    path.mkdir()
+    (path / "inside").write_text("x")
+
+
+_DELETE = object()
+DAMAGES: dict[str, Callable[[Path, Path], None]] = {
+    "truncated": _truncate,
+    "empty": _bytes(b""),
+    "whitespace only": _bytes(b" \n\t"),
+    "garbage bytes": _bytes(b"\x00\xff\xfe\x80garbage"),
+    "non-utf8 inside json": _bad_utf8_inside_json,
+    "utf8 bom": lambda path, other: path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes()),
+    "json array": _bytes(b"[1, 2, 3]"),
+    "json string": _bytes(b'"entry"'),
+    "json null": _bytes(b"null"),
+    "deeply nested": _bytes(b"[" * 100_000 + b"]" * 100_000),
+    "schema 2": _rewrite(schema=2),
+    "schema as string": _rewrite(schema="1"),
+    "schema as bool": _rewrite(schema=True),
+    "schema missing": _rewrite(schema=_DELETE),
+    "wrong kind": _rewrite(kind="fp4select.blacklist"),
+    "env_hash mismatch": _rewrite(env_hash=digest(OTHER_ENV)),
+    "env tampered": _rewrite(env=OTHER_ENV),
+    "env not a dict": _rewrite(env=["gpu"]),
+    "key mismatch": _other_keys_file,
+    "key missing": _rewrite(key=_DELETE),
+    "record not a dict": _rewrite(record=[1, 2]),
+    "nan in env": lambda path, other: path.write_bytes(
+        path.read_bytes().replace(b'"sm": 100', b'"sm": NaN')
+    ),
+    "directory instead of file": _directory,
+}
+
+
+def _snapshot(path: Path) -> bytes | str:
+    return "<dir>" if path.is_dir() else path.read_bytes()
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_entry_is_a_miss_with_one_warning(store: Store, damage: str) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY2, RECORD2)
+    path, other = entry_path(store, ENV, KEY), entry_path(store, ENV, KEY2)
+    DAMAGES[damage](path, other)
+    before = _snapshot(path)
+
+    with one_cache_warning(str(path)) as caught:
+        assert store.read_entry(ENV, KEY) is None
+    assert caught[0].filename == __file__  # points at the caller, not into the store
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY) is None  # once per path per process
+        assert list(store.iter_entries(ENV)) == [(ENV, KEY2, RECORD2)]
+        assert store.read_entry(ENV, KEY2) == RECORD2
+        assert Store(store.root).read_entry(ENV, KEY) is None
+    assert _snapshot(path) == before  # left for whoever owns it
+
+    with no_cache_warnings():
+        assert store.write_entry(ENV, KEY, RECORD) is True
+        assert store.read_entry(ENV, KEY) == RECORD
+    assert not store.memory_only
+
+
+@pytest.mark.parametrize("mechanism", ["chmod 000", "unreadable directory"])
+def test_unreadable_entry_is_a_miss_with_one_warning(open_dir: Path, mechanism: str) -> None:
+    store = Store(open_dir / "cache")
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(OTHER_ENV, KEY2, RECORD2)
+    path = entry_path(store, ENV, KEY)
+    target = path if mechanism == "chmod 000" else path.parent
+    target.chmod(0o000)
+    try:
+        with unprivileged():
+            with one_cache_warning(str(path)):
+                assert store.read_entry(ENV, KEY) is None
+            if mechanism == "chmod 000":
+                with no_cache_warnings():
+                    assert list(store.iter_entries(ENV)) == []
+            else:  # listing the directory is a second path, so its own warning
+                with one_cache_warning(f"cannot list {path.parent}"):
+                    assert list(store.iter_entries(ENV)) == []
+            with no_cache_warnings():
+                assert list(store.iter_entries(ENV)) == []
+                assert store.read_entry(ENV, KEY) is None
+                assert store.read_entry(OTHER_ENV, KEY2) == RECORD2
+    finally:
+        target.chmod(0o755 if target.is_dir() else 0o644)
+    assert path.exists()
+    assert store.write_entry(ENV, KEY, RECORD2) is True
+    assert store.read_entry(ENV, KEY) == RECORD2
+
+
+@pytest.mark.parametrize(
+    "damage", ["garbage bytes", "wrong kind", "env_hash mismatch", "schema 2", "env tampered"]
+)
+def test_damaged_env_file_hides_only_that_environment(store: Store, damage: str) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(OTHER_ENV, KEY, RECORD)
+    path = store.env_dir(ENV) / "env.json"
+    DAMAGES[damage](path, path)
+    with one_cache_warning(str(path)):
+        assert store.environments() == [OTHER_ENV]
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY) == RECORD  # entries carry their own env
+        store.write_entry(ENV, KEY2, RECORD)  # and a write repairs env.json
+        assert len(store.environments()) == 2
+
+
+def test_damaged_blacklist_file_is_skipped_with_one_warning(store: Store) -> None:
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    store.add_to_blacklist(ENV, "cutlass", {"reason": "r", "kind": "hang"})
+    bl = store.env_dir(ENV) / "blacklist"
+    (bl / "cudnn.json").write_bytes(b"{trunc")
+    shutil.copyfile(bl / "cutlass.json", bl / "trtllm.json")  # right file, wrong name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert list(store.blacklist(ENV)) == ["cutlass"]
+    assert len(caught) == 2
+    assert {Path(str(w.message).split(": ")[1]).name for w in caught} == {
+        "cudnn.json",
+        "trtllm.json",
+    }
+    with no_cache_warnings():
+        assert list(store.blacklist(ENV)) == ["cutlass"]
+        store.add_to_blacklist(ENV, "cudnn", {"reason": "again", "kind": "crash"})
+        assert store.blacklist(ENV)["cudnn"]["reason"] == "again"
+
+
+def test_foreign_schema_file_under_v1_is_left_alone(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    path = entry_path(store, ENV, KEY)
+    future = {"schema": 2, "kind": "fp4select.entry", "format": "something new"}
+    path.write_text(json.dumps(future))
+    with one_cache_warning("schema 2"):
+        assert store.read_entry(ENV, KEY) is None
+    assert json.loads(path.read_text()) == future
+
+
+# --------------------------------------------------------------------------- failing disk
+
+
+@pytest.mark.parametrize("mechanism", ["root is a regular file", "root under /proc"])
+def test_unwritable_root_degrades_to_memory(tmp_path: Path, mechanism: str) -> None:
+    if mechanism == "root is a regular file":
+        root = tmp_path / "cache"
+        root.write_text("I am a file")
+    else:
+        if not Path("/proc/self").exists():
+            pytest.skip("no /proc on this system")
+        root = Path(f"/proc/fp4select-test-{os.getpid()}-{time.monotonic_ns()}")
+    store = Store(root)
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY) is None
+    with one_cache_warning("memory"):
+        assert store.write_entry(ENV, KEY, RECORD) is False
+        assert store.write_entry(ENV, KEY2, RECORD2) is False
+        store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    assert store.memory_only
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY) == RECORD
+        assert store.read_entry(ENV, KEY2) == RECORD2
+        assert list(store.blacklist(ENV)) == ["cudnn"]
+        assert len(list(store.iter_entries())) == 2
+        assert store.environments() == [ENV]
+        with store.lock(ENV, KEY):
+            pass
+        again = Store(root)  # the process as a whole stays memory-only
+        assert again.memory_only
+        assert again.read_entry(ENV, KEY) == RECORD
+    if mechanism == "root is a regular file":
+        assert root.read_text() == "I am a file"
+
+
+def test_read_only_directory_degrades_to_memory(open_dir: Path) -> None:
+    seeded = Store(open_dir / "cache")
+    seeded.write_entry(ENV, KEY, RECORD)
+    (open_dir / "cache").chmod(0o555)
+    for p in (open_dir / "cache").rglob("*"):
+        if p.is_dir():
+            p.chmod(0o555)
+    try:
+        with unprivileged():
+            store = Store(open_dir / "cache")
+            with no_cache_warnings():
+                assert store.read_entry(ENV, KEY) == RECORD  # a read-only cache still serves
+            with one_cache_warning("memory"):
+                assert store.write_entry(ENV, KEY2, RECORD2) is False
+                assert store.write_entry(ENV, KEY, RECORD2) is False
+            with no_cache_warnings():
+                assert store.memory_only
+                assert store.read_entry(ENV, KEY2) == RECORD2
+                assert store.read_entry(ENV, KEY) == RECORD2
+    finally:
+        for p in [open_dir / "cache", *(open_dir / "cache").rglob("*")]:
+            if p.is_dir():
+                p.chmod(0o755)
+    assert temp_files(open_dir) == []
+    assert not entry_path(store, ENV, KEY2).exists()
+
+
+@pytest.mark.parametrize("call", ["write", "fsync"])
+def test_disk_full_degrades_to_memory_without_temp_files(
+    store: Store, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+
+    def full(*args: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, call, full)
+    with one_cache_warning("No space left"):
+        assert store.write_entry(ENV, KEY2, RECORD2) is False
+        assert store.write_entry(OTHER_ENV, KEY2, RECORD) is False
+    monkeypatch.undo()
+    assert store.memory_only
+    assert temp_files(store.root) == []
+    assert not entry_path(store, ENV, KEY2).exists()
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY2) == RECORD2
+        assert store.read_entry(OTHER_ENV, KEY2) == RECORD
+        assert store.read_entry(ENV, KEY) == RECORD  # disk entries still serve
+        assert store.write_entry(ENV, KEY2, RECORD) is False  # no retry for this process
+
+
+def test_memory_only_overlay_semantics(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
+    with pytest.warns(CacheWarning):
+        store.write_entry(OTHER_ENV, KEY, RECORD2)
+    monkeypatch.undo()
+    on_disk = entry_path(store, ENV, KEY)
+    with no_cache_warnings():
+        assert store.delete_entry(ENV, KEY) is True  # hidden in this process ...
+        assert on_disk.exists()  # ... but not touched on disk
+        assert store.read_entry(ENV, KEY) is None
+        assert store.delete_entry(ENV, KEY) is False
+        assert list(store.iter_entries()) == [(OTHER_ENV, KEY, RECORD2)]
+        assert sorted(map(canon, store.environments())) == sorted(map(canon, [ENV, OTHER_ENV]))
+        store.write_entry(ENV, KEY, RECORD2)
+        assert store.read_entry(ENV, KEY) == RECORD2
+        assert store.remove_from_blacklist(ENV, "cudnn") == 1
+        assert store.blacklist(ENV) == {}
+        store.add_to_blacklist(ENV, "cutlass", {"reason": "r", "kind": "hang"})
+        assert store.clear() == 2
+        assert list(store.iter_entries()) == []
+        assert store.blacklist(ENV) == {}
+        assert store.read_entry(ENV, KEY) is None
+        store.write_entry(ENV, KEY, {"nested": {"a": 1}})
+        got = store.read_entry(ENV, KEY)
+        assert got is not None
+        got["nested"]["a"] = 2  # callers get copies, not the overlay itself
+        assert store.read_entry(ENV, KEY) == {"nested": {"a": 1}}
+    assert on_disk.exists()
+
+
+# --------------------------------------------------------------------------- locks
+
+
+def test_lock_is_reentrant_within_a_thread(store: Store) -> None:
+    with store.lock(ENV, KEY), store.lock(ENV, KEY, timeout=0.5):
+        store.write_entry(ENV, KEY, RECORD)
+    with store.lock(ENV, KEY, timeout=0):
+        pass
+
+
+def test_lock_serializes_threads(store: Store) -> None:
+    tunings = []
+
+    def worker() -> None:
+        with store.lock(ENV, KEY):
+            if store.read_entry(ENV, KEY) is None:
+                time.sleep(0.05)
+                tunings.append(threading.get_ident())
+                store.write_entry(ENV, KEY, {"by": threading.get_ident()})
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tunings) == 1
+    assert store.read_entry(ENV, KEY) == {"by": tunings[0]}
+
+
+def test_lock_timeout_between_threads(store: Store) -> None:
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with store.lock(ENV, KEY):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(filelock.Timeout), store.lock(ENV, KEY, timeout=0.1):
+            pass
+        with store.lock(ENV, KEY2, timeout=0.1):  # other keys are independent
+            pass
+    finally:
+        release.set()
+        t.join()
+    with store.lock(ENV, KEY, timeout=1):
+        pass
+
+
+def test_lock_timeout_across_processes(store: Store, tmp_path: Path) -> None:
+    held, release = tmp_path / "held", tmp_path / "release"
+    proc = spawn("hold", store.root, env=ENV, key=KEY, held=str(held), release=str(release))
+    try:
+        deadline = time.monotonic() + 30
+        while not held.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start = time.monotonic()
+        with pytest.raises(filelock.Timeout), store.lock(ENV, KEY, timeout=0.3):
+            pass
+        assert time.monotonic() - start >= 0.25
+    finally:
+        release.touch()
+        finish([proc])
+    with store.lock(ENV, KEY, timeout=5):
+        pass
+
+
+def test_lock_falls_back_when_lock_file_cannot_be_made(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    (store.env_dir(ENV) / "locks").write_text("a file where the locks directory should be")
+    with one_cache_warning("cannot lock"):
+        with store.lock(ENV, KEY, timeout=1):
+            pass
+        with store.lock(ENV, KEY2, timeout=1):
+            pass
+    assert not store.memory_only
+    active, peak = [0], [0]
+    guard = threading.Lock()
+
+    def worker() -> None:
+        with store.lock(ENV, KEY2):
+            with guard:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            time.sleep(0.01)
+            with guard:
+                active[0] -= 1
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 1
+
+
+def test_processes_missing_the_same_key_tune_once(store: Store, tmp_path: Path) -> None:
+    go, log, ready = tmp_path / "go", tmp_path / "tunings.log", tmp_path / "ready"
+    ready.mkdir()
+    args = {"env": ENV, "key": KEY, "log": str(log), "tune_seconds": 0.3}
+    procs = [spawn("tune", store.root, go=str(go), ready=str(ready), **args) for _ in range(8)]
+    start_together(procs, ready, go)
+    results = [json.loads(out) for out in finish(procs)]
+    tuners = log.read_text().split()
+    assert len(tuners) == 1
+    expected = {"tuned_by": int(tuners[0])}
+    assert [r["record"] for r in results] == [expected] * 8
+    assert sum(r["missed"] for r in results) >= 2  # they really did contend
+    assert store.read_entry(ENV, KEY) == expected
+    assert temp_files(store.root) == []
+
+
+def test_blacklist_additions_from_processes_all_survive(store: Store, tmp_path: Path) -> None:
+    go, ready = tmp_path / "go", tmp_path / "ready"
+    ready.mkdir()
+    backends = [f"backend-{i}" for i in range(8)]
+    procs = [
+        spawn("blacklist", store.root, env=ENV, backend=b, go=str(go), ready=str(ready))
+        for b in backends
+    ]
+    start_together(procs, ready, go)
+    finish(procs)
+    with no_cache_warnings():
+        assert sorted(store.blacklist(ENV)) == backends
+
+
+def test_concurrent_writers_never_expose_partial_files(store: Store, tmp_path: Path) -> None:
+    go, ready = tmp_path / "go", tmp_path / "ready"
+    ready.mkdir()
+    args = {"env": ENV, "key": KEY, "go": str(go), "ready": str(ready), "rounds": 40}
+    procs = [spawn("churn", store.root, id=i, **args) for i in range(4)]
+    start_together(procs, ready, go)
+    with no_cache_warnings():
+        deadline = time.monotonic() + 60
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            store.read_entry(ENV, KEY)
+        finish(procs)
+    assert store.read_entry(ENV, KEY)["round"] == 39
+    assert temp_files(store.root) == []
+
+
+# --------------------------------------------------------------------------- blacklist
+
+
+def test_blacklist_round_trip(store: Store) -> None:
+    assert store.blacklist(ENV) == {}
+    store.add_to_blacklist(
+        ENV,
+        "trtllm",
+        {"reason": "hung for 60 s", "kind": "hang", "key": KEY, "detail": {"signal": 9}},
+    )
+    record = store.blacklist(ENV)["trtllm"]
+    assert record["backend"] == "trtllm"
+    assert (record["reason"], record["kind"]) == ("hung for 60 s", "hang")
+    assert (record["key"], record["detail"]) == (KEY, {"signal": 9})
+    when = datetime.fromisoformat(record["when"])
+    assert when.utcoffset() == timedelta(0)
+    assert abs(datetime.now(timezone.utc) - when) < timedelta(minutes=1)
+    assert store.blacklist(OTHER_ENV) == {}
+    store.add_to_blacklist(ENV, "trtllm", {"reason": "again", "kind": "error", "when": "x"})
+    assert store.blacklist(ENV)["trtllm"] == {
+        "backend": "trtllm",
+        "reason": "again",
+        "kind": "error",
+        "when": "x",
+    }
+
+
+def test_remove_from_blacklist(store: Store) -> None:
+    for name in ("a", "b", "c"):
+        store.add_to_blacklist(ENV, name, {"reason": "r", "kind": "crash"})
+    store.add_to_blacklist(OTHER_ENV, "a", {"reason": "r", "kind": "crash"})
+    assert store.remove_from_blacklist(ENV, "a") == 1
+    assert store.remove_from_blacklist(ENV, "a") == 0
+    assert store.remove_from_blacklist(ENV, "never") == 0
+    assert store.remove_from_blacklist(ENV) == 2
+    assert store.blacklist(ENV) == {}
+    assert list(store.blacklist(OTHER_ENV)) == ["a"]
+
+
+def test_blacklist_names_that_are_not_file_names(store: Store) -> None:
+    names = ["Cutlass", "cutlass", "cutlass/sm100", "cutlass_sm100", ".hidden", "..", "x" * 300]
+    for name in names:
+        store.add_to_blacklist(ENV, name, {"reason": name, "kind": "crash"})
+    with no_cache_warnings():
+        listed = store.blacklist(ENV)
+    assert sorted(listed) == sorted(names)
+    assert all(listed[name]["reason"] == name for name in names)
+    files = list((store.env_dir(ENV) / "blacklist").iterdir())
+    assert len(files) == len(names)
+    assert all(not f.name.startswith(".") and len(f.name) < 100 for f in files)
+    assert store.remove_from_blacklist(ENV, "cutlass/sm100") == 1
+    assert "cutlass_sm100" in store.blacklist(ENV)
+
+
+@pytest.mark.parametrize(
+    ("backend", "record", "match"),
+    [
+        ("", {"reason": "r", "kind": "crash"}, "non-empty"),
+        ("cudnn", {"kind": "crash"}, "reason"),
+        ("cudnn", {"reason": "r"}, "kind"),
+        ("cudnn", {"reason": "r", "kind": 3}, "kind"),
+        ("cudnn", {"reason": "r", "kind": "crash", "backend": "cutlass"}, "cutlass"),
+        ("cudnn", {"reason": "r", "kind": "crash", "key": [1]}, "key"),
+        ("cudnn", {"reason": "r", "kind": "crash", "when": 5}, "when"),
+    ],
+)
+def test_add_to_blacklist_rejects_bad_records(
+    store: Store, backend: str, record: dict, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        store.add_to_blacklist(ENV, backend, record)
+    assert not store.root.exists()
+
+
+# --------------------------------------------------------------------------- archives
+
+
+def test_archive_round_trip_between_roots(tmp_path: Path) -> None:
+    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
+    a.write_entry(ENV, KEY, RECORD)
+    a.write_entry(ENV, KEY2, RECORD2)
+    a.write_entry(OTHER_ENV, KEY, RECORD2)
+    a.add_to_blacklist(OTHER_ENV, "cudnn", {"reason": "r", "kind": "crash", "key": KEY})
+    archive = tmp_path / "x" / "cache.json"
+    archive.parent.mkdir()
+    assert a.export_archive(archive) == 3
+    obj = json.loads(archive.read_text())
+    assert (obj["schema"], obj["kind"]) == (SCHEMA_VERSION, "fp4select.archive")
+    assert len(obj["entries"]) == 3
+    assert len(obj["blacklist"]) == 1
+
+    assert b.import_archive(archive) == 3
+    assert sorted(map(canon, b.iter_entries())) == sorted(map(canon, a.iter_entries()))
+    assert b.blacklist(OTHER_ENV) == a.blacklist(OTHER_ENV)
+    assert b.blacklist(ENV) == {}
+    assert temp_files(tmp_path) == []
+
+
+def test_export_one_environment(tmp_path: Path) -> None:
+    a = Store(tmp_path / "a")
+    a.write_entry(ENV, KEY, RECORD)
+    a.write_entry(OTHER_ENV, KEY, RECORD2)
+    a.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    a.add_to_blacklist(OTHER_ENV, "cutlass", {"reason": "r", "kind": "crash"})
+    assert a.export_archive(tmp_path / "env.json", env=ENV) == 1
+    obj = json.loads((tmp_path / "env.json").read_text())
+    assert [e["env"] for e in obj["entries"]] == [ENV]
+    assert [(e["env"], e["backend"]) for e in obj["blacklist"]] == [(ENV, "cudnn")]
+
+
+def test_import_keeps_existing_unless_overwrite(tmp_path: Path) -> None:
+    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
+    a.write_entry(ENV, KEY, RECORD)
+    a.write_entry(ENV, KEY2, RECORD)
+    a.add_to_blacklist(ENV, "cudnn", {"reason": "from a", "kind": "crash"})
+    a.export_archive(tmp_path / "a.json")
+    b.write_entry(ENV, KEY, RECORD2)
+    b.add_to_blacklist(ENV, "cudnn", {"reason": "from b", "kind": "crash"})
+    assert b.import_archive(tmp_path / "a.json") == 1
+    assert b.read_entry(ENV, KEY) == RECORD2
+    assert b.read_entry(ENV, KEY2) == RECORD
+    assert b.blacklist(ENV)["cudnn"]["reason"] == "from b"
+    assert b.import_archive(tmp_path / "a.json", overwrite=True) == 2
+    assert b.read_entry(ENV, KEY) == RECORD
+    assert b.blacklist(ENV)["cudnn"]["reason"] == "from a"
+
+
+def _archive(**changes: Any) -> bytes:
+    good = {
+        "schema": SCHEMA_VERSION,
+        "kind": "fp4select.archive",
+        "entries": [{"env": ENV, "key": KEY, "record": RECORD}],
+        "blacklist": [{"env": ENV, "backend": "cudnn", "record": {"reason": "r", "kind": "c"}}],
+    }
+    return json.dumps({**good, **changes}).encode()
+
+
+BAD_ARCHIVES = {
+    "empty": (b"", "empty file"),
+    "truncated": (_archive()[:40], "not valid JSON"),
+    "not utf-8": (b'{"schema": 1, "kind": "\xff"}', "not UTF-8"),
+    "array": (b"[]", "found array"),
+    "schema": (_archive(schema=2), "schema 2"),
+    "kind": (_archive(kind="fp4select.entry"), "kind 'fp4select.entry'"),
+    "entries not a list": (_archive(entries={}), "'entries' must be a JSON array"),
+    "entry not an object": (
+        _archive(entries=[{"env": ENV, "key": KEY, "record": RECORD}, 3]),
+        "entries[1] must be a JSON object",
+    ),
+    "entry without key": (_archive(entries=[{"env": ENV, "record": RECORD}]), "entries[0].key"),
+    "record not an object": (
+        _archive(entries=[{"env": ENV, "key": KEY, "record": "fast"}]),
+        "entries[0].record",
+    ),
+    "nan in env": (_archive().replace(b'"sm": 100', b'"sm": NaN'), "entries[0].env"),
+    "blacklist without reason": (
+        _archive(blacklist=[{"env": ENV, "backend": "cudnn", "record": {"kind": "c"}}]),
+        "blacklist[0]: blacklist record for 'cudnn' needs a string 'reason'",
+    ),
+    "blacklist without backend": (
+        _archive(blacklist=[{"env": ENV, "record": {"reason": "r", "kind": "c"}}]),
+        "blacklist[0]: backend must be a non-empty string",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARCHIVES))
+def test_import_of_a_damaged_archive_raises_and_writes_nothing(tmp_path: Path, case: str) -> None:
+    data, problem = BAD_ARCHIVES[case]
+    archive = tmp_path / "bad.json"
+    archive.write_bytes(data)
+    store = Store(tmp_path / "cache")
+    with pytest.raises(ValueError, match="not a usable fp4select archive") as info:
+        store.import_archive(archive)
+    assert problem in str(info.value)
+    assert str(archive) in str(info.value)
+    assert not store.root.exists()
+
+
+def test_import_of_a_missing_archive_raises_oserror(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        Store(tmp_path / "cache").import_archive(tmp_path / "nope.json")
+
+
+def test_export_failure_raises(tmp_path: Path) -> None:
+    store = Store(tmp_path / "cache")
+    store.write_entry(ENV, KEY, RECORD)
+    with pytest.raises(OSError):
+        store.export_archive(tmp_path / "missing-dir" / "a.json")
+    assert not store.memory_only
