@@ -52,13 +52,19 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 
 
 # -- doctor -------------------------------------------------------------------------------------
-def doctor_report(device: torch.device) -> dict[str, Any]:
-    """Everything doctor prints, as data (tests and --json read this)."""
+def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[str, Any]:
+    """Everything doctor prints, as data (tests and --json read this).
+
+    ``what_if_cc`` asks the installed flashinfer about another GPU generation (say 100 for
+    B200) from any machine, the CPU included: the answers are flashinfer's own.
+    """
     from fp4select.api import selector
     from fp4select.backends import discover
     from fp4select.backends import flashinfer as fi
 
     env = environment_for(device)
+    if what_if_cc is not None:
+        env = dict(env, device="cuda", cc=what_if_cc, gpu=f"what-if SM{what_if_cc}", sm_count=None)
     sel = selector()
     registry = discover()
     mm_fp4, why = fi.load()
@@ -103,14 +109,15 @@ def doctor_report(device: torch.device) -> dict[str, Any]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    report = doctor_report(_device(args.device))
+    report = doctor_report(_device(args.device), args.cc)
     if args.json:
         _print_json(report)
         return 0
     m, env = report["machine"], report["environment"]
     print(f"fp4select {report['fp4select']}")
     if m["gpu"]:
-        print(f"machine:  {m['device']}  {m['gpu']}  SM{m['cc']}  {m['sm_count']} SMs")
+        sms = f"  {m['sm_count']} SMs" if m["sm_count"] else ""
+        print(f"machine:  {m['device']}  {m['gpu']}  SM{m['cc']}{sms}")
     else:
         print(f"machine:  cpu (CUDA available: {m.get('cuda_available')})")
     versions = ", ".join(
@@ -130,6 +137,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ccs = r.get("flashinfer_supported_ccs")
         where = "-" if ccs is None else (",".join(f"SM{c}" for c in ccs) or "none")
         status = "available" if r["available"] else "unavailable"
+        if r["experimental"]:
+            status += " (experimental)"
         rows.append([r["backend"], r["family"], status, where, r["reason"]])
     print(_table(rows, ["backend", "family", "here", "flashinfer supports", "why not"]))
     for source, err in report["source_errors"].items():
@@ -392,10 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    command(
+    p = command(
         "doctor",
         cmd_doctor,
         "print the machine, versions and every backend with why it can or cannot run",
+    )
+    p.add_argument(
+        "--cc", type=int, help="ask about another compute capability (e.g. 100 for B200)"
     )
     p = command("warm", cmd_warm, "tune and store decisions for a model's shapes before serving")
     p.add_argument(

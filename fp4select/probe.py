@@ -242,7 +242,9 @@ def probe(
             break
         if verdict.passed:
             passed.append(backend)
-    if passed and not options.validate_only and not result.aborted:
+    if len(passed) == 1 and not options.validate_only:
+        result.method = "not timed: one correct candidate"
+    elif passed and not options.validate_only and not result.aborted:
         try:
             result.timings, result.method = time_backends(passed, problem, device, options, report)
         except Exception as exc:

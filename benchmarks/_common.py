@@ -1,0 +1,60 @@
+"""What every benchmark records next to its numbers: the machine, the versions, the date."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    from fp4select.keys import environment_for
+
+    info: dict[str, Any] = {
+        "host_cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "environment": environment_for(device),
+    }
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    info["host_cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def write(name: str, device: torch.device, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}_{device.type}.json"
+    record = {
+        "benchmark": name,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(device),
+        **payload,
+    }
+    path.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=10) if len(ordered) >= 10 else [ordered[0]] * 9
+    return {"p10": q[0], "p50": statistics.median(ordered), "p90": q[-1]}
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    from fp4select.cli import _table
+
+    return _table([[str(c) for c in r] for r in rows], header)

@@ -1,0 +1,119 @@
+"""The command line, run as a user runs it: a real `python -m fp4select` process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+flashinfer = pytest.importorskip("flashinfer")
+
+
+def run(cache, *args, expect=0):
+    env = {
+        **os.environ,
+        "FP4SELECT_CACHE_DIR": str(cache),
+        "FP4SELECT_ISOLATION": "inprocess",
+        "FP4SELECT_TIME_BUDGET_S": "0.05",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp4select", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _runtime_listing():
+    import inspect
+    from typing import get_args
+
+    names = get_args(inspect.signature(flashinfer.mm_fp4).parameters["backend"].annotation)
+    return [n for n in names if n != "auto"]
+
+
+def test_doctor_on_this_cpu_lists_flashinfers_runtime_backends(tmp_path):
+    report = json.loads(run(tmp_path, "doctor", "--json"))
+    assert report["machine"]["gpu"] is None
+    assert report["environment"]["flashinfer"] == flashinfer.__version__
+    assert report["flashinfer"]["listed_backends"] == _runtime_listing()
+    rows = {r["backend"]: r for r in report["backends"]}
+    for name in _runtime_listing():
+        assert rows[name]["available"] is False and "CUDA GPU" in rows[name]["reason"]
+        ccs = rows[name]["flashinfer_supported_ccs"]
+        assert ccs == [cc for cc in ccs if flashinfer.mm_fp4.is_backend_supported(name, cc)]
+    assert rows["emulation"]["available"] is True
+
+
+@pytest.mark.parametrize("cc", [90, 100, 120])
+def test_doctor_what_if_reports_flashinfers_own_support_matrix(tmp_path, cc):
+    report = json.loads(run(tmp_path, "doctor", "--json", "--cc", str(cc)))
+    rows = {r["backend"]: r for r in report["backends"]}
+    for name in _runtime_listing():
+        supported = flashinfer.mm_fp4.is_backend_supported(name, cc)
+        if not supported:
+            assert f"unsupported on SM{cc}" in rows[name]["reason"]
+        elif name in flashinfer.mm_fp4.experimental_backends:
+            assert "experimental" in rows[name]["reason"]
+    if cc == 90:
+        assert not any(rows[n]["available"] for n in _runtime_listing())
+
+
+def test_doctor_prints_a_table(tmp_path):
+    text = run(tmp_path, "doctor")
+    assert "emulation" in text and "flashinfer.mm_fp4 lists" in text and "cache:" in text
+
+
+def test_warm_then_show_explain_export_import_clear(tmp_path):
+    cache = tmp_path / "a"
+    out = run(cache, "warm", "--shape", "64,128", "--shape", "32x256", "--max-m", "4", "--quiet")
+    assert out.count("emulation") == 6  # 2 shapes x buckets 1, 2, 4
+    shown = run(cache, "show")
+    assert "N=64 K=128 M=3..4" in shown and "emulation" in shown
+    explained = run(cache, "explain", "--n", "64", "--k", "128", "--m", "3")
+    assert "winner:  emulation" in explained and "source:  disk" in explained
+    assert "cutlass" in explained and "unavailable" in explained
+    record = json.loads(run(cache, "explain", "--n", "64", "--k", "128", "--m", "3", "--json"))
+    assert record["verdicts"]["emulation"]["status"] == "passed"
+    missing = run(cache, "explain", "--n", "64", "--k", "128", "--m", "300", expect=1)
+    assert "no decision yet" in missing
+
+    archive = tmp_path / "decisions.json"
+    assert "exported 6 entries" in run(cache, "export", str(archive))
+    other = tmp_path / "b"
+    assert "imported 6 entries" in run(other, "import", str(archive))
+    assert (
+        json.loads(run(other, "warm", "--shape", "64,128", "--max-m", "4", "--json"))["stats"][
+            "tunings"
+        ]
+        == 0
+    )
+    assert "imported 0 entries" in run(other, "import", str(archive))
+
+    archive.write_text("{broken")
+    run(other, "import", str(archive), expect=1)
+    assert "removed" in run(cache, "clear")
+    assert "no entries" in run(cache, "show")
+
+
+def test_blacklist_list_and_clear(tmp_path):
+    from fp4select.keys import environment
+    from fp4select.store import Store
+
+    Store(tmp_path).add_to_blacklist(
+        environment(None), "cutlass", {"reason": "SIGSEGV at M=3072", "kind": "crash"}
+    )
+    assert "SIGSEGV at M=3072" in run(tmp_path, "blacklist")
+    assert "removed 1" in run(tmp_path, "blacklist", "--clear", "cutlass")
+    assert "empty" in run(tmp_path, "blacklist")
+
+
+def test_bad_usage_is_exit_2(tmp_path):
+    run(tmp_path, "warm", "--shape", "64", expect=2)
+    run(tmp_path, "explain", "--n", "64", expect=2)
