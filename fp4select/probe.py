@@ -121,7 +121,11 @@ def classify(backend: Backend, exc: BaseException, m: int | None) -> Verdict:
     message = f"{type(exc).__name__}: {exc}".strip()[:2000]
     if backend.is_unsupported(exc):
         return Verdict(backend.name, "unsupported", message, m)
-    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+    text = str(exc).lower()
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
+        marker in text
+        for marker in ("out of memory", "can't allocate memory", "cannot allocate memory")
+    ):
         return Verdict(backend.name, "oom", message, m)
     if _is_cuda_error(exc):
         return Verdict(backend.name, "cuda-error", message, m)
@@ -201,6 +205,7 @@ def time_backends(
 ) -> tuple[dict[str, timing.Timing], str]:
     """Time at the bucket's largest M (the heaviest the decision must serve)."""
     m = problem.m_bucket
+    report({"event": "run", "backend": None, "phase": "inputs", "m": m})
     first = validate.make_inputs(problem, m, device, options.seed + 1, with_reference=False)
     sets = timing.input_sets_for_cold_l2(device, first.nbytes(), options.timing.cold_l2)
     input_sets = [first] + [
@@ -209,6 +214,7 @@ def time_backends(
     ]
     calls = {}
     for backend in backends:
+        report({"event": "run", "backend": backend.name, "phase": "bind", "m": m})
         runner = backend.runner(problem)
         calls[backend.name] = [functools.partial(runner, *s.args(problem)) for s in input_sets]
 

@@ -151,6 +151,7 @@ class Backend:
             "experimental": self.experimental,
             "description": self.description,
             "dispatch_bind": _reference(self.dispatch_bind),
+            "unsupported_errors": [_reference(e) for e in self.unsupported_errors],
         }
 
     @classmethod
@@ -166,6 +167,7 @@ class Backend:
             experimental=data["experimental"],
             description=data.get("description", ""),
             dispatch_bind=_resolve(data.get("dispatch_bind")),
+            unsupported_errors=tuple(_resolve(e) for e in data.get("unsupported_errors", [])),
         )
 
 
