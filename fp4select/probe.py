@@ -259,6 +259,7 @@ def probe(
             result.method = f"timing failed: {type(exc).__name__}: {exc}"[:300]
             if _is_cuda_error(exc):
                 result.aborted = True
+    validate.clear_cache()
     result.seconds = time.perf_counter() - started
     return result
 

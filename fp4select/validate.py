@@ -4,8 +4,8 @@ Design rules:
 
 * Inputs are drawn directly as FP4 codes and representable block scales, so nothing is lost
   to quantisation and the float64 reference is the exact value every correct kernel
-  approximates. Drawn on the CPU from a seeded generator, so every process and device sees
-  the same numbers.
+  approximates. Drawn on the target device from a seeded generator, so the sandbox child and
+  the caller see the same numbers.
 * The tolerance is derived, not tuned. With operands on the grid, every product
   ``a_i * b_i * sa * sb`` is exact in float32 (2+2+4+4 significant bits), so a correct kernel
   errs only by (1) float32 accumulation over K terms, bounded by ``K * 2**-24 * sum|a_i b_i|``
@@ -104,11 +104,63 @@ class CheckResult:
 
 def _random_scales(shape: tuple[int, int], use_nvfp4: bool, gen: torch.Generator) -> torch.Tensor:
     lo, hi = _SCALE_EXPONENTS
-    exponent = torch.randint(lo, hi + 1, shape, generator=gen)
+    device = gen.device
+    exponent = torch.randint(lo, hi + 1, shape, generator=gen, device=device)
     if not use_nvfp4:
         return (exponent + 127).to(torch.uint8)
-    mantissa = 1 + torch.randint(0, 8, shape, generator=gen).float() / 8
+    mantissa = 1 + torch.randint(0, 8, shape, generator=gen, device=device).float() / 8
     return (mantissa * torch.pow(2.0, exponent.float())).to(torch.float8_e4m3fn)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class _Weight:
+    data: torch.Tensor  # (N, K/2) packed, shuffled for trtllm
+    descale: torch.Tensor  # (Np, Cp) 128x4 swizzled
+    value: torch.Tensor | None  # (N, K) float64, decoded: the reference's operand
+
+
+# The weight depends on N, K and the formats, not on M: every M of a key (and every key of the
+# same N, K) reuses it. Drawn on the device, so a 28672 x 4096 weight costs milliseconds on a
+# GPU rather than seconds on the host. Cleared after each probe (it may hold a GPU gigabyte).
+_weights: dict[tuple, _Weight] = {}
+
+
+def clear_cache() -> None:
+    _weights.clear()
+
+
+def _weight(problem: Problem, device: torch.device, seed: int, with_value: bool) -> _Weight:
+    key = (
+        problem.n,
+        problem.k,
+        problem.block_size,
+        problem.use_nvfp4,
+        problem.b_layout,
+        str(device),
+        seed,
+    )
+    cached = _weights.get(key)
+    if cached is not None and (cached.value is not None or not with_value):
+        return cached
+    n, k, bs = problem.n, problem.k, problem.block_size
+    gen = _generator(device, seed * 1_000_003)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8, device=device)
+    sf = _random_scales((n, k // bs), problem.use_nvfp4, gen)
+    value = (
+        formats.e2m1_decode(codes, torch.float64) * _expand(sf, problem, bs) if with_value else None
+    )
+    data, shuffled_sf = formats.pack_nibbles(codes), sf
+    if problem.b_layout == "trtllm":
+        data = formats.shuffle_rows_trtllm(data)
+        shuffled_sf = formats.shuffle_rows_trtllm(sf.view(torch.uint8)).view(sf.dtype)
+    weight = _Weight(data, formats.swizzle_sf(shuffled_sf, "128x4"), value)
+    _weights.clear()  # one weight at a time: bounded memory, and keys arrive grouped by N, K
+    _weights[key] = weight
+    return weight
 
 
 def make_inputs(
@@ -119,45 +171,36 @@ def make_inputs(
     *,
     with_reference: bool = True,
 ) -> ProbeInputs:
-    """Inputs for one M of ``problem`` on ``device``; the reference is computed in float64."""
+    """Inputs for one M of ``problem`` on ``device``; the reference is computed in float64.
+
+    The same (problem, M, seed, device) always gives the same numbers.
+    """
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + m)
-    n, k, bs = problem.n, problem.k, problem.block_size
+    k, bs = problem.k, problem.block_size
     if k % bs:
         raise ValueError(f"K={k} is not a multiple of the block size {bs}")
-    codes_a = torch.randint(0, 16, (m, k), generator=gen, dtype=torch.uint8)
-    codes_b = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    weight = _weight(problem, device, seed, with_reference)
+    gen = _generator(device, seed * 1_000_003 + m)
+    codes_a = torch.randint(0, 16, (m, k), generator=gen, dtype=torch.uint8, device=device)
     sf_a = _random_scales((m, k // bs), problem.use_nvfp4, gen)
-    sf_b = _random_scales((n, k // bs), problem.use_nvfp4, gen)
 
     # Output rms ~ sqrt(K) * rms(a) * rms(b) ~ 4 sqrt(K); alpha brings it near 1, with a
     # mantissa so that "alpha ignored" or "alpha applied twice" cannot look right.
     alpha_value = 1.375 * 2.0 ** -math.ceil(math.log2(4 * math.sqrt(k)))
     if problem.alpha_kind == "none":
         alpha = None
-        alpha_rows = torch.ones(m, 1, dtype=torch.float64)
+        alpha_rows = torch.ones(m, 1, dtype=torch.float64, device=device)
     elif problem.alpha_kind == "scalar":
-        alpha = torch.tensor([alpha_value], dtype=torch.float32)
+        alpha = torch.tensor([alpha_value], dtype=torch.float32, device=device)
         alpha_rows = alpha.double().expand(m, 1)
     else:
-        factors = 1 + torch.randint(0, 16, (m,), generator=gen).float() / 16
+        factors = 1 + torch.randint(0, 16, (m,), generator=gen, device=device).float() / 16
         alpha = (alpha_value * factors).float()
         alpha_rows = alpha.double().unsqueeze(1)
 
-    a_data = formats.pack_nibbles(codes_a)
-    w_data = formats.pack_nibbles(codes_b)
-    w_sf = sf_b
-    if problem.b_layout == "trtllm":
-        w_data = formats.shuffle_rows_trtllm(w_data)
-        w_sf = formats.shuffle_rows_trtllm(w_sf.view(torch.uint8)).view(sf_b.dtype)
-    a_descale = formats.swizzle_sf(sf_a, problem.a_sf_layout)
-    w_descale = formats.swizzle_sf(w_sf, "128x4")
-
     if with_reference:
         a_val = formats.e2m1_decode(codes_a, torch.float64) * _expand(sf_a, problem, bs)
-        b_val = formats.e2m1_decode(codes_b, torch.float64) * _expand(sf_b, problem, bs)
-        a_val, b_val = a_val.to(device), b_val.to(device)
-        alpha_rows = alpha_rows.to(device)
+        b_val = weight.value
         ref = (a_val @ b_val.T) * alpha_rows
         absdot = (a_val.abs() @ b_val.abs().T) * alpha_rows.abs()
         out_dtype = problem.torch_out_dtype
@@ -173,11 +216,11 @@ def make_inputs(
 
     return ProbeInputs(
         m=m,
-        a=a_data.to(device),
-        b=w_data.to(device).T,
-        a_descale=a_descale.to(device),
-        b_descale=w_descale.to(device).T,
-        alpha=None if alpha is None else alpha.to(device),
+        a=formats.pack_nibbles(codes_a),
+        b=weight.data.T,
+        a_descale=formats.swizzle_sf(sf_a, problem.a_sf_layout),
+        b_descale=weight.descale.T,
+        alpha=alpha,
         ref=ref,
         tol=tol,
         aggregate_bound=aggregate,
