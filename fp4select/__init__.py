@@ -1,7 +1,15 @@
 """fp4select: which FP4 GEMM backend should run this product, here, at this batch size."""
 
 from fp4select._version import __version__
-from fp4select.api import best_mm_fp4, check_arguments, configure, explain, reset, stats
+from fp4select.api import (
+    best_mm_fp4,
+    check_arguments,
+    clear_blacklist,
+    configure,
+    explain,
+    reset,
+    stats,
+)
 from fp4select.backends import register_backend, unregister_backend
 from fp4select.backends.base import Backend, Capabilities, UnsupportedProblem
 from fp4select.keys import Problem, m_bucket
@@ -27,6 +35,7 @@ __all__ = [
     "__version__",
     "best_mm_fp4",
     "check_arguments",
+    "clear_blacklist",
     "configure",
     "explain",
     "m_bucket",

@@ -32,6 +32,7 @@ _SF_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _DTYPE_NAMES = {v: k for k, v in OUT_DTYPES.items()}
 
 _table: dict[tuple, Any] = {}
+_lookup = _table.get  # one global load on the warm path instead of two
 _table_lock = threading.Lock()
 _selector: Selector | None = None
 _always_check = os.environ.get(CHECK_ENV, "").strip().lower() == "always"
@@ -67,6 +68,23 @@ def reset() -> None:
     """Forget every bound runner in this process (the disk store is untouched)."""
     with _table_lock:
         _table.clear()
+
+
+def clear_blacklist(backend: str | None = None, device: torch.device | str | None = None) -> int:
+    """Forget that ``backend`` (or every backend) crashed here; returns how many were removed.
+
+    The blacklist is per environment, so an upgrade clears it by itself; this is for the
+    driver update or the fix that fp4select cannot see.
+    """
+    from fp4select.keys import environment_for
+
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else "cpu"
+        )
+    return selector().store.remove_from_blacklist(environment_for(torch.device(device)), backend)
 
 
 def stats() -> dict[str, int]:
@@ -116,10 +134,10 @@ def best_mm_fp4(
             None if out is None else out.shape,
             allow_blacklisted,
         )
-        runner = _table.get(signature)
+        runner = _lookup(signature)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments
         signature, runner = None, None
-    if runner is None or _always_check:
+    if runner is None:  # with FP4SELECT_CHECK=always nothing is bound, so every call checks
         runner = _miss(
             signature,
             a,
@@ -201,7 +219,7 @@ def _miss(
         if decision is None:
             decision = sel.decide(problem, device)
         runner = sel.bind(decision, device)
-    if signature is not None:
+    if signature is not None and not _always_check:
         with _table_lock:
             _table[signature] = runner
     return runner

@@ -33,6 +33,7 @@ import torch
 from fp4select import backends as registry_mod
 from fp4select._version import __version__
 from fp4select.backends import emulation
+from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
 from fp4select.probe import FATAL_STATUSES, InProcessProber, ProbeOptions, ProbeResult, Verdict
@@ -363,7 +364,12 @@ class Selector:
         return backend.dispatcher(decision.problem)
 
     def fallback(self, problem: Problem, device: torch.device) -> tuple[Runner, str]:
-        """A runner that needs no probing: a backend proven on this N, K in another bucket, or emulation."""
+        """A runner that needs no probing, for a miss while a CUDA graph is being captured.
+
+        In order: a backend proven on the same shape class in another M bucket; with
+        ``inprocess`` isolation only, flashinfer's own heuristic choice (``backend="auto"``,
+        unproven, which is the risk that setting accepts); else emulation.
+        """
         env = environment_for(device)
         self.counters.fallbacks += 1
         self.pending.add((problem, str(device)))
@@ -377,6 +383,10 @@ class Selector:
             backend = self.registry().get(d.winner)  # type: ignore[arg-type]
             if backend is not None:
                 return backend.dispatcher(problem), d.winner  # type: ignore[return-value]
+        if self.isolation == "inprocess":
+            runner = flashinfer_backends.auto_runner(environment_for(device), problem)
+            if runner is not None:
+                return runner, "flashinfer:auto"
         return emulation.BACKEND.dispatcher(problem), emulation.NAME
 
     def explicit(

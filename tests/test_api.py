@@ -150,3 +150,36 @@ def test_over_allocated_a_scales_are_accepted(inprocess):
     ).view(extra.dtype)
     problem = check_arguments(**kwargs)
     assert problem == PROBLEM
+
+
+CHECK_SCRIPT = """
+import sys, torch, fp4select
+from fp4select.keys import Problem
+from fp4select.validate import make_inputs
+fp4select.configure(cache_dir=sys.argv[1], isolation="inprocess")
+p = Problem(n=128, k=256, m_bucket=16)
+kwargs = make_inputs(p, 13, "cpu").kwargs(p)
+fp4select.best_mm_fp4(**kwargs)
+kwargs["alpha"] = kwargs["alpha"].double()  # same shapes, wrong dtype
+try:
+    fp4select.best_mm_fp4(**kwargs)
+    print("not checked")
+except TypeError as exc:
+    print("checked:", exc)
+"""
+
+
+@pytest.mark.parametrize("mode", ["", "always"])
+def test_check_always_rechecks_a_signature_that_passed_once(tmp_path, mode):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FP4SELECT_CHECK": mode}
+    proc = subprocess.run([sys.executable, "-c", CHECK_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if mode == "always":
+        assert "checked: alpha must be a float32 tensor" in proc.stdout
+    else:
+        assert "not checked" in proc.stdout  # the warm path trusts a signature it has seen

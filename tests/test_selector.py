@@ -286,3 +286,28 @@ def test_rank_is_independent_of_input_order():
     prefs = {n: i for i, n in enumerate("fedcba")}
     reversed_timings = dict(reversed(list(timings.items())))
     assert rank(timings, prefs).winner == rank(reversed_timings, prefs).winner == "f"
+
+
+def test_clear_blacklist_forgets_a_crash(inprocess):
+    from fp4select.keys import environment
+
+    env = environment(None)
+    inprocess.store.add_to_blacklist(env, "fast", {"reason": "SIGSEGV", "kind": "crash"})
+    register("fast")
+    call()
+    assert fp4select.explain(problem=PROBLEM, device="cpu")["verdicts"]["fast"]["status"] == "blacklisted"
+    assert fp4select.clear_blacklist("fast", device="cpu") == 1
+    assert inprocess.store.blacklist(env) == {}
+
+
+def test_flashinfer_heuristic_fallback_only_where_flashinfer_has_one():
+    from fp4select.backends import flashinfer as fi
+
+    pytest.importorskip("flashinfer")
+    hopper = {"device": "cuda", "cc": 90}
+    blackwell = {"device": "cuda", "cc": 100}
+    assert fi.auto_runner(hopper, PROBLEM) is None  # flashinfer has nothing on SM90
+    assert callable(fi.auto_runner(blackwell, PROBLEM))
+    trtllm = Problem(n=128, k=128, m_bucket=16, b_layout="trtllm")
+    assert fi.auto_runner(blackwell, trtllm) is None  # auto never reads a shuffled weight
+    assert fi.auto_runner({"device": "cpu", "cc": None}, PROBLEM) is None

@@ -226,3 +226,17 @@ def backends() -> tuple[list[Backend], str | None]:
             )
         )
     return out, None
+
+
+def auto_runner(env: Mapping[str, Any], problem: Problem) -> Runner | None:
+    """flashinfer's own heuristic choice (``backend="auto"``), where it would have one.
+
+    flashinfer's auto never picks a trtllm-layout weight, and needs a supported GPU.
+    """
+    mm_fp4, _ = load()
+    if mm_fp4 is None or env.get("device") != "cuda" or problem.b_layout != "plain":
+        return None
+    supported = getattr(mm_fp4, "is_compute_capability_supported", None)
+    if supported is not None and not supported(env.get("cc")):
+        return None
+    return _binder("auto", skip_check=False)(problem)
