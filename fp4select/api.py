@@ -138,23 +138,8 @@ def best_mm_fp4(
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments
         signature, runner = None, None
     if runner is None:  # with FP4SELECT_CHECK=always nothing is bound, so every call checks
-        runner = _miss(
-            signature,
-            a,
-            b,
-            a_descale,
-            b_descale,
-            alpha,
-            out_dtype,
-            out,
-            block_size,
-            use_8x4_sf_layout,
-            backend,
-            use_nvfp4,
-            enable_pdl,
-            b_layout,
-            allow_blacklisted,
-        )
+        args = (a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout)
+        runner = _miss(signature, args, backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted)
     return runner(
         a,
         b,
@@ -175,38 +160,10 @@ def best_mm_fp4(
 best_mm_fp4.__fp4select__ = True  # type: ignore[attr-defined]
 
 
-def _miss(
-    signature,
-    a,
-    b,
-    a_descale,
-    b_descale,
-    alpha,
-    out_dtype,
-    out,
-    block_size,
-    use_8x4_sf_layout,
-    backend,
-    use_nvfp4,
-    enable_pdl,
-    b_layout,
-    allow_blacklisted,
-):
-    problem = check_arguments(
-        a,
-        b,
-        a_descale,
-        b_descale,
-        alpha,
-        out_dtype,
-        out,
-        block_size,
-        use_8x4_sf_layout,
-        backend,
-        use_nvfp4,
-        enable_pdl,
-        b_layout,
-    )
+def _miss(signature, args, backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted):
+    """Check the arguments, find or make the decision, bind it for this signature."""
+    problem = check_arguments(*args, backend, use_nvfp4, enable_pdl, b_layout)
+    a = args[0]
     sel = selector()
     device = a.device
     if backend != "auto":

@@ -21,24 +21,8 @@ PROBLEMS = [
 
 
 def _reference(problem, inputs, compute_dtype=torch.float32, **overrides):
-    kwargs = dict(
-        zip(
-            (
-                "a",
-                "b",
-                "a_descale",
-                "b_descale",
-                "alpha",
-                "out_dtype",
-                "out",
-                "block_size",
-                "use_8x4_sf_layout",
-                "use_nvfp4",
-            ),
-            inputs.args(problem)[:10],
-        )
-    )
-    kwargs["b_layout"] = problem.b_layout
+    kwargs = inputs.kwargs(problem)
+    del kwargs["enable_pdl"]
     kwargs.update(overrides)
     return formats.reference_mm_fp4(**kwargs, compute_dtype=compute_dtype)
 

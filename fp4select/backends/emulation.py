@@ -19,34 +19,9 @@ from fp4select.keys import A_SF_LAYOUTS, ALPHA_KINDS, B_LAYOUTS, OUT_DTYPES, Pro
 NAME = "emulation"
 
 
-def _run(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_descale: torch.Tensor,
-    b_descale: torch.Tensor,
-    alpha: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    out: torch.Tensor | None,
-    block_size: int,
-    use_8x4_sf_layout: bool,
-    use_nvfp4: bool,
-    enable_pdl: bool,
-    *,
-    b_layout: str,
-) -> torch.Tensor:
-    return reference_mm_fp4(
-        a,
-        b,
-        a_descale,
-        b_descale,
-        alpha,
-        out_dtype,
-        out,
-        block_size,
-        use_8x4_sf_layout,
-        use_nvfp4,
-        b_layout=b_layout,
-    )
+def _run(*args: object, b_layout: str) -> torch.Tensor:
+    """A runner: mm_fp4's positional order (without backend); enable_pdl means nothing here."""
+    return reference_mm_fp4(*args[:10], b_layout=b_layout)  # type: ignore[arg-type]
 
 
 def bind(problem: Problem) -> Runner:
