@@ -164,11 +164,14 @@ class Selector:
         self._prober: Any = None
         self._lock = threading.RLock()
         self._registry: registry_mod.Registry | None = None
+        self._registry_generation = -1
 
     # -- parts -----------------------------------------------------------------------------
     def registry(self, refresh: bool = False) -> registry_mod.Registry:
-        if self._registry is None or refresh:
+        generation = registry_mod.generation()
+        if self._registry is None or refresh or generation != self._registry_generation:
             self._registry = registry_mod.discover()
+            self._registry_generation = generation
         return self._registry
 
     def prober(self) -> Any:

@@ -311,3 +311,13 @@ def test_flashinfer_heuristic_fallback_only_where_flashinfer_has_one():
     trtllm = Problem(n=128, k=128, m_bucket=16, b_layout="trtllm")
     assert fi.auto_runner(blackwell, trtllm) is None  # auto never reads a shuffled weight
     assert fi.auto_runner({"device": "cpu", "cc": None}, PROBLEM) is None
+
+
+def test_a_backend_registered_after_the_first_call_competes_for_new_keys(inprocess):
+    register("slow")
+    call()
+    assert fp4select.explain(problem=PROBLEM, device="cpu")["winner"] == "emulation"
+    register("fast")
+    other = Problem(n=64, k=128, m_bucket=32)
+    call(problem=other, m=30)
+    assert fp4select.explain(problem=other, device="cpu")["winner"] == "fast"

@@ -48,6 +48,7 @@ ENTRY_POINT_GROUP = "fp4select.backends"
 _lock = threading.Lock()
 _registered: dict[str, Backend] = {}
 _may_shadow: set[str] = set()
+_generation = 0  # bumped on every change, so cached registries know they are stale
 _entry_points: tuple[list[Backend], dict[str, str]] | None = None
 
 
@@ -112,6 +113,7 @@ def register_backend(
         if spec.name in _registered and not replace:
             raise ValueError(f"backend {spec.name!r} is already registered; pass replace=True")
         _registered[spec.name] = spec
+        _bump()
         if replace:
             _may_shadow.add(spec.name)
         else:
@@ -124,6 +126,17 @@ def unregister_backend(name: str) -> None:
         _may_shadow.discard(name)
         if _registered.pop(name, None) is None:
             raise KeyError(f"no backend {name!r} was registered with register_backend")
+        _bump()
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    """Changes whenever a backend is registered, unregistered or entry points are reloaded."""
+    return _generation
 
 
 def _coerce(obj: Any) -> list[Backend]:
@@ -160,6 +173,7 @@ def reload_entry_points() -> None:
     global _entry_points
     with _lock:
         _entry_points = None
+        _bump()
 
 
 def discover(*, include_flashinfer: bool = True) -> Registry:
