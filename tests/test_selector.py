@@ -38,7 +38,7 @@ def call(problem=PROBLEM, m=13, **extra):
 
 
 def test_fastest_correct_backend_wins_and_wrong_ones_never(inprocess):
-    register("fast", "slow", "wrong_fast", "nan_fast", "raises", "off_by_alpha")
+    register("fast", "slow", "wrong_fast", "nan_fast", "raises", "off_by_alpha", "ignores_out")
     out, inputs = call()
     assert check(out, inputs, torch.bfloat16).ok
     record = fp4select.explain(problem=PROBLEM, device="cpu")
@@ -53,6 +53,7 @@ def test_fastest_correct_backend_wins_and_wrong_ones_never(inprocess):
         verdicts["nan_fast"]["status"] == "wrong" and "non-finite" in verdicts["nan_fast"]["reason"]
     )
     assert verdicts["off_by_alpha"]["status"] == "wrong"
+    assert verdicts["ignores_out"]["status"] == "wrong" and "out=" in verdicts["ignores_out"]["reason"]
     assert (
         verdicts["raises"]["status"] == "error"
         and "invalid configuration" in verdicts["raises"]["reason"]
