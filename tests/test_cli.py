@@ -39,7 +39,7 @@ def _runtime_listing():
 
 
 def test_doctor_on_this_cpu_lists_flashinfers_runtime_backends(tmp_path):
-    report = json.loads(run(tmp_path, "doctor", "--json"))
+    report = json.loads(run(tmp_path, "doctor", "--json", "--device", "cpu"))
     assert report["machine"]["gpu"] is None
     assert report["environment"]["flashinfer"] == flashinfer.__version__
     assert report["flashinfer"]["listed_backends"] == _runtime_listing()
@@ -109,9 +109,9 @@ def test_blacklist_list_and_clear(tmp_path):
     Store(tmp_path).add_to_blacklist(
         environment(None), "cutlass", {"reason": "SIGSEGV at M=3072", "kind": "crash"}
     )
-    assert "SIGSEGV at M=3072" in run(tmp_path, "blacklist")
-    assert "removed 1" in run(tmp_path, "blacklist", "--clear", "cutlass")
-    assert "empty" in run(tmp_path, "blacklist")
+    assert "SIGSEGV at M=3072" in run(tmp_path, "blacklist", "--device", "cpu")
+    assert "removed 1" in run(tmp_path, "blacklist", "--clear", "cutlass", "--device", "cpu")
+    assert "empty" in run(tmp_path, "blacklist", "--device", "cpu")
 
 
 def test_bad_usage_is_exit_2(tmp_path):
