@@ -29,6 +29,6 @@ print(
     f"relative error vs. the unquantised product: {float((out.float() - exact).norm() / exact.norm()):.3f}"
 )
 record = fp4select.explain(a.data, b.data.T, a.scales, b.scales.T, alpha, torch.bfloat16)
-print(f"chosen backend: {record['winner']} (decision from {record['source']})")
+print(f"chosen backend: {record['winner']} (decision {record['origin']} in this process)")
 for name, verdict in sorted(record["verdicts"].items()):
     print(f"  {name:20s} {verdict['status']:12s} {verdict['reason'][:70]}")

@@ -325,7 +325,8 @@ def explain(
     """The decision record for a call (same arguments as best_mm_fp4) or for a Problem.
 
     Says which backends were considered, each one's verdict and reason, the timings, the
-    winner and its margin, and where the decision came from (memory, disk, tuned).
+    winner and its margin, and where the decision came from: ``source`` is how this call was
+    served (memory, disk, tuned), ``origin`` how the decision first entered this process.
     """
     if problem is None:
         b_layout = kwargs.pop("b_layout", "plain")
@@ -334,16 +335,14 @@ def explain(
         device = args[0].device if args else kwargs["a"].device
     device = torch.device(device or "cpu")
     sel = selector()
+    source = "memory" if sel.in_memory(problem, device) else "disk"
     decision: Decision | None = sel.lookup(problem, device)
-    source = None
-    if decision is not None:
-        source = decision.source
-        decision.source = "memory"
-    elif tune:
+    if decision is None and tune:
         decision = sel.decide(problem, device)
-        source = decision.source
+        source = decision.source  # "tuned", or "disk" when another process finished first
     if decision is None:
         return {"problem": problem.to_json(), "source": "none", "winner": None}
     record = decision.to_json()
-    record["source"] = source
+    record["source"] = source  # how this call was served
+    record["origin"] = decision.source  # how the decision entered this process
     return record

@@ -223,6 +223,10 @@ class Selector:
         return runnable, excluded
 
     # -- decisions ----------------------------------------------------------------------------
+    def in_memory(self, problem: Problem, device: torch.device) -> bool:
+        with self._lock:
+            return self._memory_key(environment_for(device), problem) in self._memory
+
     def lookup(self, problem: Problem, device: torch.device) -> Decision | None:
         """Memory, then disk; no tuning."""
         env = environment_for(device)
@@ -250,12 +254,20 @@ class Selector:
             return None
         if decision.problem != problem:
             return None
-        new = set(self.registry().backends) - set(decision.considered)
+        backends = self.registry().backends
+        new = set(backends) - set(decision.considered)
         if new:
             log.info(
                 "decision for %s predates backends %s; tuning again",
                 problem.describe(),
                 sorted(new),
+            )
+            return None
+        if decision.winner not in backends or decision.winner in self.store.blacklist(env):
+            log.info(
+                "decision for %s names %s, which is gone or blacklisted here; tuning again",
+                problem.describe(),
+                decision.winner,
             )
             return None
         return decision
@@ -267,7 +279,7 @@ class Selector:
         env = environment_for(device)
         with self.store.lock(env, problem.to_json(), timeout=self.lock_timeout):
             decision = self._read(env, problem)
-            if decision is not None:
+            if decision is not None:  # another process tuned it while we waited for the lock
                 self.counters.waited_for_other_process += 1
             else:
                 decision = self.tune(problem, device)
@@ -275,7 +287,7 @@ class Selector:
             self._memory[self._memory_key(env, problem)] = decision
         return decision
 
-    def tune(self, problem: Problem, device: torch.device, write: bool = True) -> Decision:
+    def tune(self, problem: Problem, device: torch.device) -> Decision:
         env = environment_for(device)
         registry = self.registry()
         runnable, excluded = self.candidates(problem, env, registry)
@@ -309,13 +321,14 @@ class Selector:
             ranking = rank(timed, preference)
             decision.winner = ranking.winner
             decision.ranking = ranking.to_json()
-        elif passed:  # validated but timing failed: preference order decides
-            decision.winner = min(passed, key=lambda n: (preference[n], n))
+        elif passed:  # one correct candidate, or timing failed: preference order decides
+            order = sorted(passed, key=lambda n: (preference[n], n))
+            decision.winner = order[0]
             decision.ranking = {
-                "winner": decision.winner,
-                "order": [],
+                "winner": order[0],
+                "order": order,
                 "margin": None,
-                "tie_broken_by_preference": True,
+                "tie_broken_by_preference": len(order) > 1,
             }
         log.info(
             "decided %s: %s (%s)",
@@ -323,7 +336,7 @@ class Selector:
             decision.winner,
             "; ".join(f"{n}={v.status}" for n, v in verdicts.items()),
         )
-        if write and decision.winner is not None:
+        if decision.winner is not None:
             self.store.write_entry(env, problem.to_json(), decision.to_json())
         return decision
 

@@ -53,7 +53,9 @@ def test_fastest_correct_backend_wins_and_wrong_ones_never(inprocess):
         verdicts["nan_fast"]["status"] == "wrong" and "non-finite" in verdicts["nan_fast"]["reason"]
     )
     assert verdicts["off_by_alpha"]["status"] == "wrong"
-    assert verdicts["ignores_out"]["status"] == "wrong" and "out=" in verdicts["ignores_out"]["reason"]
+    assert (
+        verdicts["ignores_out"]["status"] == "wrong" and "out=" in verdicts["ignores_out"]["reason"]
+    )
     assert (
         verdicts["raises"]["status"] == "error"
         and "invalid configuration" in verdicts["raises"]["reason"]
@@ -296,7 +298,10 @@ def test_clear_blacklist_forgets_a_crash(inprocess):
     inprocess.store.add_to_blacklist(env, "fast", {"reason": "SIGSEGV", "kind": "crash"})
     register("fast")
     call()
-    assert fp4select.explain(problem=PROBLEM, device="cpu")["verdicts"]["fast"]["status"] == "blacklisted"
+    assert (
+        fp4select.explain(problem=PROBLEM, device="cpu")["verdicts"]["fast"]["status"]
+        == "blacklisted"
+    )
     assert fp4select.clear_blacklist("fast", device="cpu") == 1
     assert inprocess.store.blacklist(env) == {}
 
@@ -322,3 +327,25 @@ def test_a_backend_registered_after_the_first_call_competes_for_new_keys(inproce
     other = Problem(n=64, k=128, m_bucket=32)
     call(problem=other, m=30)
     assert fp4select.explain(problem=other, device="cpu")["winner"] == "fast"
+
+
+def test_a_stored_winner_that_is_gone_is_tuned_again(cache_dir):
+    assert _worker(cache_dir, 13, ["fast"])["winner"] == "fast"
+    fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
+    fp4select.register_backend(fake_backends.slow, name="slow", devices={"cpu"})
+    # "fast" is not registered in this process: its entry cannot be served here
+    out, inputs = call()
+    assert check(out, inputs, torch.bfloat16).ok
+    assert fp4select.stats()["tunings"] == 1
+
+
+def test_a_stored_winner_blacklisted_since_is_tuned_again(cache_dir):
+    from fp4select.keys import environment
+
+    assert _worker(cache_dir, 13, ["fast", "slow"])["winner"] == "fast"
+    sel = fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
+    sel.store.add_to_blacklist(environment(None), "fast", {"reason": "SIGSEGV", "kind": "crash"})
+    register("fast", "slow")
+    call()
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    assert record["winner"] == "emulation" and record["verdicts"]["fast"]["status"] == "blacklisted"
