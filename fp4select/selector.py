@@ -11,8 +11,9 @@ Design rules:
 * Verdicts that mean the process died or its CUDA context broke (crash, hang, cuda-error)
   blacklist the backend for the whole environment (``FP4SELECT_BLACKLIST_SCOPE=key`` narrows
   it to the key); wrong numbers, OOM and errors only reject it for this key (kept in the entry).
-* An entry names the backends that existed when it was made. A backend that appears later
-  (an upgrade, a new plugin) makes the entry stale, so it gets its chance.
+* An entry names the backends that competed for it. One that could compete now but did not
+  then (a new plugin, an experimental backend allowed, a blacklisting cleared) makes the entry
+  stale, so it gets its chance; so does a winner that can no longer run here.
 * While a CUDA graph is being captured nothing is tuned: a proven backend of the same shape
   (another bucket) or emulation serves, and the key is remembered for ``tune_pending``.
 """
@@ -254,16 +255,17 @@ class Selector:
             return None
         if decision.problem != problem:
             return None
-        backends = self.registry().backends
-        new = set(backends) - set(decision.considered)
+        registry = self.registry()
+        runnable, _ = self.candidates(problem, env, registry)
+        new = {b.name for b in runnable} - set(decision.considered)
         if new:
             log.info(
-                "decision for %s predates backends %s; tuning again",
+                "decision for %s did not consider %s, which can run here now; tuning again",
                 problem.describe(),
                 sorted(new),
             )
             return None
-        if decision.winner not in backends or decision.winner in self.store.blacklist(env):
+        if decision.winner not in {b.name for b in runnable}:
             log.info(
                 "decision for %s names %s, which is gone or blacklisted here; tuning again",
                 problem.describe(),
@@ -310,7 +312,7 @@ class Selector:
             verdicts=verdicts,
             timings=result.timings,
             method=result.method,
-            considered=sorted(registry.backends),
+            considered=sorted(b.name for b in runnable),
             tuning_seconds=time.perf_counter() - started,
             isolation=self.prober().isolation,
         )

@@ -349,3 +349,17 @@ def test_a_stored_winner_blacklisted_since_is_tuned_again(cache_dir):
     call()
     record = fp4select.explain(problem=PROBLEM, device="cpu")
     assert record["winner"] == "emulation" and record["verdicts"]["fast"]["status"] == "blacklisted"
+
+
+def test_clearing_a_blacklisting_gives_the_backend_its_chance_again(inprocess):
+    from fp4select.keys import environment
+
+    inprocess.store.add_to_blacklist(environment(None), "fast", {"reason": "hang", "kind": "hang"})
+    register("fast")
+    call()
+    assert fp4select.explain(problem=PROBLEM, device="cpu")["winner"] == "emulation"
+    fp4select.clear_blacklist("fast", device="cpu")
+    fp4select.configure(cache_dir=inprocess.store.root, isolation="inprocess")  # a restart
+    call()
+    assert fp4select.stats()["tunings"] == 1
+    assert fp4select.explain(problem=PROBLEM, device="cpu")["winner"] == "fast"
