@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the lent H200, in one call (device time is scarce).
-# Usage there: bash benchmarks/h200_run.sh   (writes logs and JSON under $OUT)
+# Prepare here: python benchmarks/h200_carry.py; then run there, carrying .whl and .fi:
+#   bash benchmarks/h200_run.sh   (writes logs and JSON under $OUT)
 set -u
 # .whl: wheels the image lacks (platformdirs, apache-tvm-ffi); .fi: the Python modules that
 # `import flashinfer` loads, copied from a CPU install (flashinfer's whole wheel is too big to
