@@ -372,6 +372,93 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- verify -----------------------------------------------------------------------------------
+# The problem kinds a deployment meets: plain NVFP4, trtllm-shuffled weights, MXFP4, fp16
+# output, per-token alpha. M buckets span decode to prefill, and include 3072, where one
+# release's backends returned zeros on one GPU.
+VERIFY_KINDS = (
+    {},
+    {"b_layout": "trtllm"},
+    {"use_nvfp4": False, "block_size": 32, "alpha_kind": "none"},
+    {"out_dtype": "float16"},
+    {"alpha_kind": "per_token"},
+)
+VERIFY_BUCKETS = (1, 16, 256, 3072)
+
+
+def verify_problems(shapes: Sequence[tuple[int, int]], buckets: Sequence[int]) -> list[Problem]:
+    return [
+        Problem(n=n, k=k, m_bucket=m_bucket(m), **kind)
+        for n, k in shapes
+        for kind in VERIFY_KINDS
+        for m in buckets
+    ]
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Tune a spread of problems in a scratch cache and say, per backend, what held up."""
+    import tempfile
+
+    from fp4select.api import configure, selector
+
+    device = _device(args.device)
+    problems = verify_problems(args.shape or [(4096, 4096)], args.m or VERIFY_BUCKETS)
+    with tempfile.TemporaryDirectory() as scratch:
+        configure(cache_dir=args.cache_dir or scratch)
+        sel = selector()
+        decisions = [sel.decide(problem, device) for problem in problems]
+        sel.close()
+    summary: dict[str, dict[str, Any]] = {}
+    for decision in decisions:
+        for name, verdict in decision.verdicts.items():
+            row = summary.setdefault(
+                name, {"statuses": {}, "worst_ratio": 0.0, "wins": 0, "first_failure": ""}
+            )
+            row["statuses"][verdict.status] = row["statuses"].get(verdict.status, 0) + 1
+            if verdict.worst_ratio is not None:
+                row["worst_ratio"] = max(row["worst_ratio"], verdict.worst_ratio)
+            if (
+                verdict.status in ("wrong", "error", "crash", "hang", "cuda-error", "oom")
+                and not row["first_failure"]
+            ):
+                row["first_failure"] = (
+                    f"{decision.problem.describe()}: {verdict.status} {verdict.reason}"[:160]
+                )
+        if decision.winner:
+            summary[decision.winner]["wins"] += 1
+    failed = [n for n, r in summary.items() if r["first_failure"]]
+    report = {
+        "environment": environment_for(device),
+        "problems": len(problems),
+        "undecided": [d.problem.describe() for d in decisions if d.winner is None],
+        "backends": summary,
+        "failed": failed,
+    }
+    if args.json:
+        _print_json(report)
+    else:
+        rows = [
+            [
+                name,
+                r["wins"],
+                ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())),
+                f"{r['worst_ratio']:.2f}",
+                r["first_failure"],
+            ]
+            for name, r in summary.items()
+        ]
+        print(_table(rows, ["backend", "wins", "verdicts", "worst/bound", "first failure"]))
+        print(
+            f"{len(problems)} problems on {environment_for(device).get('gpu') or 'cpu'}; "
+            + (
+                f"backends that failed somewhere: {', '.join(failed)}"
+                if failed
+                else "no backend failed"
+            )
+        )
+    return 1 if failed or report["undecided"] else 0
+
+
 def cmd_clear(args: argparse.Namespace) -> int:
     from fp4select.api import selector
 
@@ -449,6 +536,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("import", cmd_import, "read decisions from an exported JSON file")
     p.add_argument("path")
     p.add_argument("--overwrite", action="store_true")
+    p = command(
+        "verify",
+        cmd_verify,
+        "probe every backend on a spread of problems (formats, layouts, M from 1 to 3072) "
+        "in a scratch cache and report what held up; exit 1 if any backend failed",
+    )
+    p.add_argument(
+        "--shape", action="append", type=_parse_shape, metavar="N,K", help="default 4096,4096"
+    )
+    p.add_argument(
+        "--m", action="append", type=int, metavar="M", help="batch sizes (default 1, 16, 256, 3072)"
+    )
+    p.add_argument("--cache-dir", help="keep the decisions here instead of a scratch directory")
     p = command("clear", cmd_clear, "delete stored decisions and blacklist of this environment")
     p.add_argument("--all", action="store_true", help="every environment")
     return parser

@@ -117,3 +117,78 @@ def test_blacklist_list_and_clear(tmp_path):
 def test_bad_usage_is_exit_2(tmp_path):
     run(tmp_path, "warm", "--shape", "64", expect=2)
     run(tmp_path, "explain", "--n", "64", expect=2)
+
+
+def test_verify_reports_every_backend_and_passes_when_none_fails(tmp_path):
+    report = json.loads(
+        run(
+            tmp_path,
+            "verify",
+            "--shape",
+            "128,256",
+            "--m",
+            "1",
+            "--m",
+            "40",
+            "--json",
+            "--device",
+            "cpu",
+        )
+    )
+    assert report["problems"] == 10 and report["undecided"] == [] and report["failed"] == []
+    assert report["backends"]["emulation"]["wins"] == 10
+    assert 0 < report["backends"]["emulation"]["worst_ratio"] <= 0.6
+    for name in _runtime_listing():
+        assert report["backends"][name]["statuses"] == {"unavailable": 10}
+    assert not list(tmp_path.rglob("*.json"))  # a scratch cache: the real one is untouched
+
+
+def test_verify_exits_1_and_names_a_backend_that_failed(tmp_path):
+    import textwrap
+    from pathlib import Path
+
+    plugin = tmp_path / "plugin"
+    dist = plugin / "fp4select_wrongplugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fp4select-wrongplugin\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text("[fp4select.backends]\nwrong = wrongplugin:BACKENDS\n")
+    (plugin / "wrongplugin.py").write_text(
+        textwrap.dedent("""
+        import fake_backends
+        from fp4select import Backend, Capabilities
+        from fp4select.keys import A_SF_LAYOUTS, ALPHA_KINDS, B_LAYOUTS
+        BACKENDS = [Backend(name="wrong_fast", run=fake_backends.wrong_fast, caps=Capabilities(
+            devices=frozenset({"cpu"}), a_sf_layouts=frozenset(A_SF_LAYOUTS),
+            b_layouts=frozenset(B_LAYOUTS), alpha_kinds=frozenset(ALPHA_KINDS)))]
+    """)
+    )
+    tests_dir = Path(__file__).parent
+    env_path = os.pathsep.join([str(plugin), str(tests_dir), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fp4select",
+            "verify",
+            "--shape",
+            "128,256",
+            "--m",
+            "8",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "PYTHONPATH": env_path,
+            "FP4SELECT_ISOLATION": "inprocess",
+            "FP4SELECT_TIME_BUDGET_S": "0.05",
+        },
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    assert "backends that failed somewhere: wrong_fast" in proc.stdout
+    assert "wrong 5" in proc.stdout and "all zero" in proc.stdout
