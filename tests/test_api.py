@@ -176,10 +176,31 @@ def test_check_always_rechecks_a_signature_that_passed_once(tmp_path, mode):
     import sys
 
     env = {**os.environ, "FP4SELECT_CHECK": mode}
-    proc = subprocess.run([sys.executable, "-c", CHECK_SCRIPT, str(tmp_path)], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     if mode == "always":
         assert "checked: alpha must be a float32 tensor" in proc.stdout
     else:
         assert "not checked" in proc.stdout  # the warm path trusts a signature it has seen
+
+
+def test_flashinfer_runners_reach_flashinfers_own_checks():
+    """Our runners call the real mm_fp4 with arguments it binds; on a CPU it stops at the device."""
+    from fp4select.backends import flashinfer as fi
+
+    found, why = fi.backends()
+    assert why is None and found
+    inputs = make_inputs(PROBLEM, 16, "cpu")
+    for backend in found:
+        for runner in (backend.runner(PROBLEM), backend.dispatcher(PROBLEM)):
+            with pytest.raises(Exception) as caught:
+                runner(*inputs.args(PROBLEM))
+            assert not isinstance(caught.value, TypeError), (backend.name, caught.value)
+            frames = [str(entry.path) for entry in caught.traceback]
+            assert any("flashinfer" in f and "fp4select" not in f for f in frames), backend.name
