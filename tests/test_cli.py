@@ -192,3 +192,22 @@ def test_verify_exits_1_and_names_a_backend_that_failed(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
     assert "backends that failed somewhere: wrong_fast" in proc.stdout
     assert "wrong 5" in proc.stdout and "all zero" in proc.stdout
+
+
+def test_experimental_backends_compete_only_when_allowed(tmp_path, monkeypatch):
+    experimental = sorted(flashinfer.mm_fp4.experimental_backends)
+    if not experimental:
+        pytest.skip("this flashinfer marks no mm_fp4 backend experimental")
+    name = experimental[0]
+    cc = next(c for c in (100, 103, 120, 121) if flashinfer.mm_fp4.is_backend_supported(name, c))
+    rows = {
+        r["backend"]: r
+        for r in json.loads(run(tmp_path, "doctor", "--json", "--cc", str(cc)))["backends"]
+    }
+    assert not rows[name]["available"] and "FP4SELECT_EXPERIMENTAL" in rows[name]["reason"]
+    monkeypatch.setenv("FP4SELECT_EXPERIMENTAL", "1")
+    rows = {
+        r["backend"]: r
+        for r in json.loads(run(tmp_path, "doctor", "--json", "--cc", str(cc)))["backends"]
+    }
+    assert rows[name]["available"], rows[name]["reason"]

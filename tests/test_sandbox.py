@@ -504,3 +504,18 @@ def test_a_worker_that_cannot_start_fails_every_candidate_without_blame(monkeypa
     verdict = result.verdicts["emulation"]
     assert verdict.status == "error" and verdict.status not in FATAL_STATUSES
     assert "before it started probing" in verdict.reason and "code 1" in verdict.reason
+
+
+def test_blacklist_scope_key_condemns_the_crashing_key_only(sandboxed, monkeypatch):
+    monkeypatch.setenv("FP4SELECT_BLACKLIST_SCOPE", "key")
+    sandboxed.register("crash_at_one_m", "good")
+    first = fp4select.explain(problem=PROBLEM, device="cpu")
+    assert first["verdicts"]["crash_at_one_m"]["status"] == "crash"
+    entry = sandboxed.selector.store.blacklist(CPU_ENV)["crash_at_one_m"]
+    assert entry["scope"] == "key" and entry["key"] == PROBLEM.to_json()
+    # Another bucket whose Ms never hit the crashing M: probed again, and passes there.
+    other = Problem(n=PROBLEM.n, k=PROBLEM.k, m_bucket=32)
+    assert fb.CRASH_M not in range(other.m_range[0], other.m_range[1] + 1)
+    second = fp4select.explain(problem=other, device="cpu")
+    assert second["verdicts"]["crash_at_one_m"]["status"] == "passed"
+    assert fb.count(sandboxed.markers, "crash_at_one_m") == 1  # it marks only when it crashes
