@@ -133,7 +133,6 @@ class Decision:
 
 @dataclass
 class Counters:
-    hits: int = 0  # warm-path table hits (counted by api)
     memory_hits: int = 0
     disk_hits: int = 0
     tunings: int = 0

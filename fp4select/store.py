@@ -711,18 +711,36 @@ class Store:
         """(env, key, record) of every readable entry of ``env``, or of all environments."""
         env_hashes = [_hash(env, "env")] if env is not None else self._env_hashes()
         for env_hash in env_hashes:
-            directory = self._schema_dir / env_hash / "entries"
-            on_disk = self._list(directory, _ENTRY_FILE)
-            in_memory = self._overlay(self._state.entries, env_hash)
-            for key_hash in sorted(on_disk.keys() | in_memory.keys()):
-                if key_hash in in_memory:
-                    data = in_memory[key_hash]
-                    obj = None if data is None else json.loads(data)
-                else:
-                    check = partial(_check_entry, env_hash=env_hash, key_hash=key_hash)
-                    obj = self._load(on_disk[key_hash], check)
-                if obj is not None:
-                    yield obj["env"], obj["key"], obj["record"]
+            for obj in self._merged(
+                env_hash,
+                "entries",
+                _ENTRY_FILE,
+                self._state.entries,
+                partial(_check_entry, env_hash=env_hash),
+                "key_hash",
+            ):
+                yield obj["env"], obj["key"], obj["record"]
+
+    def _merged(
+        self,
+        env_hash: str,
+        folder: str,
+        pattern: re.Pattern[str],
+        table: _Table,
+        check: Callable[..., str | None],
+        stem_name: str,
+    ) -> Iterator[dict[str, Any]]:
+        """Every readable object of one kind: this process's memory overlay over the disk."""
+        on_disk = self._list(self._schema_dir / env_hash / folder, pattern)
+        in_memory = self._overlay(table, env_hash)
+        for stem in sorted(on_disk.keys() | in_memory.keys()):
+            if stem in in_memory:
+                data = in_memory[stem]
+                obj = None if data is None else json.loads(data)
+            else:
+                obj = self._load(on_disk[stem], partial(check, **{stem_name: stem}))
+            if obj is not None:
+                yield obj
 
     def environments(self) -> list[dict[str, Any]]:
         """Every environment with a directory (or, memory-only, an overlay) under this schema."""
@@ -795,18 +813,15 @@ class Store:
     def _blacklist_items(
         self, env_hash: str
     ) -> Iterator[tuple[dict[str, Any], str, dict[str, Any]]]:
-        directory = self._schema_dir / env_hash / "blacklist"
-        on_disk = self._list(directory, _BLACKLIST_FILE)
-        in_memory = self._overlay(self._state.blacklist, env_hash)
-        for name in sorted(on_disk.keys() | in_memory.keys()):
-            if name in in_memory:
-                data = in_memory[name]
-                obj = None if data is None else json.loads(data)
-            else:
-                check = partial(_check_blacklist, env_hash=env_hash, file_name=name)
-                obj = self._load(on_disk[name], check)
-            if obj is not None:
-                yield obj["env"], obj["backend"], obj["record"]
+        for obj in self._merged(
+            env_hash,
+            "blacklist",
+            _BLACKLIST_FILE,
+            self._state.blacklist,
+            partial(_check_blacklist, env_hash=env_hash),
+            "file_name",
+        ):
+            yield obj["env"], obj["backend"], obj["record"]
 
     def blacklist(self, env: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Backend name -> why it must not be used in ``env``."""
