@@ -96,7 +96,11 @@ def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[s
         "fp4select": __version__,
         "machine": machine,
         "environment": env,
-        "flashinfer": {"listed_backends": listed, "problem": why},
+        "flashinfer": {
+            "listed_backends": listed,
+            "problem": why,
+            "signature": signature_report(mm_fp4),
+        },
         "backends": rows,
         "source_errors": registry.source_errors,
         "cache": {
@@ -105,6 +109,38 @@ def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[s
             "isolation": sel.isolation,
         },
         "blacklist": blacklist,
+    }
+
+
+def signature_report(mm_fp4: Any) -> dict[str, Any]:
+    """How ``best_mm_fp4``'s parameters line up with the installed ``flashinfer.mm_fp4``'s.
+
+    A newer flashinfer may add a parameter: fp4select keeps working (it calls flashinfer
+    with the parameters both know), but a caller passing the new one gets a TypeError from
+    ``best_mm_fp4``, and this says so before it happens.
+    """
+    import inspect
+
+    from fp4select.api import best_mm_fp4
+
+    if mm_fp4 is None:
+        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+    try:
+        theirs = inspect.signature(mm_fp4).parameters
+    except (TypeError, ValueError):
+        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+    ours = inspect.signature(best_mm_fp4).parameters
+    missing = [name for name in theirs if name not in ours]
+    defaults = [
+        name
+        for name, param in theirs.items()
+        if name in ours and param.default is not inspect.Parameter.empty
+        and ours[name].default != param.default
+    ]  # fmt: skip
+    return {
+        "matches": not missing and not defaults,
+        "only_in_flashinfer": missing,
+        "different_defaults": defaults,
     }
 
 
@@ -132,6 +168,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(
             f"flashinfer.mm_fp4 lists {len(fi['listed_backends'])} backends: {', '.join(fi['listed_backends'])}"
         )
+        sig = fi["signature"]
+        if sig["matches"] is False:
+            print(
+                "warning: best_mm_fp4 does not mirror this flashinfer's mm_fp4: "
+                f"parameters only in flashinfer: {sig['only_in_flashinfer'] or 'none'}; "
+                f"different defaults: {sig['different_defaults'] or 'none'} "
+                "(calls without them work; passing them to best_mm_fp4 raises TypeError)"
+            )
     rows = []
     for r in report["backends"]:
         ccs = r.get("flashinfer_supported_ccs")

@@ -30,7 +30,7 @@ import torch
 
 from fp4select import timing, validate
 from fp4select.backends.base import Backend
-from fp4select.keys import Problem, validation_ms
+from fp4select.keys import Problem
 
 Report = Callable[[Mapping[str, Any]], None]
 
@@ -160,7 +160,7 @@ def validate_backend(
     backend: Backend, problem: Problem, inputs: _Inputs, device: torch.device, report: Report
 ) -> Verdict:
     out_dtype = problem.torch_out_dtype
-    ms = validation_ms(problem.m_bucket)
+    ms = problem.validation_ms()
     worst = 0.0
     m = None
     try:
@@ -191,9 +191,35 @@ def validate_backend(
         if isinstance(returned, torch.Tensor) and returned.data_ptr() != poisoned.data_ptr():
             return Verdict(backend.name, "wrong", "with out=: returned a different tensor", m)
         deterministic = bool(torch.equal(poisoned, last)) if last is not None else None
+        if problem.batch_invariant:
+            why = _variance(runner, problem, data, last, device, report, backend.name)
+            if why:
+                return Verdict(backend.name, "wrong", why, m, worst)
     except Exception as exc:
         return classify(backend, exc, m)
     return Verdict(backend.name, PASSED, "", None, worst, deterministic, {"ms": list(ms)})
+
+
+def _variance(
+    runner: Any,
+    problem: Problem,
+    data: validate.ProbeInputs,
+    full: torch.Tensor,
+    device: torch.device,
+    report: Report,
+    name: str,
+) -> str:
+    """Why the runner is not batch invariant ("" when row bits do not depend on M)."""
+    for m in problem.validation_ms()[:-1]:
+        report({"event": "run", "backend": name, "phase": "invariance", "m": m})
+        part = runner(*validate.prefix_inputs(data, m, problem).args(problem))
+        _sync(device)
+        if not (isinstance(part, torch.Tensor) and torch.equal(part, full[:m])):
+            return (
+                f"not batch invariant: the first {m} rows differ in their bits when computed "
+                f"alone from within a batch of {data.m}"
+            )
+    return ""
 
 
 def time_backends(
@@ -204,7 +230,7 @@ def time_backends(
     report: Report,
 ) -> tuple[dict[str, timing.Timing], str]:
     """Time at the bucket's largest M (the heaviest the decision must serve)."""
-    m = problem.m_bucket
+    m = problem.timing_m()
     report({"event": "run", "backend": None, "phase": "inputs", "m": m})
     first = validate.make_inputs(problem, m, device, options.seed + 1, with_reference=False)
     sets = timing.input_sets_for_cold_l2(device, first.nbytes(), options.timing.cold_l2)

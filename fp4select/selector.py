@@ -47,6 +47,9 @@ ISOLATION_ENV = "FP4SELECT_ISOLATION"
 BLACKLIST_SCOPE_ENV = "FP4SELECT_BLACKLIST_SCOPE"
 TIME_BUDGET_ENV = "FP4SELECT_TIME_BUDGET_S"
 ISOLATIONS = ("subprocess", "inprocess")
+# Never blacklisted beyond one key, and never by an imported archive: every supported problem
+# must keep a correct answer.
+PROTECTED_BACKENDS = frozenset({emulation.NAME})
 
 
 class BlacklistedBackendError(RuntimeError):
@@ -139,9 +142,16 @@ class Counters:
     waited_for_other_process: int = 0
     fallbacks: int = 0
     explicit: int = 0
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str) -> None:
+        """Count one event; threads share the selector, and ``+=`` on an attribute can lose one."""
+        with self._guard:
+            setattr(self, name, getattr(self, name) + 1)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        with self._guard:
+            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 class Selector:
@@ -168,26 +178,30 @@ class Selector:
 
     # -- parts -----------------------------------------------------------------------------
     def registry(self, refresh: bool = False) -> registry_mod.Registry:
-        generation = registry_mod.generation()
-        if self._registry is None or refresh or generation != self._registry_generation:
-            self._registry = registry_mod.discover()
-            self._registry_generation = generation
-        return self._registry
+        with self._lock:
+            generation = registry_mod.generation()
+            if self._registry is None or refresh or generation != self._registry_generation:
+                self._registry = registry_mod.discover()
+                self._registry_generation = generation
+            return self._registry
 
     def prober(self) -> Any:
-        if self._prober is None:
-            if self.isolation == "inprocess":
-                self._prober = InProcessProber()
-            else:
-                from fp4select.sandbox import SandboxProber
+        """The one prober of this selector: two threads must never start two sandbox workers."""
+        with self._lock:
+            if self._prober is None:
+                if self.isolation == "inprocess":
+                    self._prober = InProcessProber()
+                else:
+                    from fp4select.sandbox import SandboxProber
 
-                self._prober = SandboxProber()
-        return self._prober
+                    self._prober = SandboxProber()
+            return self._prober
 
     def close(self) -> None:
-        if self._prober is not None:
-            self._prober.close()
-            self._prober = None
+        with self._lock:
+            prober, self._prober = self._prober, None
+        if prober is not None:
+            prober.close()
 
     @staticmethod
     def _memory_key(env: Mapping[str, Any], problem: Problem) -> str:
@@ -234,11 +248,11 @@ class Selector:
         with self._lock:
             decision = self._memory.get(mkey)
         if decision is not None:
-            self.counters.memory_hits += 1
+            self.counters.add("memory_hits")
             return decision
         decision = self._read(env, problem)
         if decision is not None:
-            self.counters.disk_hits += 1
+            self.counters.add("disk_hits")
             with self._lock:
                 self._memory[mkey] = decision
         return decision
@@ -281,7 +295,7 @@ class Selector:
         with self.store.lock(env, problem.to_json(), timeout=self.lock_timeout):
             decision = self._read(env, problem)
             if decision is not None:  # another process tuned it while we waited for the lock
-                self.counters.waited_for_other_process += 1
+                self.counters.add("waited_for_other_process")
             else:
                 decision = self.tune(problem, device)
         with self._lock:
@@ -299,7 +313,7 @@ class Selector:
             len(runnable),
             ", ".join(b.name for b in runnable),
         )
-        self.counters.tunings += 1
+        self.counters.add("tunings")
         started = time.perf_counter()
         result = self._probe(problem, runnable, device)
         verdicts = {**excluded, **result.verdicts}
@@ -346,19 +360,25 @@ class Selector:
     ) -> ProbeResult:
         if not runnable:
             return ProbeResult()
-        return self.prober().probe(problem, runnable, device, ProbeOptions(timing=self.timing))
+        # Batch invariance, not speed, decides a batch-invariant problem: its backends are
+        # validated (invariance included) and the preference order picks among them.
+        options = ProbeOptions(timing=self.timing, validate_only=problem.batch_invariant)
+        return self.prober().probe(problem, runnable, device, options)
 
     def _record_fatal(self, env: Mapping[str, Any], problem: Problem, result: ProbeResult) -> None:
         scope = os.environ.get(BLACKLIST_SCOPE_ENV, "environment").strip().lower()
         for name, verdict in result.verdicts.items():
             if verdict.status not in FATAL_STATUSES:
                 continue
+            # The built-in fallback is every problem's last resort: a fault (a hang on a huge
+            # problem, an OOM kill) condemns it for that key only, never for the environment.
+            keyed = scope == "key" or name in PROTECTED_BACKENDS
             record = {
                 "backend": name,
                 "kind": verdict.status,
                 "reason": verdict.reason,
                 "when": _now(),
-                "scope": "key" if scope == "key" else "environment",
+                "scope": "key" if keyed else "environment",
                 "key": problem.to_json(),
                 "m": verdict.m,
                 "detail": verdict.detail,
@@ -387,9 +407,16 @@ class Selector:
         ``inprocess`` isolation only, flashinfer's own heuristic choice (``backend="auto"``,
         unproven, which is the risk that setting accepts); else emulation.
         """
+        if problem.batch_invariant:
+            raise RuntimeError(
+                f"batch_invariant=True: no decision yet for {problem.describe()} and a CUDA graph "
+                "is being captured; a fallback now could compute these rows with another kernel "
+                "than the one chosen later. Call once eagerly (or `fp4select warm`) before capture."
+            )
         env = environment_for(device)
-        self.counters.fallbacks += 1
-        self.pending.add((problem, str(device)))
+        self.counters.add("fallbacks")
+        with self._lock:
+            self.pending.add((problem, str(device)))
         with self._lock:
             proven = [
                 d
@@ -423,7 +450,7 @@ class Selector:
                 f"backend {name!r} was blacklisted in this environment on {entry.get('when')} "
                 f"({entry.get('kind')}: {entry.get('reason')}); pass allow_blacklisted=True to use it anyway"
             )
-        self.counters.explicit += 1
+        self.counters.add("explicit")
         decision = self.lookup(problem, device)
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
             return backend.dispatcher(problem)
@@ -443,10 +470,12 @@ class Selector:
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""
         done = []
-        while self.pending:
-            problem, device = self.pending.pop()
+        while True:
+            with self._lock:
+                if not self.pending:
+                    return done
+                problem, device = self.pending.pop()
             done.append(self.decide(problem, torch.device(device)))
-        return done
 
 
 def _same_shape_class(a: Problem, b: Problem) -> bool:
@@ -454,6 +483,6 @@ def _same_shape_class(a: Problem, b: Problem) -> bool:
 
 
 def _blacklist_applies(entry: Mapping[str, Any], problem: Problem) -> bool:
-    if entry.get("scope") == "key":
+    if entry.get("scope") == "key" or entry.get("backend") in PROTECTED_BACKENDS:
         return entry.get("key") == problem.to_json()
     return True
