@@ -303,23 +303,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(items)
         return 0
+    from fp4select.probe import MalformedRecord
+    from fp4select.selector import Decision
+
     rows = []
     for item in items:
-        rec, e = item["record"], item["env"]
-        try:
-            desc = Problem.from_json(item["key"]).describe()
-        except Exception:
-            desc = str(item["key"])
-        margin = (rec.get("ranking") or {}).get("margin")
-        rows.append(
-            [
-                e.get("gpu") or "cpu",
-                desc,
-                rec.get("winner"),
-                "-" if margin is None else f"{margin:+.1%}",
-                rec.get("created", ""),
-            ]
-        )
+        e = item["env"]
+        gpu = e.get("gpu") if isinstance(e.get("gpu"), str) else "cpu"
+        try:  # a record is data from disk: checked field by field before it is printed
+            decision = Decision.from_json(item["record"], source="disk")
+        except MalformedRecord as exc:
+            rows.append(((1 << 62,), [gpu, str(item["key"])[:60], "INVALID", "-", f"{exc}"[:60]]))
+            continue
+        margin = (decision.ranking or {}).get("margin")
+        p = decision.problem
+        row = [gpu, p.describe(), decision.winner, "-" if margin is None else f"{margin:+.1%}"]
+        rows.append(((p.n, p.k, p.m_bucket, p.describe()), [*row, decision.created]))
+    rows = [row for _, row in sorted(rows, key=lambda r: r[0])]
     print(_table(rows, ["gpu", "problem", "winner", "margin", "created"]) if rows else "no entries")
     return 0
 

@@ -38,6 +38,39 @@ PASSED = "passed"
 # Statuses that condemn a backend for the whole environment (the process died or its CUDA
 # context broke); the rest are about one key only.
 FATAL_STATUSES = frozenset({"crash", "hang", "cuda-error"})
+STATUSES = FATAL_STATUSES | {
+    PASSED,
+    "wrong",
+    "error",
+    "oom",
+    "unsupported",
+    "unavailable",
+    "blacklisted",
+}
+
+
+class MalformedRecord(ValueError):
+    """A record read from disk, an archive or a pipe is not what fp4select writes."""
+
+
+def need(ok: bool, what: str) -> None:
+    """Refuse a field read from outside before anything uses it."""
+    if not ok:
+        raise MalformedRecord(what)
+
+
+def is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def is_number(value: Any) -> bool:
+    """A finite, non-negative JSON number (NaN and infinity never come from fp4select)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 @dataclass
@@ -58,8 +91,30 @@ class Verdict:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Verdict:
+    def from_json(cls, data: Any) -> Verdict:
+        """Rebuild from JSON read from outside; raises MalformedRecord field by field."""
+        need(isinstance(data, Mapping), f"a verdict must be an object, got {type(data).__name__}")
+        need(
+            set(data) <= _VERDICT_FIELDS and {"backend", "status"} <= set(data),
+            f"a verdict has the fields {sorted(_VERDICT_FIELDS)}, got {sorted(map(str, data))}",
+        )
+        backend, status = data["backend"], data["status"]
+        need(isinstance(backend, str) and bool(backend), "verdict.backend must be a name")
+        need(status in STATUSES, f"verdict.status must be one of {sorted(STATUSES)}: {status!r}")
+        need(isinstance(data.get("reason", ""), str), "verdict.reason must be a string")
+        m = data.get("m")
+        need(m is None or is_int(m, 1), f"verdict.m must be null or a positive int: {m!r}")
+        worst = data.get("worst_ratio")
+        need(worst is None or is_number(worst), f"verdict.worst_ratio must be finite: {worst!r}")
+        deterministic = data.get("deterministic")
+        need(deterministic in (None, True, False), "verdict.deterministic must be a bool or null")
+        need(isinstance(data.get("detail", {}), dict), "verdict.detail must be an object")
         return cls(**data)
+
+
+_VERDICT_FIELDS = frozenset(
+    {"backend", "status", "reason", "m", "worst_ratio", "deterministic", "detail"}
+)
 
 
 @dataclass(frozen=True)

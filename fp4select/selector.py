@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +39,17 @@ from fp4select.backends import emulation
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
-from fp4select.probe import FATAL_STATUSES, InProcessProber, ProbeOptions, ProbeResult, Verdict
-from fp4select.store import Store, digest
+from fp4select.probe import (
+    FATAL_STATUSES,
+    InProcessProber,
+    MalformedRecord,
+    ProbeOptions,
+    ProbeResult,
+    Verdict,
+    is_number,
+    need,
+)
+from fp4select.store import CacheWarning, Store, digest
 from fp4select.timing import Timing, TimingOptions, rank
 
 log = logging.getLogger("fp4select")
@@ -116,22 +127,70 @@ class Decision:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], source: str) -> Decision:
-        """Rebuild from a store record; raises (KeyError/TypeError/ValueError) if malformed."""
+    def from_json(cls, data: Any, source: str) -> Decision:
+        """Rebuild from a store record or an import, checking every field before it is used.
+
+        Raises ``MalformedRecord`` (a ValueError) naming the field: a record that is not what
+        fp4select writes (NaN, wrong types, a winner that never passed) is never served.
+        """
+        need(isinstance(data, Mapping), f"a decision must be an object, not {type(data).__name__}")
+        for name, kind in (("problem", dict), ("env", dict), ("verdicts", dict), ("timings", dict)):
+            need(isinstance(data.get(name), kind), f"decision.{name} must be an object")
+        try:
+            problem = Problem.from_json(data["problem"])
+        except (TypeError, ValueError) as exc:
+            raise MalformedRecord(f"decision.problem: {exc}") from None
+        verdicts = {k: Verdict.from_json(v) for k, v in data["verdicts"].items()}
+        for name, verdict in verdicts.items():
+            need(verdict.backend == name, f"verdicts[{name!r}] is about {verdict.backend!r}")
+        timings = {k: Timing.from_json(v) for k, v in data["timings"].items()}
+        winner = data.get("winner")
+        need(winner is None or isinstance(winner, str), "decision.winner must be a name or null")
+        if winner is not None:
+            verdict = verdicts.get(winner)
+            need(verdict is not None and verdict.passed, f"winner {winner!r} never passed")
+        ranking = data.get("ranking")
+        need(ranking is None or isinstance(ranking, dict), "decision.ranking must be an object")
+        if ranking is not None:
+            need(ranking.get("winner") == winner, "decision.ranking names another winner")
+            margin = ranking.get("margin")
+            need(margin is None or _finite(margin), f"ranking.margin must be finite: {margin!r}")
+        considered = data.get("considered", [])
+        need(
+            isinstance(considered, list) and all(isinstance(n, str) for n in considered),
+            "decision.considered must be a list of names",
+        )
+        seconds = data.get("tuning_seconds", 0.0)
+        need(is_number(seconds), f"decision.tuning_seconds must be finite: {seconds!r}")
+        for name in ("method", "created", "isolation"):
+            need(isinstance(data.get(name, ""), str), f"decision.{name} must be a string")
         return cls(
-            problem=Problem.from_json(data["problem"]),
+            problem=problem,
             env=dict(data["env"]),
-            winner=data["winner"],
-            verdicts={k: Verdict.from_json(v) for k, v in data["verdicts"].items()},
-            timings={k: Timing.from_json(v) for k, v in data["timings"].items()},
-            ranking=data.get("ranking"),
+            winner=winner,
+            verdicts=verdicts,
+            timings=timings,
+            ranking=ranking,
             method=data.get("method", ""),
-            considered=list(data.get("considered", [])),
+            considered=list(considered),
             created=data.get("created", ""),
-            tuning_seconds=float(data.get("tuning_seconds", 0.0)),
+            tuning_seconds=float(seconds),
             isolation=data.get("isolation", ""),
             source=source,
         )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -263,8 +322,11 @@ class Selector:
             return None
         try:
             decision = Decision.from_json(record, source="disk")
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            log.warning("ignoring a malformed decision for %s: %s", problem.describe(), exc)
+        except MalformedRecord as exc:
+            _warn_once(
+                f"fp4select cache: ignoring the stored decision for {problem.describe()}: {exc}. "
+                "Treated as a miss; tuning again replaces it."
+            )
             return None
         if decision.problem != problem:
             return None

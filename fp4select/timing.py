@@ -65,7 +65,18 @@ class Timing:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Timing:
+    def from_json(cls, data: Any) -> Timing:
+        """Rebuild from JSON read from outside: finite non-negative times, positive counts."""
+        from fp4select.probe import is_int, is_number, need
+
+        need(isinstance(data, Mapping), f"a timing must be an object, got {type(data).__name__}")
+        names = {"median_us", "p10_us", "p90_us", "samples", "calls_per_sample", "method"}
+        need(set(data) == names, f"a timing has the fields {sorted(names)}")
+        for name in ("median_us", "p10_us", "p90_us"):
+            need(is_number(data[name]), f"timing.{name} must be a finite number: {data[name]!r}")
+        for name in ("samples", "calls_per_sample"):
+            need(is_int(data[name], 1), f"timing.{name} must be a positive int: {data[name]!r}")
+        need(isinstance(data["method"], str), "timing.method must be a string")
         return cls(**data)
 
 
