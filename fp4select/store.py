@@ -7,46 +7,49 @@ that can break the program it is meant to speed up is worse than no cache.
 Rules
 -----
 1. Location.  ``Store(root)``; ``root=None`` means ``$FP4SELECT_CACHE_DIR`` when set and
-   non-empty, else ``platformdirs.user_cache_dir("fp4select")``.  Relative roots are made
-   absolute at construction so a later ``chdir`` cannot move the cache.  Layout::
+   non-empty, else ``platformdirs.user_cache_dir("fp4select")``; made absolute at
+   construction so a later ``chdir`` cannot move it.  Layout::
 
        <root>/v<SCHEMA_VERSION>/<env_hash>/env.json
                                           /entries/<key_hash>.json
                                           /locks/<key_hash>.lock
                                           /blacklist/<backend_file_name>.json
 
-   The schema number is part of the path so that two fp4select versions with different
-   schemas can share a root without ever reading each other's files.
+   The schema number is in the path so that fp4select versions with different schemas can
+   share a root without reading each other's files.
 2. Hashes.  ``digest(obj)`` is the first 20 hex digits of the sha256 of the canonical JSON
-   (``sort_keys=True, separators=(",", ":")``, ASCII, no NaN or infinity).  Dict order never
-   matters; tuples and lists hash alike because JSON cannot tell them apart.  Changing the
-   canonical form orphans every existing cache, so it is frozen by a test.
-3. JSON only.  Nothing read is imported or executed.  Every file carries
-   ``{"schema": SCHEMA_VERSION, "kind": "fp4select.<entry|blacklist|env>", "env_hash": ...}``
-   plus its payload.  Entry and blacklist files also carry the ``env`` dict (and entries the
-   ``key`` dict) so each file is self-describing: ``iter_entries`` and exports need nothing
-   else, and ``read_entry`` can check the file really answers the question asked.  Writing a
-   value that is not strict JSON (a set, a NaN) raises at once, before anything is written.
-4. One file per entry, written atomically: temp file in the same directory (``mkstemp``,
-   name starting with ``.`` so no reader ever lists it), ``fsync``, ``os.replace``.  A damaged
-   file can therefore only lose itself, and a reader sees the old or the new file, never half
-   of one.  The directory is not fsynced: after a power cut an entry may be missing, which
-   is a miss, never a corrupt read.  Temp files are removed on any failure; only a killed
-   process (SIGKILL between create and rename) can leave one, and readers ignore it.
-5. Damaged files are misses.  A file that is truncated, empty, not UTF-8, not JSON, not an
-   object, of another schema or kind, or that answers a different env or key, or that cannot
-   be read (permissions, a directory in its place) makes the lookup a miss plus exactly one
-   ``CacheWarning`` per path per process.  Never an exception: the caller re-tunes, which is
-   what an empty cache would cost anyway.  The file is left in place (a newer fp4select may
-   own it); the next successful write for that key replaces it.  ``clear`` and the ``remove``
-   methods are explicit requests and do delete damaged files.
-6. Failing disk.  Any ``OSError`` while writing (read-only directory, ``ENOSPC``, quota, ...)
-   switches the root to memory-only for the rest of the process, with one warning.  Writes
-   then go to an in-memory overlay that reads consult before the disk, so the process still
-   remembers its own decisions; existing files stay readable.  The state is per root and per
-   process, shared by every ``Store`` on that root: constructing a fresh ``Store`` does not
-   retry the disk.  ``write_entry`` returns whether the record reached the disk.
-7. Locks.  ``store.lock(env, key)`` serializes tuning of one key across processes, so that N
+   (``sort_keys=True, separators=(",", ":")``, ASCII, no NaN or infinity): dict order never
+   matters, tuples and lists hash alike.  Changing it orphans every cache; a test freezes it.
+3. Strict JSON only.  Nothing read is imported or executed, and parsing refuses NaN,
+   Infinity and floats that overflow to infinity (Python's json accepts all three).  Every
+   file carries ``{"schema", "kind": "fp4select.<entry|blacklist|env>", "env_hash", "env"}``
+   (entries also their ``key``) so each is self-describing and ``read_entry`` can check it
+   answers the question asked; blacklist records are checked field by field.  Writing
+   what is not strict JSON, or a file over 1 MiB, raises before anything is written.
+4. Only what fp4select made.  A file is read only if it is a regular file of at most 1 MiB,
+   opened with ``O_NONBLOCK | O_NOFOLLOW`` (a FIFO cannot block, a symlink to ``/dev/zero``
+   is never followed), and only below directories that are real ones (the root itself may
+   be a symlink: the user chose it).  A directory, symlink, FIFO or device where fp4select
+   keeps a file is damage (rule 6): never read, followed or deleted.  A write or ``clear``
+   may replace or unlink such a *name* (a symlink, a FIFO), never what it points at, and
+   nothing here removes a directory: there is no recursive delete in this module.
+5. Atomic writes: temp file in the same directory (``mkstemp``, named ``.*`` so no reader
+   lists it), ``fsync``, ``os.replace``.  A reader sees the old file or the new one, never
+   half; a damaged file loses only itself.  The directory is not fsynced: after a power cut
+   an entry may be missing, which is a miss.  Temp files are removed on any failure.
+6. Damaged files are misses.  Truncated, empty, not UTF-8, not strict JSON, not an object,
+   another schema or kind, another env or key, unreadable, or not ours (rule 4): the lookup
+   misses with exactly one ``CacheWarning`` per path per process, never an exception (the
+   caller re-tunes).  The file stays (a newer fp4select may own it) until a write replaces
+   it.  ``clear`` and the ``remove`` methods delete damaged files, never a directory: that
+   is left, warned about and listed in ``ClearResult.not_removed``.
+7. Failing disk.  Any ``OSError`` while writing (read-only, ``ENOSPC``, a directory in the
+   way, a symlinked directory in the path) switches the root to memory-only for the rest of
+   the process, with one warning.  Writes then go to an in-memory overlay that reads consult
+   first; existing files stay readable.  The state is per root and per process (a fresh
+   ``Store`` does not retry).  ``write_entry`` and ``add_to_blacklist`` return whether the
+   record reached the disk, and deletes report a record only hidden from this process.
+8. Locks.  ``store.lock(env, key)`` serializes tuning of one key across processes, so that N
    processes missing the same key at once tune it once::
 
        record = store.read_entry(env, key)
@@ -57,23 +60,24 @@ Rules
                    record = tune()
                    store.write_entry(env, key, record)
 
-   It is a ``filelock.FileLock`` on ``locks/<key_hash>.lock`` taken behind a per-process
-   ``threading.RLock``, so threads are serialized too and the lock is reentrant within a
-   thread.  When the root is memory-only, or the lock file cannot be made (then with one
-   warning), only the per-process lock is taken: other processes may tune the same key, which
-   costs time, never correctness.  A wait longer than ``timeout`` seconds (negative or
-   infinite: wait forever) raises ``filelock.Timeout``.  Lock files are never deleted by this
-   module: unlinking a lock file another process holds breaks mutual exclusion.
-8. Blacklist.  Per environment, one file per backend (``add_to_blacklist`` replaces that
-   backend's record: last writer wins).  Separate files mean concurrent additions of
-   different backends from different processes cannot lose each other; there is no
-   read-modify-write of a shared file.  Backend names that are not safe lowercase file names
-   (case-insensitive file systems would merge ``"Cutlass"`` and ``"cutlass"``) get a
-   sanitized name plus a hash suffix.  Numerical rejections of one (backend, key) belong in
-   that key's entry record, not here.
-9. Archives.  ``export_archive``/``import_archive`` move a cache between machines as one JSON
-   file.  Import is an explicit user action, so a damaged archive raises ``ValueError`` naming
-   the problem, and everything is validated before anything is written.
+   A ``filelock.FileLock`` on ``locks/<key_hash>.lock`` behind a per-process
+   ``threading.RLock`` (threads are serialized too, reentrant within a thread, and still
+   when no lock file can be used).  filelock >= 3.20.3 opens it with ``O_NOFOLLOW``, so a
+   planted symlink fails the file lock instead of truncating its target.  Memory-only, or
+   no usable lock file (one warning): only the per-process lock is held, and other processes
+   may tune the same key, which costs time, never correctness.  Waiting longer than
+   ``timeout`` s (negative or infinite: forever) raises ``filelock.Timeout``.  Lock files are
+   never deleted: unlinking one another process holds breaks mutual exclusion.
+9. Blacklist.  Per environment, one file per backend (last writer wins): concurrent
+   additions of different backends cannot lose each other.  Names that are not safe
+   lowercase file names get a sanitized name plus a hash suffix.  Numerical rejections of
+   one (backend, key) belong in that key's entry, not here.
+10. Archives are explicit user actions, so problems raise.  ``export_archive`` writes one
+    new file, whole or not at all: a directory is refused, and so is any existing name
+    unless ``overwrite`` (which replaces the name, never writing through a symlink).
+    ``import_archive`` reads a regular file of at most 256 MiB, validates everything
+    (``ValueError`` naming the problem) before writing anything, refuses blacklist records
+    for ``protected_backends``, and returns what it did, record by record.
 """
 
 from __future__ import annotations
@@ -167,7 +171,7 @@ class ImportResult:
     """What ``Store.import_archive`` did, record by record.
 
     ``*_in_memory`` counts records the store kept in this process only because it could not
-    write (rule 6): they are lost when the process ends.  ``*_present`` counts records skipped
+    write (rule 7): they are lost when the process ends.  ``*_present`` counts records skipped
     because one was already there (``overwrite=False``); ``blacklist_protected`` names the
     backends whose records were refused because the caller protects them.
     """
@@ -692,7 +696,7 @@ class Store:
 
     @property
     def memory_only(self) -> bool:
-        """True once a write under this root failed in this process; see rule 6."""
+        """True once a write under this root failed in this process; see rule 7."""
         return self._state.memory_only
 
     # ----------------------------------------------------------------- paths
@@ -735,11 +739,13 @@ class Store:
     def _load(
         self, path: Path, check: Callable[[dict[str, Any]], str | None], *, quiet: bool = False
     ) -> dict[str, Any] | None:
+        after = "the file is left in place until the next write to it replaces it"
         try:
             self._check_dirs(path.parent)
             data = _read_file(path)
         except _Damage as exc:
-            problem = f"{exc.strerror}; it is not read, followed or deleted"
+            problem = str(exc.strerror)
+            after = "fp4select does not write such a thing, so it is not read, followed or deleted"
         except OSError as exc:
             problem = f"cannot read it ({exc.strerror or exc})"
         else:
@@ -753,8 +759,7 @@ class Store:
         if not quiet:
             _warn_once(
                 str(path),
-                f"fp4select cache: ignoring {path}: {problem}. Treated as a miss; the file is "
-                "left in place until the next write to it replaces it.",
+                f"fp4select cache: ignoring {path}: {problem}. Treated as a miss; {after}.",
             )
         return None
 
@@ -830,7 +835,7 @@ class Store:
     def _persist(
         self, table: _Table, env_hash: str, stem: str, path: Path, data: bytes, env_data: bytes
     ) -> bool:
-        if len(data) > _MAX_FILE_BYTES:  # it would be refused when read back (rule 5)
+        if len(data) > _MAX_FILE_BYTES:  # it would be refused when read back (rule 6)
             raise ValueError(f"record is {len(data)} bytes as JSON; the limit is {_MAX_FILE_BYTES}")
         state = self._state
         if not state.memory_only:
@@ -902,7 +907,7 @@ class Store:
     # ----------------------------------------------------------------- entries
 
     def read_entry(self, env: Mapping[str, Any], key: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The record last written for (env, key), or None on any kind of miss (rule 5)."""
+        """The record last written for (env, key), or None on any kind of miss (rule 6)."""
         env_hash, key_hash = _hash(env, "env"), _hash(key, "key")
         with self._state.guard:
             slot = (env_hash, key_hash)
@@ -1117,7 +1122,7 @@ class Store:
     def remove_from_blacklist(self, env: Mapping[str, Any], backend: str | None = None) -> int:
         """Lift one backend's ban, or all (damaged files too) when None; returns how many.
 
-        A memory-only root (rule 6) can only hide a record from this process; that counts.
+        A memory-only root (rule 7) can only hide a record from this process; that counts.
         """
         env_hash = _hash(env, "env")
         if backend is None:

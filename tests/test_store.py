@@ -711,7 +711,9 @@ def test_symlinked_directory_inside_the_cache_is_not_followed(tmp_path: Path, wh
     with no_cache_warnings():
         assert store.read_entry(ENV, KEY2) == RECORD2
     assert tree(elsewhere) == before  # nothing written, replaced or deleted out there
-    store.clear()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")  # a listing blocked by the link may warn once more
+        store.clear()
     assert tree(elsewhere) == before
 
 
