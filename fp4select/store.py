@@ -63,8 +63,9 @@ Rules
    A ``filelock.FileLock`` on ``locks/<key_hash>.lock`` behind a per-process
    ``threading.RLock`` (threads are serialized too, reentrant within a thread, and still
    when no lock file can be used).  filelock >= 3.20.3 opens it with ``O_NOFOLLOW``, so a
-   planted symlink fails the file lock instead of truncating its target.  Memory-only, or
-   no usable lock file (one warning): only the per-process lock is held, and other processes
+   planted symlink fails the file lock instead of truncating its target; a planted hard link
+   (which filelock 4.2.0 and older truncate once locked) is refused before filelock sees it.
+   Memory-only, or no usable lock file (one warning): only the per-process lock is held, and other processes
    may tune the same key, which costs time, never correctness.  Waiting longer than
    ``timeout`` s (negative or infinite: forever) raises ``filelock.Timeout``.  Lock files are
    never deleted: unlinking one another process holds breaks mutual exclusion.
@@ -499,6 +500,24 @@ def _remove(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _check_lock_file(path: Path) -> None:
+    """Refuse a lock file that something else was made into before filelock opens it.
+
+    filelock >= 3.20.3 (the pyproject floor) opens with ``O_NOFOLLOW``, so a planted symlink
+    fails there; but a planted hard link would be opened and, by filelock 4.2.0 and older,
+    truncated.
+    This check narrows that to a race with an active attacker; a static plant is refused.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(info.st_mode):
+        raise _Damage(errno.EPERM, f"it is {_what(info.st_mode)}, not a lock file", str(path))
+    if info.st_nlink > 1:
+        raise _Damage(errno.EPERM, "it is a hard link to another file", str(path))
 
 
 def _atomic_write(path: Path, data: bytes, *, replace: bool = True) -> None:
@@ -1044,6 +1063,7 @@ class Store:
         if self.memory_only:
             return None
         try:
+            self._check_dirs(path.parent.parent)  # before mkdir, which follows symlinks
             path.parent.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             # No environment directory means no entries either: one memory-only warning
@@ -1053,8 +1073,7 @@ class Store:
         try:
             self._check_dirs(path.parent)
             path.parent.mkdir(exist_ok=True)
-            # filelock opens with O_NOFOLLOW (pyproject requires a release that does), so a
-            # symlink planted at the lock path fails here instead of truncating its target.
+            _check_lock_file(path)
             lock = filelock.FileLock(str(path))
             lock.acquire(timeout=timeout)
         except filelock.Timeout:  # an OSError too, so it must go first

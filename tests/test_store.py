@@ -1030,11 +1030,12 @@ def test_concurrent_writers_never_expose_partial_files(store: Store, tmp_path: P
     assert temp_files(store.root) == []
 
 
-@pytest.mark.parametrize("planted", ["lock file", "locks directory"])
+@pytest.mark.parametrize("planted", ["lock file", "hard link", "locks directory"])
 def test_symlink_planted_at_a_lock_path_leaves_its_target_intact(
     store: Store, tmp_path: Path, planted: str
 ) -> None:
-    # filelock below 3.20.1 opened the lock file with O_TRUNC through a symlink.
+    # filelock below 3.20.1 opened the lock file with O_TRUNC through a symlink, and below
+    # 4.2.1 truncates it through a hard link once locked.
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / f"{digest(KEY)}.lock").write_text("someone's data\n")
@@ -1042,6 +1043,8 @@ def test_symlink_planted_at_a_lock_path_leaves_its_target_intact(
     lock_path.parent.mkdir(parents=True)
     if planted == "lock file":
         lock_path.symlink_to(precious / f"{digest(KEY)}.lock")
+    elif planted == "hard link":
+        os.link(precious / f"{digest(KEY)}.lock", lock_path)
     else:
         lock_path.parent.rmdir()
         lock_path.parent.symlink_to(precious, target_is_directory=True)
@@ -1052,7 +1055,7 @@ def test_symlink_planted_at_a_lock_path_leaves_its_target_intact(
             assert store.write_entry(ENV, KEY, RECORD) is True
     assert tree(precious) == before  # the target's content first: that is the data at stake
     assert [str(w.message) for w in caught if "cannot lock files" in str(w.message)]
-    assert os.path.islink(lock_path if planted == "lock file" else lock_path.parent)
+    assert os.path.lexists(lock_path)  # not ours to delete either
     # Still usable, still reentrant: threads of this process are serialized as before.
     with no_cache_warnings(), store.lock(ENV, KEY, timeout=0), store.lock(ENV, KEY, timeout=0):
         assert store.read_entry(ENV, KEY) == RECORD
