@@ -63,12 +63,13 @@ Rules
    A ``filelock.FileLock`` on ``locks/<key_hash>.lock`` behind a per-process
    ``threading.RLock`` (threads are serialized too, reentrant within a thread, and still
    when no lock file can be used).  filelock >= 3.20.3 opens it with ``O_NOFOLLOW``, so a
-   planted symlink fails the file lock instead of truncating its target; a planted hard link
-   (which filelock 4.2.0 and older truncate once locked) is refused before filelock sees it.
-   Memory-only, or no usable lock file (one warning): only the per-process lock is held, and other processes
-   may tune the same key, which costs time, never correctness.  Waiting longer than
-   ``timeout`` s (negative or infinite: forever) raises ``filelock.Timeout``.  Lock files are
-   never deleted: unlinking one another process holds breaks mutual exclusion.
+   planted symlink fails the file lock instead of truncating its target; a planted hard
+   link (which filelock 4.2.0 and older truncate once locked) is refused before filelock
+   sees it.  Memory-only, or no usable lock file (one warning): only the per-process lock
+   is held, and other processes may tune the same key, which costs time, never correctness.
+   Waiting longer than ``timeout`` s (negative or infinite: forever) raises
+   ``filelock.Timeout``.  Lock files are never deleted: unlinking one that another process
+   holds breaks mutual exclusion.
 9. Blacklist.  Per environment, one file per backend (last writer wins): concurrent
    additions of different backends cannot lose each other.  Names that are not safe
    lowercase file names get a sanitized name plus a hash suffix.  Numerical rejections of
@@ -507,8 +508,7 @@ def _check_lock_file(path: Path) -> None:
 
     filelock >= 3.20.3 (the pyproject floor) opens with ``O_NOFOLLOW``, so a planted symlink
     fails there; but a planted hard link would be opened and, by filelock 4.2.0 and older,
-    truncated.
-    This check narrows that to a race with an active attacker; a static plant is refused.
+    truncated.  This check narrows that to a race with an active attacker.
     """
     try:
         info = os.lstat(path)
