@@ -418,7 +418,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             )
     if lost:
         print(
-            f"import failed: {lost} records could not be written to the cache "
+            f"import failed: {_many(lost, 'record', 'records')} could not be written to the cache "
             "(see the warning above) and are lost when this command ends",
             file=sys.stderr,
         )

@@ -119,4 +119,4 @@ def test_import_that_cannot_reach_the_disk_fails(tmp_path: Path) -> None:
     cache.write_text("a file where the cache directory should be")
     out, err = run(cache, "import", str(archive), expect=1)
     assert "imported 0 entries" in out
-    assert "1 records could not be written to the cache" in err
+    assert "1 record could not be written to the cache" in err
