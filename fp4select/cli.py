@@ -395,24 +395,78 @@ def cmd_blacklist(args: argparse.Namespace) -> int:
     return 0
 
 
+def _many(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _os_error(exc: OSError) -> str:
+    return f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from fp4select.api import selector
 
     env = None if args.all else environment_for(_device(args.device))
-    count = selector().store.export_archive(args.path, env)
-    print(f"exported {count} entries to {args.path}")
+    try:
+        result = selector().store.export_archive(args.path, env, overwrite=args.force)
+    except OSError as exc:  # a directory, an existing file without --force, a failing disk
+        print(f"export failed: {_os_error(exc)}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json({"path": args.path, **result.as_dict()})
+    else:
+        print(
+            f"exported {_many(result.entries, 'entry', 'entries')} and "
+            f"{_many(result.blacklist, 'blacklist record', 'blacklist records')} to {args.path}"
+        )
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from fp4select.api import selector
+    from fp4select.backends import emulation
 
     try:
-        count = selector().store.import_archive(args.path, overwrite=args.overwrite)
-    except (OSError, ValueError) as exc:
+        # The built-in fallback must stay usable: an archive cannot blacklist it.
+        result = selector().store.import_archive(
+            args.path, overwrite=args.overwrite, protected_backends=frozenset({emulation.NAME})
+        )
+    except OSError as exc:
+        print(f"import failed: {_os_error(exc)}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
         print(f"import failed: {exc}", file=sys.stderr)
         return 1
-    print(f"imported {count} entries from {args.path}")
+    lost = result.entries_in_memory + result.blacklist_in_memory
+    if args.json:
+        _print_json({"path": args.path, **result.as_dict()})
+    else:
+        r = result
+        print(f"imported {_many(r.entries_written, 'entry', 'entries')} from {args.path}")
+        if r.entries_present:
+            print(
+                f"skipped {_many(r.entries_present, 'entry', 'entries')} already present "
+                "(use --overwrite to replace them)"
+            )
+        print(f"imported {_many(r.blacklist_written, 'blacklist record', 'blacklist records')}")
+        if r.blacklist_present:
+            print(
+                f"skipped {_many(r.blacklist_present, 'blacklist record', 'blacklist records')} "
+                "already present (use --overwrite to replace them)"
+            )
+        if r.blacklist_protected:
+            print(
+                "refused the blacklist records of "
+                f"{', '.join(sorted(set(r.blacklist_protected)))}: the built-in fallback "
+                "cannot be blacklisted by an archive"
+            )
+    if lost:
+        print(
+            f"import failed: {_many(lost, 'record', 'records')} could not be written to the cache "
+            "(see the warning above) and are lost when this command ends",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -507,9 +561,17 @@ def cmd_clear(args: argparse.Namespace) -> int:
     from fp4select.api import selector
 
     env = None if args.all else environment_for(_device(args.device))
-    count = selector().store.clear(env)
-    print(f"removed {count} files")
-    return 0
+    result = selector().store.clear(env)
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        print(
+            f"removed {_many(result.entries, 'entry', 'entries')} and "
+            f"{_many(result.blacklist, 'blacklist record', 'blacklist records')}"
+        )
+    for path in result.not_removed:
+        print(f"not removed: {path} (see the warning above)", file=sys.stderr)
+    return 1 if result.not_removed else 0
 
 
 def _problem_options(p: argparse.ArgumentParser) -> None:
@@ -574,12 +636,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clear", nargs="?", const="", metavar="BACKEND", help="clear one backend, or all"
     )
-    p = command("export", cmd_export, "write this environment's decisions to one JSON file")
+    p = command(
+        "export",
+        cmd_export,
+        "write this environment's decisions to one new JSON file (never onto a directory)",
+    )
     p.add_argument("path")
     p.add_argument("--all", action="store_true", help="every environment")
+    p.add_argument("--force", action="store_true", help="replace an existing file at PATH")
     p = command("import", cmd_import, "read decisions from an exported JSON file")
     p.add_argument("path")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace entries and records already present"
+    )
     p = command(
         "verify",
         cmd_verify,
