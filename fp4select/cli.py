@@ -422,14 +422,31 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _entry_problem(key: dict[str, Any], record: dict[str, Any]) -> str | None:
+    """Why an archived decision must not be imported: it is data from another machine."""
+    from fp4select.probe import MalformedRecord
+    from fp4select.selector import Decision
+
+    try:
+        decision = Decision.from_json(record, source="import")
+    except MalformedRecord as exc:
+        return str(exc)
+    if decision.problem.to_json() != key:
+        return "its record answers another problem than its key"
+    return None
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from fp4select.api import selector
-    from fp4select.backends import emulation
+    from fp4select.selector import PROTECTED_BACKENDS
 
     try:
         # The built-in fallback must stay usable: an archive cannot blacklist it.
         result = selector().store.import_archive(
-            args.path, overwrite=args.overwrite, protected_backends=frozenset({emulation.NAME})
+            args.path,
+            overwrite=args.overwrite,
+            protected_backends=PROTECTED_BACKENDS,
+            check_entry=_entry_problem,
         )
     except OSError as exc:
         print(f"import failed: {_os_error(exc)}", file=sys.stderr)
@@ -443,6 +460,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     else:
         r = result
         print(f"imported {_many(r.entries_written, 'entry', 'entries')} from {args.path}")
+        for why in r.entries_invalid:
+            print(f"skipped an invalid entry: {why}")
         if r.entries_present:
             print(
                 f"skipped {_many(r.entries_present, 'entry', 'entries')} already present "

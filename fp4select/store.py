@@ -175,7 +175,8 @@ class ImportResult:
     ``*_in_memory`` counts records the store kept in this process only because it could not
     write (rule 7): they are lost when the process ends.  ``*_present`` counts records skipped
     because one was already there (``overwrite=False``); ``blacklist_protected`` names the
-    backends whose records were refused because the caller protects them.
+    backends whose records were refused because the caller protects them; ``entries_invalid``
+    says why each entry the caller's ``check_entry`` refused was skipped.
     """
 
     entries_written: int = 0
@@ -185,9 +186,14 @@ class ImportResult:
     blacklist_in_memory: int = 0
     blacklist_present: int = 0
     blacklist_protected: tuple[str, ...] = ()
+    entries_invalid: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "blacklist_protected": list(self.blacklist_protected)}
+        return {
+            **asdict(self),
+            "blacklist_protected": list(self.blacklist_protected),
+            "entries_invalid": list(self.entries_invalid),
+        }
 
 
 # --------------------------------------------------------------------------- hashing / JSON
@@ -1202,6 +1208,7 @@ class Store:
         *,
         overwrite: bool = False,
         protected_backends: Collection[str] = frozenset(),
+        check_entry: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None,
     ) -> ImportResult:
         """Merge an archive into this store and say, record by record, what happened.
 
@@ -1211,12 +1218,24 @@ class Store:
         one that is not a regular file of at most 256 MiB, raises ``ValueError`` before
         anything is written; one that cannot be opened raises ``OSError``.  If the store
         turns memory-only midway, the rest is kept in memory only (counted apart).
+        ``check_entry(key, record)`` returns why an entry must not be imported (the caller
+        knows what a record means; this module does not), or None.
         """
         if isinstance(protected_backends, str):
             raise TypeError("protected_backends must be a collection of backend names, not a str")
         protected = frozenset(protected_backends)
         path = Path(os.fsdecode(path))
         entries, blacklist = _parse_archive(path, _read_archive(path))
+        invalid: list[str] = []
+        if check_entry is not None:
+            checked = []
+            for i, (env, key, record) in enumerate(entries):
+                problem = check_entry(key, record)
+                if problem is None:
+                    checked.append((env, key, record))
+                else:
+                    invalid.append(f"entries[{i}]: {problem}")
+            entries = checked
         counts = dict.fromkeys(
             ("written", "in_memory", "present", "bl_written", "bl_in_memory", "bl_present"), 0
         )
@@ -1242,6 +1261,7 @@ class Store:
             blacklist_in_memory=counts["bl_in_memory"],
             blacklist_present=counts["bl_present"],
             blacklist_protected=tuple(refused),
+            entries_invalid=tuple(invalid),
         )
 
 

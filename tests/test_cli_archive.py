@@ -12,10 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fp4select.keys import Problem
+from fp4select.probe import Verdict
+from fp4select.selector import Decision
 from fp4select.store import Store
 
 ENV = {"gpu": "NVIDIA B200", "cc": 100, "torch": "2.9.0"}
-KEYS = [{"n": 4096, "k": 7168, "m_bucket": m} for m in (1, 2)]
+KEYS = [Problem(n=4096, k=7168, m_bucket=m).to_json() for m in (1, 2)]
+
+
+def decision(key: dict, winner: str = "emulation", status: str = "passed") -> dict:
+    """A record as the selector writes it: emulation validated and chosen."""
+    verdicts = {"emulation": Verdict("emulation", status, "", None, 0.3, True)}
+    return Decision(Problem.from_json(key), ENV, winner, verdicts).to_json()
 
 
 def run(cache: Path, *args: str, expect: int = 0, cwd: Path | None = None) -> tuple[str, str]:
@@ -48,7 +57,7 @@ def someones_directory(path: Path) -> dict[str, bytes | str]:
 
 def test_export_never_deletes_a_directory_or_overwrites_a_file(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    Store(cache).write_entry(ENV, KEYS[0], {"winner": "emulation"})
+    Store(cache).write_entry(ENV, KEYS[0], decision(KEYS[0]))
 
     target = tmp_path / "out"
     before = someones_directory(target)
@@ -76,7 +85,7 @@ def test_export_never_deletes_a_directory_or_overwrites_a_file(tmp_path: Path) -
 def test_import_and_clear_print_what_was_done(tmp_path: Path) -> None:
     source = Store(tmp_path / "source")
     for key in KEYS:
-        source.write_entry(ENV, key, {"winner": "emulation"})
+        source.write_entry(ENV, key, decision(key))
     for name in ("emulation", "cutlass"):
         source.add_to_blacklist(ENV, name, {"reason": "hung", "kind": "hang"})
     archive = tmp_path / "a.json"
@@ -99,6 +108,7 @@ def test_import_and_clear_print_what_was_done(tmp_path: Path) -> None:
         "blacklist_in_memory": 0,
         "blacklist_present": 1,
         "blacklist_protected": ["emulation"],
+        "entries_invalid": [],
     }
 
     entry = sorted((Store(cache).env_dir(ENV) / "entries").iterdir())[0]
@@ -113,10 +123,26 @@ def test_import_and_clear_print_what_was_done(tmp_path: Path) -> None:
 def test_import_that_cannot_reach_the_disk_fails(tmp_path: Path) -> None:
     archive = tmp_path / "a.json"
     source = Store(tmp_path / "source")
-    source.write_entry(ENV, KEYS[0], {"winner": "emulation"})
+    source.write_entry(ENV, KEYS[0], decision(KEYS[0]))
     source.export_archive(archive)
     cache = tmp_path / "cache"
     cache.write_text("a file where the cache directory should be")
     out, err = run(cache, "import", str(archive), expect=1)
     assert "imported 0 entries" in out
     assert "1 record could not be written to the cache" in err
+
+
+def test_import_skips_a_decision_that_is_not_what_fp4select_writes(tmp_path: Path) -> None:
+    source = Store(tmp_path / "source")
+    source.write_entry(ENV, KEYS[0], decision(KEYS[0]))
+    source.write_entry(ENV, KEYS[1], decision(KEYS[1], status="wrong"))  # winner never passed
+    archive = tmp_path / "a.json"
+    source.export_archive(archive)
+
+    cache = tmp_path / "cache"
+    out, _ = run(cache, "import", str(archive))
+    assert f"imported 1 entry from {archive}" in out
+    assert "skipped an invalid entry: " in out and "winner 'emulation' never passed" in out
+    assert [key for _, key, _ in Store(cache).iter_entries()] == [KEYS[0]]
+    out, _ = run(cache, "import", str(archive), "--json")
+    assert len(json.loads(out)["entries_invalid"]) == 1
