@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from fp4select import record as _record
 from fp4select.keys import B_LAYOUTS, OUT_DTYPES, Problem, m_bucket
 from fp4select.selector import Decision, Selector
 from fp4select.store import Store
@@ -163,6 +164,7 @@ best_mm_fp4.__fp4select__ = True  # type: ignore[attr-defined]
 def _miss(signature, args, backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted):
     """Check the arguments, find or make the decision, bind it for this signature."""
     problem = check_arguments(*args, backend, use_nvfp4, enable_pdl, b_layout)
+    _record.note(problem)  # FP4SELECT_RECORD (issue 11): first call of a signature only
     a = args[0]
     sel = selector()
     device = a.device
