@@ -243,7 +243,13 @@ def _warm_plan(args: argparse.Namespace) -> dict[str, Any]:
                 f"--format {args.format} contradicts the model's FP4 layers ({model.format})"
             )
         plan["model"] = model
-        problems += _problems_for(model.shapes(), args, model.format)
+        problems += model.problems(
+            args.max_m,
+            out_dtype=args.out_dtype,
+            a_sf_layout=args.a_sf_layout,
+            b_layout=args.b_layout,
+            alpha_kind=args.alpha,
+        )
     problems += _problems_for(shapes, args, fmt)
     if args.from_record:
         try:

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4select.keys import M_BUCKETS, Problem, m_bucket
+
 __all__ = [
     "KNOWN_ARCHITECTURES",
     "Layer",
@@ -91,6 +93,21 @@ class ModelShapes:
         for layer in self.layers:
             seen.setdefault((layer.n, layer.k), None)
         return list(seen)
+
+    def problems(self, max_m: int = 8192, **fields: Any) -> list[Problem]:
+        """The problem keys to tune: every shape at every M bucket up to ``max_m``.
+
+        ``fields`` are other Problem fields (out_dtype, a_sf_layout, b_layout, alpha_kind);
+        the format and block size are the model's.
+        """
+        nvfp4 = self.format == "nvfp4"
+        top = m_bucket(max_m)
+        return [
+            Problem(n=n, k=k, m_bucket=b, use_nvfp4=nvfp4, block_size=16 if nvfp4 else 32, **fields)
+            for n, k in self.shapes()
+            for b in M_BUCKETS
+            if b <= top
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
