@@ -193,3 +193,27 @@ def test_applicability_rejects_a_file_that_is_not_an_archive(tmp_path):
     path.write_text("{nope")
     with pytest.raises(ValueError, match="not JSON"):
         bundle.applicability(path, {})
+
+
+def test_deploy_recipe_runs_end_to_end(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHON": sys.executable,
+        "FP4SELECT_ISOLATION": "inprocess",
+        "FP4SELECT_TIME_BUDGET_S": "0.02",
+        "MAX_M": "2",
+        "BUILD_CACHE": str(tmp_path / "build"),
+        "FLEET_CACHE": str(tmp_path / "fleet"),
+    }
+    env.pop("MODEL", None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples" / "deploy_recipe.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "8 of 8 entries apply here" in proc.stdout
+    assert "tuned on the fleet: 0, read from the bundle: 8" in proc.stdout

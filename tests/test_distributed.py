@@ -104,3 +104,35 @@ def test_sync_without_a_process_group_says_so():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         distributed.sync()
+
+
+def test_torchrun_example_runs(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "FP4SELECT_CACHE_DIR": str(tmp_path),
+        "FP4SELECT_ISOLATION": "inprocess",
+        "FP4SELECT_TIME_BUDGET_S": "0.02",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(ROOT / "examples" / "torchrun_sync.py"),
+            "--max-m",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "rank 1/2: 8 keys agreed" in out and "adopted 8 from rank 0, tuned 0 here" in out
+    assert out.count("tunings after sync: 0") == 2
