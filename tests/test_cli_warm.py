@@ -113,7 +113,7 @@ def test_model_with_no_fp4_layer_says_so(tmp_path, capsys):
 def _run(cache: Path, *args: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "FP4SELECT_CACHE_DIR": str(cache),
         "FP4SELECT_ISOLATION": "inprocess",
         "FP4SELECT_TIME_BUDGET_S": "0.02",
@@ -198,7 +198,7 @@ def test_applicability_rejects_a_file_that_is_not_an_archive(tmp_path):
 def test_deploy_recipe_runs_end_to_end(tmp_path):
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "PYTHON": sys.executable,
         "FP4SELECT_ISOLATION": "inprocess",
         "FP4SELECT_TIME_BUDGET_S": "0.02",

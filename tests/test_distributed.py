@@ -36,7 +36,7 @@ def run_job(tmp_path: Path, scenario: str, world: int) -> list[dict]:
     for rank in range(world):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
@@ -109,7 +109,7 @@ def test_sync_without_a_process_group_says_so():
 def test_torchrun_example_runs(tmp_path):
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "FP4SELECT_CACHE_DIR": str(tmp_path),
         "FP4SELECT_ISOLATION": "inprocess",
         "FP4SELECT_TIME_BUDGET_S": "0.02",

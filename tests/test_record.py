@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **extra,
+    }
 
 
 @pytest.fixture(autouse=True)
