@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from fp4select import record as _record
 from fp4select.keys import B_LAYOUTS, INVARIANT_BUCKET, OUT_DTYPES, Problem, m_bucket
 from fp4select.selector import Decision, Selector
 from fp4select.store import Store
@@ -200,6 +201,7 @@ def _miss(
     problem = check_arguments(
         *args, backend, use_nvfp4, enable_pdl, b_layout, batch_invariant, allow_blacklisted
     )
+    _record.note(problem)  # FP4SELECT_RECORD: the first call of a signature only
     a = args[0]
     sel = selector()
     device = a.device

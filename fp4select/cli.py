@@ -215,12 +215,56 @@ def _parse_shape(text: str) -> tuple[int, int]:
     return n, k
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _buckets(max_m: int) -> list[int]:
     top = m_bucket(max_m)
     return [b for b in M_BUCKETS if b <= top]
 
 
-def _problems(args: argparse.Namespace) -> list[Problem]:
+def _problems_for(
+    shapes: Sequence[tuple[int, int]], args: argparse.Namespace, fmt: str
+) -> list[Problem]:
+    use_nvfp4 = fmt == "nvfp4"
+    return [
+        Problem(
+            n=n,
+            k=k,
+            m_bucket=bucket,
+            out_dtype=args.out_dtype,
+            block_size=16 if use_nvfp4 else 32,
+            use_nvfp4=use_nvfp4,
+            a_sf_layout=args.a_sf_layout,
+            b_layout=args.b_layout,
+            alpha_kind=args.alpha,
+        )
+        for n, k in shapes
+        for bucket in _buckets(args.max_m)
+    ]
+
+
+class _WarmUsageError(Exception):
+    """Bad warm input: printed as ``warm: <message>``, exit status 2."""
+
+
+def _warm_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Every key warm will tune, from --shape, --shapes-file, --model and --from-record.
+
+    Returns the problems (deduplicated, first appearance first) and, as data for --dry-run,
+    the model table and the record counts.
+    """
+    from fp4select.model_shapes import ModelConfigError, shapes_from_path
+    from fp4select.record import read_record
+
+    plan: dict[str, Any] = {"model": None, "record": None}
     shapes = list(args.shape or [])
     for path in args.shapes_file or []:
         with open(path, encoding="utf-8") as fh:
@@ -231,63 +275,170 @@ def _problems(args: argparse.Namespace) -> list[Problem]:
                 if isinstance(item, list)
                 else (int(item["n"]), int(item["k"]))
             )
-    if not shapes:
-        raise SystemExit("warm: give at least one --shape N,K or --shapes-file")
-    use_nvfp4 = args.format == "nvfp4"
-    problems = []
-    for n, k in shapes:
-        for bucket in _buckets(args.max_m):
-            problems.append(
-                Problem(
-                    n=n,
-                    k=k,
-                    m_bucket=bucket,
-                    out_dtype=args.out_dtype,
-                    block_size=16 if use_nvfp4 else 32,
-                    use_nvfp4=use_nvfp4,
-                    a_sf_layout=args.a_sf_layout,
-                    b_layout=args.b_layout,
-                    alpha_kind=args.alpha,
-                )
+    fmt = args.format or "nvfp4"
+    problems: list[Problem] = []
+    if args.model:
+        try:
+            model = shapes_from_path(args.model, tp=args.tp)
+        except ModelConfigError as exc:
+            raise _WarmUsageError(f"--model {args.model}: {exc}") from None
+        if args.format and args.format != model.format:
+            raise _WarmUsageError(
+                f"--format {args.format} contradicts the model's FP4 layers ({model.format})"
             )
-    return problems
+        plan["model"] = model
+        problems += model.problems(
+            args.max_m,
+            out_dtype=args.out_dtype,
+            a_sf_layout=args.a_sf_layout,
+            b_layout=args.b_layout,
+            alpha_kind=args.alpha,
+        )
+    problems += _problems_for(shapes, args, fmt)
+    if args.from_record:
+        try:
+            counts = read_record(args.from_record)
+        except OSError as exc:
+            raise _WarmUsageError(f"--from-record: {exc}") from None
+        plan["record"] = counts
+        problems += list(counts)
+    if not (args.shape or args.shapes_file or args.model or args.from_record):
+        raise _WarmUsageError("give --shape N,K, --shapes-file, --model PATH or --from-record FILE")
+    plan["problems"] = list(dict.fromkeys(problems))
+    return plan
+
+
+def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
+    model, record, problems = plan["model"], plan["record"], plan["problems"]
+    if as_json:
+        _print_json(
+            {
+                "model": model.to_json() if model else None,
+                "record": [{"problem": p.to_json(), "count": c} for p, c in record.items()]
+                if record is not None
+                else None,
+                "problems": [p.to_json() for p in problems],
+            }
+        )
+        return
+    if model is not None:
+        print(f"{model.architecture} at tp={model.tp}: {model.format} layers per rank")
+        rows = [[x.name, x.n, x.k, x.count, x.split] for x in model.layers]
+        print(_table(rows, ["layer", "N", "K", "count", "split"]) if rows else "no FP4 layers")
+        for line in model.notes:
+            print(f"note: {line}")
+    if record is not None:
+        rows = [[p.describe(), c] for p, c in record.items()]
+        print(_table(rows, ["recorded problem", "seen"]) if rows else "the record is empty")
+    print(f"{len(problems)} problem keys to tune")
+
+
+def _warm_devices(args: argparse.Namespace) -> list[torch.device] | None:
+    from fp4select.multi_gpu import check_same_environment, parse_devices
+
+    if not args.devices:
+        return None
+    if args.device:
+        raise _WarmUsageError("give --device or --devices, not both")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = [torch.device("cuda", i) for i in parse_devices(args.devices, count)]
+    check_same_environment(devices)
+    return devices
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
+    import time
+
     from fp4select.api import selector
+    from fp4select.multi_gpu import DeviceError, warm_parallel
 
-    device = _device(args.device)
-    problems = _problems(args)
-    sel = selector()
     try:
-        from tqdm import tqdm
+        plan = _warm_plan(args)
+        devices = None if args.dry_run else _warm_devices(args)
+    except (_WarmUsageError, DeviceError) as exc:
+        print(f"warm: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        _print_plan(plan, args.json)
+        return 0
+    problems = plan["problems"]
+    if not problems:
+        print("warm: no FP4 problem keys to tune (see --dry-run for why)", file=sys.stderr)
+        return 1
+    sel = selector()
+    started = time.perf_counter()
+    if devices is not None:
+        show = not (args.quiet or args.json)
 
-        progress = tqdm(
-            problems, desc="fp4select warm", unit="key", disable=args.quiet or args.json
+        def progress(row: dict[str, Any]) -> None:
+            if show:
+                print(f"{row['problem']}: {row['winner']} ({row['source']}) on {row['device']}")
+
+        results, counters = warm_parallel(
+            problems,
+            devices,
+            store_root=sel.store.root,
+            isolation=sel.isolation,
+            timing=sel.timing,
+            progress=progress,
         )
-    except ImportError:  # tqdm comes with flashinfer; without it, plain lines
-        progress = problems
-    results = []
-    failures = 0
-    for problem in progress:
-        decision = sel.decide(problem, device)
-        if decision.winner is None:
-            failures += 1
-        results.append(
+        device = devices[0]
+    else:
+        device = _device(args.device)
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(
+                problems, desc="fp4select warm", unit="key", disable=args.quiet or args.json
+            )
+        except ImportError:  # tqdm comes with flashinfer; without it, plain lines
+            progress = problems
+        results = []
+        for problem in progress:
+            decision = sel.decide(problem, device)
+            results.append(
+                {
+                    "problem": problem.describe(),
+                    "winner": decision.winner,
+                    "source": decision.source,
+                    "seconds": round(decision.tuning_seconds, 3),
+                }
+            )
+            if not args.json and progress is problems and not args.quiet:
+                print(f"{problem.describe()}: {decision.winner} ({decision.source})")
+        counters = sel.counters.as_dict()
+    wall = time.perf_counter() - started
+    failures = sum(1 for r in results if r["winner"] is None)
+    exported = None
+    if args.export:
+        try:
+            exported = sel.store.export_archive(args.export, environment_for(device))
+        except (OSError, ValueError) as exc:
+            print(f"warm: --export {args.export} failed: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        _print_json(
             {
-                "problem": problem.describe(),
-                "winner": decision.winner,
-                "source": decision.source,
-                "seconds": round(decision.tuning_seconds, 3),
+                "results": results,
+                "stats": counters,
+                "devices": [str(d) for d in devices] if devices else [str(device)],
+                "wall_seconds": round(wall, 3),
+                "exported": exported,
             }
         )
-        if not args.json and progress is problems and not args.quiet:
-            print(f"{problem.describe()}: {decision.winner} ({decision.source})")
-    if args.json:
-        _print_json({"results": results, "stats": sel.counters.as_dict()})
     else:
-        rows = [[r["problem"], r["winner"] or "NONE", r["source"], r["seconds"]] for r in results]
-        print(_table(rows, ["problem", "winner", "source", "tuning s"]))
+        rows = [
+            [r["problem"], r["winner"] or "NONE", r["source"], r.get("seconds", "-")]
+            + ([r.get("device") or "-"] if devices else [])
+            for r in results
+        ]
+        header = ["problem", "winner", "source", "tuning s"] + (["device"] if devices else [])
+        print(_table(rows, header))
+        print(
+            f"{len(results)} keys in {wall:.1f} s" + (f" on {len(devices)} GPUs" if devices else "")
+        )
+        if exported is not None:
+            print(f"exported {exported} entries to {args.export}")
     return 1 if failures else 0
 
 
@@ -633,10 +784,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--shapes-file", action="append", metavar="JSON", help='{"shapes": [[N, K], ...]}'
     )
     p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a Hugging Face model folder or its config.json: tune its FP4 linear layers",
+    )
+    p.add_argument(
+        "--tp", type=_positive_int, default=1, help="tensor-parallel degree for --model (default 1)"
+    )
+    p.add_argument(
+        "--from-record",
+        metavar="FILE",
+        help="tune exactly the problem keys a run recorded with FP4SELECT_RECORD=FILE",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="all|0,1,...",
+        help="tune on these GPUs (of one kind) in parallel, one worker each",
+    )
+    p.add_argument(
+        "--export", metavar="FILE", help="afterwards, write this environment's decisions to FILE"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the layers and keys; tune nothing")
+    p.add_argument(
         "--max-m", type=int, default=8192, help="largest batch (tokens) to cover (default 8192)"
     )
     p.add_argument("--quiet", action="store_true")
     _problem_options(p)
+    p.set_defaults(format=None)  # --model brings its own format; nvfp4 otherwise
     p = command("show", cmd_show, "list stored decisions")
     p.add_argument("--all", action="store_true", help="every environment, not just this machine's")
     p = command(
