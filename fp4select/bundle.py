@@ -11,13 +11,11 @@ Design rule: this only reads (JSON, checked before use); ``Store.import_archive`
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from fp4select.store import digest
+from fp4select.store import digest, read_archive
 
 __all__ = ["applicability", "difference"]
 
@@ -34,21 +32,11 @@ def applicability(path: str | os.PathLike[str], here: Mapping[str, Any]) -> dict
     Raises ``ValueError`` for a file that is not an archive, ``OSError`` when it cannot be
     read (the user named it).
     """
-    p = Path(os.fsdecode(path))
-    try:
-        data = json.loads(p.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{p} is not JSON: {exc}") from None
-    entries = data.get("entries") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        raise ValueError(f"{p} is not an fp4select archive (no 'entries' list)")
+    entries = [env for env, _, _ in read_archive(path)[0]]
     here_hash = digest(dict(here))
     reasons: dict[str, int] = {}
     applies = 0
-    for i, item in enumerate(entries):
-        env = item.get("env") if isinstance(item, dict) else None
-        if not isinstance(env, dict):
-            raise ValueError(f"{p}: entries[{i}].env must be a JSON object")
+    for env in entries:
         if digest(env) == here_hash:
             applies += 1
         else:

@@ -412,7 +412,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     exported = None
     if args.export:
         try:
-            exported = sel.store.export_archive(args.export, environment_for(device))
+            exported = sel.store.export_archive(args.export, environment_for(device)).entries
         except (OSError, ValueError) as exc:
             print(f"warm: --export {args.export} failed: {exc}", file=sys.stderr)
             return 1
@@ -605,12 +605,18 @@ def cmd_import(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"import failed: {exc}", file=sys.stderr)
         return 1
+    from fp4select import bundle
+
+    fit = bundle.applicability(args.path, environment_for(_device(args.device)))
     lost = result.entries_in_memory + result.blacklist_in_memory
     if args.json:
-        _print_json({"path": args.path, **result.as_dict()})
+        _print_json({"path": args.path, **result.as_dict(), "applicability": fit})
     else:
         r = result
         print(f"imported {_many(r.entries_written, 'entry', 'entries')} from {args.path}")
+        print(f"{fit['apply']} of {_many(fit['entries'], 'entry', 'entries')} apply here")
+        for why, count in sorted(fit["reasons"].items()):
+            print(f"  {count} do not: {why}")
         for why in r.entries_invalid:
             print(f"skipped an invalid entry: {why}")
         if r.entries_present:

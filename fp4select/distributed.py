@@ -85,19 +85,13 @@ def _selector(sel: Selector | None) -> Selector:
     return selector()
 
 
-# The selector keeps decisions in a private dict; these three functions are the only place
-# outside selector.py that touches it (a public Selector.adopt/decisions would replace them).
 def _decisions(sel: Selector, env: Mapping[str, Any]) -> list[Decision]:
-    with sel._lock:
-        return [d for d in sel._memory.values() if d.env == env]
+    return sel.decisions(env)
 
 
 def adopt(decision: Decision, sel: Selector | None = None) -> None:
     """Install ``decision`` in this process's memory, as a disk read would."""
-    sel = _selector(sel)
-    key = Selector._memory_key(decision.env, decision.problem)
-    with sel._lock:
-        sel._memory[key] = decision
+    _selector(sel).adopt(decision)
 
 
 def held_problems(env: Mapping[str, Any], sel: Selector | None = None) -> list[Problem]:

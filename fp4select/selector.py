@@ -349,6 +349,16 @@ class Selector:
             return None
         return decision
 
+    def decisions(self, env: Mapping[str, Any]) -> list[Decision]:
+        """The decisions this process holds for ``env`` (what ranks compare and share)."""
+        with self._lock:
+            return [d for d in self._memory.values() if d.env == env]
+
+    def adopt(self, decision: Decision) -> None:
+        """Hold ``decision`` in memory as if it had been read from disk (rank 0's, say)."""
+        with self._lock:
+            self._memory[self._memory_key(decision.env, decision.problem)] = decision
+
     def decide(self, problem: Problem, device: torch.device) -> Decision:
         decision = self.lookup(problem, device)
         if decision is not None:

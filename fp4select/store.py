@@ -1224,8 +1224,7 @@ class Store:
         if isinstance(protected_backends, str):
             raise TypeError("protected_backends must be a collection of backend names, not a str")
         protected = frozenset(protected_backends)
-        path = Path(os.fsdecode(path))
-        entries, blacklist = _parse_archive(path, _read_archive(path))
+        entries, blacklist = read_archive(path)
         invalid: list[str] = []
         if check_entry is not None:
             checked = []
@@ -1263,6 +1262,18 @@ class Store:
             blacklist_protected=tuple(refused),
             entries_invalid=tuple(invalid),
         )
+
+
+def read_archive(
+    path: str | os.PathLike[str],
+) -> tuple[list[tuple[dict, dict, dict]], list[tuple[dict, str, dict]]]:
+    """The (env, key, record) entries and (env, backend, record) blacklist of an archive.
+
+    Checked as ``import_archive`` checks it (a regular file, strict JSON, every field's type);
+    raises ``ValueError`` for one that is not an archive and ``OSError`` when it cannot be read.
+    """
+    path = Path(os.fsdecode(path))
+    return _parse_archive(path, _read_archive(path))
 
 
 def _parse_archive(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import fp4select
 from fp4select import distributed
 from fp4select.keys import Problem, environment_for
+from fp4select.probe import Verdict
 from fp4select.selector import Decision
 from fp4select.timing import TimingOptions
 
@@ -85,8 +86,9 @@ def main() -> None:
                 import fake_backends
 
                 fp4select.register_backend(fake_backends.fast, name="fast", devices={"cpu", "cuda"})
+                passed = {"fast": Verdict("fast", "passed")}
                 distributed.adopt(
-                    Decision(problem, dict(env), "fast", {}, considered=["fast"]), sel
+                    Decision(problem, dict(env), "fast", passed, considered=["fast"]), sel
                 )
             try:
                 distributed.sync(problems=[problem], device=device)
