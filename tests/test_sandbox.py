@@ -200,6 +200,9 @@ class TestGauntlet:
         if status in ("crash", "hang"):
             assert "stderr_tail" in verdict["detail"]
         assert fb.count(gauntlet.markers, name) >= 1
+        if status in FATAL_STATUSES:  # condemned only once it failed again, alone
+            assert verdict["detail"]["reproduced_alone"] is True
+            assert fb.count(gauntlet.markers, name) == 2
 
     def test_fatal_signal_leaves_the_python_stack_in_the_verdict(self, gauntlet):
         tail = gauntlet.record["verdicts"]["segfault"]["detail"]["stderr_tail"]
@@ -238,14 +241,14 @@ class TestGauntlet:
         with pytest.raises(fp4select.BlacklistedBackendError, match="SIGSEGV") as info:
             call(backend="segfault")
         assert entry["when"] in str(info.value)
-        assert fb.count(gauntlet.markers, "segfault") == 1
+        assert fb.count(gauntlet.markers, "segfault") == 2  # the probe and its reproduction
 
     def test_allow_blacklisted_still_proves_it_in_the_sandbox_first(self, gauntlet):
         before = fb.count(gauntlet.markers, "segfault")
         with pytest.raises(fp4select.NoCorrectBackendError, match="SIGSEGV"):
             call(backend="segfault", allow_blacklisted=True)
         # It did run (the override was honoured), in a child: we are still here.
-        assert fb.count(gauntlet.markers, "segfault") == before + 1
+        assert fb.count(gauntlet.markers, "segfault") == before + 2  # crashed, then alone
 
 
 # ---------------------------------------------------------------------------- single faults
@@ -260,7 +263,8 @@ def test_crash_at_one_m_inside_the_bucket_is_caught_and_located(sandboxed):
     assert verdict["detail"]["phase"] == "validate"
     assert record["winner"] in {"good", "emulation"}
     assert "crash_at_one_m" in sandboxed.selector.store.blacklist(CPU_ENV)
-    assert fb.count(sandboxed.markers, "crash_at_one_m") == 1
+    assert verdict["detail"]["reproduced_alone"] is True
+    assert fb.count(sandboxed.markers, "crash_at_one_m") == 2  # the probe, then alone
 
 
 def test_crash_while_timing_replaces_its_passed_verdict(sandboxed):
@@ -290,7 +294,7 @@ def test_crash_while_importing_the_backend_in_the_child(sandboxed, monkeypatch):
         assert verdict["detail"]["phase"] == "import" and verdict["m"] is None
         assert "import_crash" in sandboxed.selector.store.blacklist(CPU_ENV)
         assert record["winner"] == "emulation"
-        assert fb.count(sandboxed.markers, "import_crash") == 1
+        assert fb.count(sandboxed.markers, "import_crash") == 2  # the probe, then alone
 
         extra = textwrap.dedent(
             f"""
@@ -303,7 +307,7 @@ def test_crash_while_importing_the_backend_in_the_child(sandboxed, monkeypatch):
         )
         result = second_process(sandboxed.cache, (), extra)
         assert result["source"] == "disk" and result["winner"] == "emulation"
-        assert fb.count(sandboxed.markers, "import_crash") == 1
+        assert fb.count(sandboxed.markers, "import_crash") == 2
     finally:
         fp4select.unregister_backend("import_crash")
 
@@ -518,4 +522,4 @@ def test_blacklist_scope_key_condemns_the_crashing_key_only(sandboxed, monkeypat
     assert fb.CRASH_M not in range(other.m_range[0], other.m_range[1] + 1)
     second = fp4select.explain(problem=other, device="cpu")
     assert second["verdicts"]["crash_at_one_m"]["status"] == "passed"
-    assert fb.count(sandboxed.markers, "crash_at_one_m") == 1  # it marks only when it crashes
+    assert fb.count(sandboxed.markers, "crash_at_one_m") == 2  # it marks only when it crashes
