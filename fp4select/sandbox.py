@@ -517,7 +517,7 @@ class _Attempt:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     result: ProbeResult | None = None
     last_run: dict[str, Any] | None = None
-    ran: list[str] = field(default_factory=list)  # this request's backends, by last activity
+    ran: list[str] = field(default_factory=list)  # backends that ran (not just imported), by last activity
     failure: _Failure | None = None
     lost: str | None = None  # the child failed with no backend to blame
     out_of_step: str | None = None  # why the stream could not be trusted
@@ -978,9 +978,10 @@ class SandboxProber:
                 kind = event["event"]
                 if kind == "run":
                     attempt.last_run = event
-                    attempt.announced(event["backend"])
-                    if event["backend"] is not None:
-                        worker.ran.append(event["backend"])
+                    if event["phase"] != "import":  # imports happen up front, for every spec
+                        attempt.announced(event["backend"])
+                        if event["backend"] is not None:
+                            worker.ran.append(event["backend"])
                     window = self._window(job, event)
                     deadline = time.monotonic() + window
                     job.report({**event, "alone": True} if alone else event)
