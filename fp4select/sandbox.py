@@ -517,7 +517,8 @@ class _Attempt:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     result: ProbeResult | None = None
     last_run: dict[str, Any] | None = None
-    ran: list[str] = field(default_factory=list)  # backends that ran (not just imported), by last activity
+    # Backends that ran (not only were imported), the most recently active last.
+    ran: list[str] = field(default_factory=list)
     failure: _Failure | None = None
     lost: str | None = None  # the child failed with no backend to blame
     out_of_step: str | None = None  # why the stream could not be trusted
