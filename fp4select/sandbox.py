@@ -932,6 +932,8 @@ class SandboxProber:
         name, phase, m = event.get("backend"), event.get("phase"), event.get("m")
         if name is None or name in job.builtin:  # our own work: it scales with the problem
             return scaled_timeout_s(job.problem, job.device, self.timeout_s, m)
+        if phase == "linger":  # the child waits on purpose, then reports
+            return self.timeout_s + self.linger_s
         if phase == "validate":  # the reference for this M is built after this event
             reference = reference_seconds(job.problem, m or job.problem.m_bucket, job.device.type)
             return self.timeout_s + 2 * reference

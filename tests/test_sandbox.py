@@ -912,6 +912,8 @@ def test_only_the_builtin_fallback_and_our_own_steps_get_the_scaled_window():
         == scaled_timeout_s(problem, "cpu", 1, 512)
     )
     assert window["plugin", "time"] == 1
+    linger = prober._window(job, {"backend": "plugin", "phase": "linger", "m": None})
+    assert linger == 1 + prober.linger_s  # a deliberate wait is not a hang
     assert 1 < window["plugin", "validate"] < window["emulation", "validate"]  # the reference
     assert registry.backends["emulation"].family == "builtin"
 
