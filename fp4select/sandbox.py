@@ -1034,7 +1034,7 @@ class SandboxProber:
             assert returncode is not None
             words, detail = _death(returncode)
             words = f"crashed: {words}" if returncode < 0 else words
-        if not attempt.ran:
+        if attempt.last_run is None:
             attempt.lost = f"the worker failed ({words}) before it started probing:\n{tail}"
             return attempt
         detail = {"phase": phase, **detail, "stderr_tail": tail}
