@@ -765,7 +765,7 @@ class SandboxProber:
                         timings, method = result.timings, result.method
                     elif result.method != "none":
                         method = result.method
-                    if not result.aborted:
+                    if not result.aborted and failure is None:
                         break
                     self._retire(key)  # its CUDA context is gone, and the child with it
                     failure = failure or _timing_failure(attempt)
