@@ -11,7 +11,9 @@ so the counts prove it).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -32,7 +34,13 @@ from fp4select.backends import discover
 from fp4select.backends.base import Backend, Capabilities
 from fp4select.keys import Problem, environment_for
 from fp4select.probe import FATAL_STATUSES, ProbeOptions
-from fp4select.sandbox import IDLE_ENV, PROBE_TIMEOUT_ENV, SandboxProber
+from fp4select.sandbox import (
+    IDLE_ENV,
+    PROBE_TIMEOUT_ENV,
+    PROTOCOL_STRIKES,
+    SandboxProber,
+    scaled_timeout_s,
+)
 from fp4select.timing import TimingOptions
 from fp4select.validate import check, make_inputs
 
@@ -200,6 +208,9 @@ class TestGauntlet:
         if status in ("crash", "hang"):
             assert "stderr_tail" in verdict["detail"]
         assert fb.count(gauntlet.markers, name) >= 1
+        if status in FATAL_STATUSES:  # condemned only once it failed again, alone
+            assert verdict["detail"]["reproduced_alone"] is True
+            assert fb.count(gauntlet.markers, name) == 2
 
     def test_fatal_signal_leaves_the_python_stack_in_the_verdict(self, gauntlet):
         tail = gauntlet.record["verdicts"]["segfault"]["detail"]["stderr_tail"]
@@ -238,14 +249,14 @@ class TestGauntlet:
         with pytest.raises(fp4select.BlacklistedBackendError, match="SIGSEGV") as info:
             call(backend="segfault")
         assert entry["when"] in str(info.value)
-        assert fb.count(gauntlet.markers, "segfault") == 1
+        assert fb.count(gauntlet.markers, "segfault") == 2  # the probe and its reproduction
 
     def test_allow_blacklisted_still_proves_it_in_the_sandbox_first(self, gauntlet):
         before = fb.count(gauntlet.markers, "segfault")
         with pytest.raises(fp4select.NoCorrectBackendError, match="SIGSEGV"):
             call(backend="segfault", allow_blacklisted=True)
         # It did run (the override was honoured), in a child: we are still here.
-        assert fb.count(gauntlet.markers, "segfault") == before + 1
+        assert fb.count(gauntlet.markers, "segfault") == before + 2  # crashed, then alone
 
 
 # ---------------------------------------------------------------------------- single faults
@@ -260,7 +271,8 @@ def test_crash_at_one_m_inside_the_bucket_is_caught_and_located(sandboxed):
     assert verdict["detail"]["phase"] == "validate"
     assert record["winner"] in {"good", "emulation"}
     assert "crash_at_one_m" in sandboxed.selector.store.blacklist(CPU_ENV)
-    assert fb.count(sandboxed.markers, "crash_at_one_m") == 1
+    assert verdict["detail"]["reproduced_alone"] is True
+    assert fb.count(sandboxed.markers, "crash_at_one_m") == 2  # the probe, then alone
 
 
 def test_crash_while_timing_replaces_its_passed_verdict(sandboxed):
@@ -290,7 +302,7 @@ def test_crash_while_importing_the_backend_in_the_child(sandboxed, monkeypatch):
         assert verdict["detail"]["phase"] == "import" and verdict["m"] is None
         assert "import_crash" in sandboxed.selector.store.blacklist(CPU_ENV)
         assert record["winner"] == "emulation"
-        assert fb.count(sandboxed.markers, "import_crash") == 1
+        assert fb.count(sandboxed.markers, "import_crash") == 2  # the probe, then alone
 
         extra = textwrap.dedent(
             f"""
@@ -303,7 +315,7 @@ def test_crash_while_importing_the_backend_in_the_child(sandboxed, monkeypatch):
         )
         result = second_process(sandboxed.cache, (), extra)
         assert result["source"] == "disk" and result["winner"] == "emulation"
-        assert fb.count(sandboxed.markers, "import_crash") == 1
+        assert fb.count(sandboxed.markers, "import_crash") == 2
     finally:
         fp4select.unregister_backend("import_crash")
 
@@ -518,4 +530,424 @@ def test_blacklist_scope_key_condemns_the_crashing_key_only(sandboxed, monkeypat
     assert fb.CRASH_M not in range(other.m_range[0], other.m_range[1] + 1)
     second = fp4select.explain(problem=other, device="cpu")
     assert second["verdicts"]["crash_at_one_m"]["status"] == "passed"
-    assert fb.count(sandboxed.markers, "crash_at_one_m") == 1  # it marks only when it crashes
+    assert fb.count(sandboxed.markers, "crash_at_one_m") == 2  # it marks only when it crashes
+
+
+# --------------------------------------------------------------------------------- blame
+
+
+@pytest.mark.slow
+def test_a_late_fault_condemns_the_backend_that_fired_it_not_the_one_running(sandboxed):
+    """late_killer's thread kills the child while witness runs: witness must not take the blame."""
+    sandboxed.register("late_killer", "witness")
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    verdicts = record["verdicts"]
+    killer = verdicts["late_killer"]
+    assert killer["status"] == "crash" and "SIGSEGV" in killer["reason"], killer
+    assert killer["detail"]["reproduced_alone"] is True
+    first = killer["detail"]["first_failure"]
+    assert first["backend"] == "witness" and first["status"] == "crash"  # where it died first
+    assert verdicts["witness"]["status"] == "passed", verdicts["witness"]
+    assert verdicts["emulation"]["status"] == "passed"
+    blacklist = sandboxed.selector.store.blacklist(CPU_ENV)
+    assert set(blacklist) == {"late_killer"}
+    assert record["winner"] in {"witness", "emulation"}
+
+
+@pytest.mark.slow
+def test_a_death_that_no_candidate_reproduces_alone_blames_no_one(sandboxed):
+    sandboxed.register("crash_once", "good")
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    verdict = record["verdicts"]["crash_once"]
+    assert verdict["status"] == "error", verdict
+    assert "no candidate reproduced it alone" in verdict["reason"]
+    assert "SIGSEGV" in verdict["reason"]
+    first = verdict["detail"]["unreproduced"]
+    assert first["backend"] == "crash_once" and first["signal"] == "SIGSEGV"
+    assert "fault_backends.py" in first["stderr_tail"]
+    assert verdict["detail"]["rerun_alone"]["crash_once"] == "passed"
+    # emulation ran before it in the dying child: re-run alone too, and as the fallback it is
+    # probed again rather than excluded.
+    assert verdict["detail"]["rerun_alone"].get("emulation") in (None, "passed")
+    assert record["verdicts"]["emulation"]["status"] == "passed"
+    assert sandboxed.selector.store.blacklist(CPU_ENV) == {}
+    assert record["verdicts"]["good"]["status"] == "passed"  # it never ran in the dying child
+    assert record["winner"] in {"good", "emulation"}
+    assert fb.count(sandboxed.markers, "crash_once") == 1
+
+
+# ------------------------------------------------------------------------------ protocol
+
+
+def _stream(*names: str, finished: tuple[str, ...] = ()):
+    from fp4select.sandbox import _Stream
+
+    stream = _Stream("7-abc", names)
+    stream.finished.update(finished)
+    return stream
+
+
+def _verdict(name: str = "good", **changes) -> dict:
+    return {**fb._passed(name), **changes}
+
+
+def _result(verdicts: dict, **changes) -> dict:
+    result = {"verdicts": verdicts, "timings": {}, "method": "none", "seconds": 0.5}
+    return {"event": "result", "id": "7-abc", "result": {**result, "aborted": False, **changes}}
+
+
+TIMING_JSON = {
+    "median_us": 3.0,
+    "p10_us": 2.5,
+    "p90_us": 3.5,
+    "samples": 9,
+    "calls_per_sample": 4,
+    "method": "wall",
+}
+
+GOOD_EVENTS = [
+    {"event": "run", "id": "7-abc", "backend": "good", "phase": "validate", "m": 5},
+    {"event": "run", "id": "7-abc", "backend": None, "phase": "inputs", "m": 8},
+    {"event": "verdict", "id": "7-abc", "verdict": _verdict(status="wrong", m=5)},
+    {"event": "verdict", "id": "7-abc", "verdict": _verdict()},  # after its out= step
+    _result(
+        {"good": _verdict(), "other": _verdict("other", status="wrong")},
+        timings={"good": TIMING_JSON},
+    ),
+    {"event": "error", "id": "7-abc", "message": "Traceback ..."},
+]
+
+BAD_EVENTS = {
+    "no id": {"event": "verdict", "verdict": _verdict()},
+    "an earlier id": {"event": "verdict", "id": "6-abc", "verdict": _verdict()},
+    "unknown kind": {"event": "ready", "id": "7-abc", "pid": 1},
+    "run of a stranger": {"event": "run", "id": "7-abc", "backend": "ghost", "phase": "bind"},
+    "run with a string m": {
+        "event": "run",
+        "id": "7-abc",
+        "backend": "good",
+        "phase": "x",
+        "m": "5",
+    },
+    "run without a phase": {"event": "run", "id": "7-abc", "backend": "good", "m": 5},
+    "verdict not an object": {"event": "verdict", "id": "7-abc", "verdict": 5},
+    "verdict missing fields": {"event": "verdict", "id": "7-abc", "verdict": {"backend": "good"}},
+    "verdict extra field": {"event": "verdict", "id": "7-abc", "verdict": _verdict(extra=1)},
+    "verdict for a stranger": {"event": "verdict", "id": "7-abc", "verdict": _verdict("ghost")},
+    "crash from the child": {
+        "event": "verdict",
+        "id": "7-abc",
+        "verdict": _verdict(status="crash"),
+    },
+    "unknown status": {"event": "verdict", "id": "7-abc", "verdict": _verdict(status="fine")},
+    "reason not a string": {"event": "verdict", "id": "7-abc", "verdict": _verdict(reason=3)},
+    "m a boolean": {"event": "verdict", "id": "7-abc", "verdict": _verdict(m=True)},
+    "m negative": {"event": "verdict", "id": "7-abc", "verdict": _verdict(m=-1)},
+    "NaN worst_ratio": {
+        "event": "verdict",
+        "id": "7-abc",
+        "verdict": _verdict(worst_ratio=math.nan),
+    },
+    "inf worst_ratio": {
+        "event": "verdict",
+        "id": "7-abc",
+        "verdict": _verdict(worst_ratio=math.inf),
+    },
+    "text worst_ratio": {"event": "verdict", "id": "7-abc", "verdict": _verdict(worst_ratio="0")},
+    "deterministic text": {
+        "event": "verdict",
+        "id": "7-abc",
+        "verdict": _verdict(deterministic="y"),
+    },
+    "detail a list": {"event": "verdict", "id": "7-abc", "verdict": _verdict(detail=[])},
+    "empty result": {"event": "result", "id": "7-abc", "result": {}},
+    "result verdicts a list": _result([]),
+    "result missing a name": _result({}),
+    "result NaN seconds": _result({"good": _verdict()}, seconds=math.nan),
+    "result aborted text": _result({"good": _verdict()}, aborted="no"),
+    "result under another name": _result({"good": _verdict("other")}),
+    "timing of a failure": _result(
+        {"good": _verdict(status="wrong")}, timings={"good": TIMING_JSON}
+    ),
+    "NaN timing": _result(
+        {"good": _verdict()}, timings={"good": {**TIMING_JSON, "p10_us": math.nan}}
+    ),
+    "error without message": {"event": "error", "id": "7-abc"},
+}
+
+
+@pytest.mark.parametrize("event", GOOD_EVENTS, ids=lambda e: e["event"])
+def test_well_formed_events_of_this_request_are_accepted(event):
+    assert _stream("good", "other", finished=("good",)).error(event) is None
+
+
+@pytest.mark.parametrize("what", sorted(BAD_EVENTS))
+def test_malformed_or_foreign_events_are_refused(what):
+    assert _stream("good", "other", finished=("good", "other")).error(BAD_EVENTS[what])
+
+
+def test_a_passed_verdict_before_its_last_validation_step_is_refused():
+    stream = _stream("good")
+    assert "before its out= step" in stream.error(
+        {"event": "verdict", "id": "7-abc", "verdict": _verdict()}
+    )
+    assert "before its out= step" in stream.error(_result({"good": _verdict()}))
+    run = {"event": "run", "id": "7-abc", "backend": "good", "phase": "out=", "m": 8}
+    assert stream.error(run) is None
+    assert stream.error({"event": "verdict", "id": "7-abc", "verdict": _verdict()}) is None
+
+
+def _probe_with_events(names, problem=PROBLEM, options=None, prober=None):
+    registry = discover()
+    backends = [registry.backends[n] for n in names]
+    events: list[dict] = []
+    own = prober is None
+    prober = prober or SandboxProber()
+    try:
+        result = prober.probe(
+            problem, backends, "cpu", options or ProbeOptions(timing=TIMING), events.append
+        )
+    finally:
+        if own:
+            prober.close()
+    heard = [e["verdict"] for e in events if e["event"] == "verdict"]
+    return result, heard, events
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["forges_result", "forges_verdict"])
+def test_a_forged_event_on_the_channel_is_never_taken_for_a_verdict(name, monkeypatch, tmp_path):
+    """Both return zeros and claim on the protocol channel, under a wrong id, that they passed."""
+    monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
+    fb.register(name)
+    result, heard, _ = _probe_with_events([name, "emulation"])
+    verdict = result.verdicts[name]
+    assert not verdict.passed and verdict.status not in FATAL_STATUSES, verdict
+    assert verdict.status == "error" and "out of step" in verdict.reason
+    assert not any(v["backend"] == name and v["status"] == "passed" for v in heard)
+    assert result.verdicts["emulation"].passed
+    assert fb.count(tmp_path, name) == PROTOCOL_STRIKES  # one discarded worker per strike
+
+
+@pytest.mark.slow
+def test_a_leftover_result_from_an_earlier_key_is_not_this_keys_answer(monkeypatch, tmp_path):
+    """The desynchronised stream: an earlier request's result, naming a zeros backend passed."""
+    monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
+    fb.register("leftover_then_zeros")
+    prober = SandboxProber()
+    try:
+        options = ProbeOptions(timing=TIMING, validate_only=True)
+        _, _, events = _probe_with_events(
+            ["emulation"], Problem(n=48, k=64, m_bucket=16), options, prober
+        )
+        earlier = next((e["id"] for e in reversed(events) if e.get("id")), "1-stale")
+        (tmp_path / fb.LEFTOVER_ID_FILE).write_text(earlier)
+        result, heard, _ = _probe_with_events(["leftover_then_zeros", "emulation"], prober=prober)
+    finally:
+        prober.close()
+    verdict = result.verdicts["leftover_then_zeros"]
+    assert verdict.status == "wrong" and "all zero" in verdict.reason, verdict
+    assert not any(v["status"] == "passed" and v["backend"] != "emulation" for v in heard)
+    assert result.verdicts["emulation"].passed
+    assert fb.count(tmp_path, "leftover_then_zeros") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["verdict-not-an-object", "empty-result", "verdict-for-a-ghost"])
+def test_a_malformed_event_with_the_right_id_costs_the_worker_not_the_caller(
+    kind, monkeypatch, tmp_path
+):
+    """A plugin that finds the request id (on the stack) and writes a wrong-shaped event."""
+    monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
+    monkeypatch.setenv(fb.MALFORMED_ENV, kind)
+    fb.register("malformed_once")
+    result, heard, _ = _probe_with_events(["malformed_once", "emulation"])
+    # The worker that carried it was discarded; a fresh one probed again, cleanly.
+    assert result.verdicts["malformed_once"].passed, result.verdicts["malformed_once"]
+    assert result.verdicts["emulation"].passed
+    assert {v["backend"] for v in heard} <= {"malformed_once", "emulation"}
+    assert fb.count(tmp_path, "malformed_once") == 1
+
+
+# ------------------------------------------------------------------------- the worker's life
+
+
+def test_a_fork_while_another_thread_holds_the_device_lock_does_not_deadlock_the_child():
+    """The forked child gets fresh locks and no workers: it starts its own and leaves ours."""
+    emulation = discover().backends["emulation"]
+    options = ProbeOptions(timing=TIMING, validate_only=True)
+    prober = SandboxProber()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with prober._device_lock("cpu"):
+            held.set()
+            release.wait(120)
+
+    try:
+        prober.start("cpu")
+        ours = prober._workers["cpu"].pid
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if it could probe by itself
+            code = 3
+            try:
+                if prober._workers == {} and prober._device_lock("cpu").acquire(timeout=10):
+                    prober._device_lock("cpu").release()
+                    result = prober.probe(PROBLEM, [emulation], "cpu", options)
+                    code = 0 if result.verdicts["emulation"].passed else 4
+                prober.close()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child deadlocked")
+        release.set()
+        holder.join(10)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # The child neither used nor ended our worker.
+        assert prober._workers["cpu"].pid == ours and not _gone(ours)
+        assert prober.probe(PROBLEM, [emulation], "cpu", options).verdicts["emulation"].passed
+        assert prober._workers["cpu"].pid == ours
+    finally:
+        release.set()
+        prober.close()
+
+
+def test_the_child_does_not_import_from_the_callers_working_directory(tmp_path, monkeypatch):
+    marker = tmp_path / "imported"
+    for module in ("selectors", "json"):
+        (tmp_path / f"{module}.py").write_text(
+            f"open({str(marker)!r}, 'a').write({module!r} + '\\n')\n"
+            f"raise ImportError('the caller working directory was on the path')\n"
+        )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])  # as in `python -c` or a REPL
+    emulation = discover().backends["emulation"]
+    prober = SandboxProber()
+    try:
+        options = ProbeOptions(timing=TIMING, validate_only=True)
+        result = prober.probe(PROBLEM, [emulation], "cpu", options)
+    finally:
+        prober.close()
+    assert not marker.exists(), marker.read_text()
+    assert result.verdicts["emulation"].passed, result.verdicts["emulation"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="oom_score_adj is Linux's")
+def test_the_child_volunteers_for_the_oom_killer():
+    prober = SandboxProber()
+    try:
+        prober.start("cpu")
+        pid = prober._workers["cpu"].pid
+        with open(f"/proc/{pid}/oom_score_adj") as fh:
+            assert int(fh.read()) == 1000
+        with open("/proc/self/oom_score_adj") as fh:
+            assert int(fh.read()) < 1000  # the caller keeps its own
+    finally:
+        prober.close()
+
+
+def test_closing_the_sandbox_ends_the_helpers_a_backend_spawned(monkeypatch, tmp_path):
+    monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
+    fb.register("spawns_grandchild")
+    backend = discover().backends["spawns_grandchild"]
+    prober = SandboxProber()
+    helpers: list[int] = []
+    try:
+        options = ProbeOptions(timing=TIMING, validate_only=True)
+        result = prober.probe(PROBLEM, [backend], "cpu", options)
+        assert result.verdicts["spawns_grandchild"].passed
+        helpers = [int(p) for p in (tmp_path / fb.GRANDCHILD_PID_FILE).read_text().split()]
+        assert helpers and not any(_gone(p) for p in helpers)
+        prober.close()
+        assert all(_wait_gone(p, 10.0) for p in helpers)
+    finally:
+        prober.close()
+        for pid in helpers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------- the fallback's own timeout
+
+
+def test_the_fallbacks_timeout_scales_with_the_problem():
+    small, large = Problem(n=32, k=64, m_bucket=8), Problem(n=16384, k=16384, m_bucket=8192)
+    assert scaled_timeout_s(small, "cpu", 1.0) >= 30.0  # fixed costs alone can outlast 1 s
+    assert scaled_timeout_s(small, "cpu", 900.0) == 900.0  # never shorter than configured
+    assert scaled_timeout_s(large, "cpu", 600.0) > 3600.0  # 4.4 TFLOP through the reference
+    assert scaled_timeout_s(large, "cuda", 600.0) < scaled_timeout_s(large, "cpu", 600.0)
+    assert scaled_timeout_s(large, "cpu", 1.0, m=1) < scaled_timeout_s(large, "cpu", 1.0)
+
+
+def test_only_the_builtin_fallback_and_our_own_steps_get_the_scaled_window():
+    from fp4select.sandbox import _Job
+
+    registry = discover()
+    problem = Problem(n=4096, k=4096, m_bucket=512)
+    job = _Job(problem, torch.device("cpu"), ProbeOptions(), {}, frozenset({"emulation"}), print)
+    prober = SandboxProber(timeout_s=1)
+    try:
+        window = {
+            (name, phase): prober._window(job, {"backend": name, "phase": phase, "m": 512})
+            for name in ("emulation", None, "plugin")
+            for phase in ("validate", "time")
+        }
+    finally:
+        prober.close()
+    assert (
+        window["emulation", "time"]
+        == window[None, "time"]
+        == scaled_timeout_s(problem, "cpu", 1, 512)
+    )
+    assert window["plugin", "time"] == 1
+    linger = prober._window(job, {"backend": "plugin", "phase": "linger", "m": None})
+    assert linger == 1 + prober.linger_s  # a deliberate wait is not a hang
+    assert 1 < window["plugin", "validate"] < window["emulation", "validate"]  # the reference
+    assert registry.backends["emulation"].family == "builtin"
+
+
+@pytest.mark.slow
+def test_a_slow_builtin_fallback_is_not_a_hang_under_a_short_timeout(monkeypatch):
+    """A builtin-family backend whose every call outlasts the 1 s timeout still passes."""
+    monkeypatch.setenv(fb.SLOW_ENV, "1.5")
+    backend = Backend(
+        "slow_builtin",
+        run=fb.slow_good,
+        caps=Capabilities(devices=frozenset({"cpu"})),
+        family="builtin",
+    )
+    fp4select.register_backend(backend)
+    prober = SandboxProber(timeout_s=1)
+    try:
+        options = ProbeOptions(timing=TIMING, validate_only=True)
+        result = prober.probe(PROBLEM, [backend], "cpu", options)
+    finally:
+        prober.close()
+    verdict = result.verdicts["slow_builtin"]
+    assert verdict.passed, verdict
+
+
+@pytest.mark.slow
+def test_emulation_on_a_large_problem_outlasts_a_short_timeout_and_passes():
+    """About 1 s per validation step on a small CPU: longer than the configured timeout."""
+    emulation = discover().backends["emulation"]
+    problem = Problem(n=1024, k=1024, m_bucket=256)
+    prober = SandboxProber(timeout_s=1)
+    try:
+        options = ProbeOptions(timing=TIMING, validate_only=True)
+        result = prober.probe(problem, [emulation], "cpu", options)
+    finally:
+        prober.close()
+    assert result.verdicts["emulation"].passed, result.verdicts["emulation"]
