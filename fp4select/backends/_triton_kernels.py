@@ -185,3 +185,46 @@ def reduce_split(
     acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dequant_bf16(
+    x_ptr,
+    s_ptr,
+    out_ptr,
+    R,
+    KH,
+    stride_x,
+    cp,
+    NVFP4: tl.constexpr,
+    SF_8X4: tl.constexpr,
+    BR: tl.constexpr,
+    BKH: tl.constexpr,
+):
+    """Packed (R, K/2) rows and their swizzled scales -> bfloat16 (R, K), row-major.
+
+    NVFP4 values are exact in bfloat16; MXFP4 ones while they stay in its normal range.
+    """
+    SPB: tl.constexpr = 8 if NVFP4 else 16
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ks = tl.program_id(1) * BKH + tl.arange(0, BKH)
+    row_ok = rows < R
+    k_ok = ks < KH
+    safe_rows = tl.where(row_ok, rows, 0)
+    safe_ks = tl.where(k_ok, ks, 0)
+    x = tl.load(
+        x_ptr + safe_rows[:, None] * stride_x + safe_ks[None, :],
+        mask=row_ok[:, None] & k_ok[None, :],
+        other=0,
+    ).to(tl.int32)
+    s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], (safe_ks // SPB)[None, :], cp, SF_8X4))
+    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32)
+    lo = (_e2m1_f16(x).to(tl.float32) * 16384.0 * s).to(tl.bfloat16)
+    hi = (_e2m1_f16(x >> 4).to(tl.float32) * 16384.0 * s).to(tl.bfloat16)
+    values = tl.reshape(tl.join(lo, hi), (BR, 2 * BKH))
+    cols = tl.program_id(1) * (2 * BKH) + tl.arange(0, 2 * BKH)
+    tl.store(
+        out_ptr + rows[:, None] * (2 * KH) + cols[None, :],
+        values,
+        mask=row_ok[:, None] & (cols < 2 * KH)[None, :],
+    )
