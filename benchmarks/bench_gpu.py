@@ -64,8 +64,8 @@ SHAPES = [
 ]
 MS = [1, 4, 16, 64, 256, 1024, 2048, 8192]
 COLD_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3.1-8B
-COLD_MS = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192]
-ORACLE = TimingOptions(budget_s=0.8, min_rounds=15, max_rounds=60)
+COLD_MS = [1, 16, 256, 2048, 8192]
+ORACLE = TimingOptions(budget_s=0.5, min_rounds=15, max_rounds=60)
 
 
 def copy_bandwidth(device: torch.device) -> float:

@@ -33,10 +33,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+LIMITS: dict[str, int | None] = {}
+
+
 def runners() -> dict[str, object]:
     out: dict[str, object] = {}
     for cfg in triton_fp4.CONFIGS:
         out[cfg.name] = functools.partial(triton_fp4._run, cfg=cfg)
+        LIMITS[cfg.name] = cfg.max_m
         if cfg.split_k:
             for split in (1, 7):
                 out[f"{cfg.name}/split{split}"] = functools.partial(
@@ -75,7 +79,8 @@ def correctness(device: torch.device) -> list[dict]:
         )
         inputs = validate.make_inputs(problem, m, device, seed=m + n)
         for name, run in runners().items():
-            if "m16" in name and m > 64:
+            limit = LIMITS.get(name.split("/")[0])
+            if limit is not None and m > limit:
                 continue
             row = {
                 "backend": name,
@@ -142,12 +147,7 @@ def graph_capture(device: torch.device) -> list[dict]:
 
 def sweep(device: torch.device) -> list[dict]:
     """Time tile configurations at the decode and prefill targets (NVFP4, bf16 out)."""
-    cases = {
-        (8192, 8192, 1): [],
-        (8192, 8192, 16): [],
-        (1280, 8192, 16): [],
-        (8192, 8192, 4096): [],
-    }
+    cases = {(8192, 8192, 1): [], (8192, 8192, 16): []}
     small = []
     for bn, bkh, warps, stages in itertools.product((32, 64, 128), (128, 256), (4,), (3, 5)):
         if bn * bkh > 128 * 128 or (bn == 128 and warps == 2):
@@ -155,6 +155,21 @@ def sweep(device: torch.device) -> list[dict]:
         small.append(
             triton_fp4.TileConfig(
                 f"s{bn}x{bkh}w{warps}s{stages}", 16, bn, bkh, warps, stages, True, 64, 0, ""
+            )
+        )
+    gemv = []
+    for bn, bkh, warps in (
+        (16, 128, 2),
+        (32, 128, 4),
+        (32, 64, 2),
+        (64, 64, 4),
+        (32, 256, 4),
+        (64, 128, 4),
+        (16, 256, 4),
+    ):
+        gemv.append(
+            triton_fp4.TileConfig(
+                f"g{bn}x{bkh}w{warps}", 16, bn, bkh, warps, 3, True, 16, 0, "", "gemv"
             )
         )
     large = []
@@ -174,7 +189,7 @@ def sweep(device: torch.device) -> list[dict]:
         sets = [
             validate.make_inputs(problem, m, device, seed=s, with_reference=False) for s in range(3)
         ]
-        cfgs = small if m <= 64 else large
+        cfgs = (gemv + small[:2]) if m <= 16 else (small if m <= 64 else large)
         calls = {}
         for cfg in cfgs:
             run = functools.partial(triton_fp4._run, cfg=cfg)

@@ -23,8 +23,8 @@ OUT=${OUT:-benchmarks/results}
     timeout 300 python3 benchmarks/gpu_check.py --sweep --out "$OUT"
     timeout 150 python3 benchmarks/bench_gpu.py --out "$OUT" --skip-cold --time-limit-s 20
   else
-    timeout 150 python3 benchmarks/gpu_check.py --out "$OUT"
-    timeout 420 python3 benchmarks/bench_gpu.py --out "$OUT" --time-limit-s 300
+    timeout 150 python3 benchmarks/gpu_check.py --sweep --out "$OUT"
+    timeout 400 python3 benchmarks/bench_gpu.py --out "$OUT" --time-limit-s 250
     python3 -m fp4select doctor
   fi
   echo "== $(date -u +%FT%TZ) done"

@@ -92,7 +92,7 @@ def fp4_mm(
     NVFP4: tl.constexpr,
     A_8X4: tl.constexpr,
     ALPHA: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    PARTIALS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BKH: tl.constexpr,
@@ -150,7 +150,7 @@ def fp4_mm(
         acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
     mask_m = offs_m < M
     mask = mask_m[:, None] & (offs_n[None, :] < N)
-    if SPLIT_K == 1:
+    if not PARTIALS:
         acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
         ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -169,8 +169,8 @@ def reduce_split(
     stride_om,
     stride_on,
     alpha_value,
+    split_k,
     ALPHA: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
 ):
@@ -180,7 +180,7 @@ def reduce_split(
     mask = mask_m[:, None] & (offs_n[None, :] < N)
     ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in range(SPLIT_K):  # fixed order: the result is deterministic
+    for s in range(0, split_k):  # fixed order: the result is deterministic
         acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0)
     acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -203,7 +203,10 @@ def dequant_bf16(
 ):
     """Packed (R, K/2) rows and their swizzled scales -> bfloat16 (R, K), row-major.
 
-    NVFP4 values are exact in bfloat16; MXFP4 ones while they stay in its normal range.
+    ``out_ptr`` is the bfloat16 workspace viewed as int32 (R, K/2): each byte's two values are
+    written as one word (low nibble's bfloat16 in the low half), so no interleave is needed.
+    The float32 products are exact and representable in bfloat16, so their top 16 bits are the
+    bfloat16. NVFP4 values are exact in bfloat16; MXFP4 ones while in its normal range.
     """
     SPB: tl.constexpr = 8 if NVFP4 else 16
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -212,19 +215,90 @@ def dequant_bf16(
     k_ok = ks < KH
     safe_rows = tl.where(row_ok, rows, 0)
     safe_ks = tl.where(k_ok, ks, 0)
-    x = tl.load(
-        x_ptr + safe_rows[:, None] * stride_x + safe_ks[None, :],
-        mask=row_ok[:, None] & k_ok[None, :],
-        other=0,
-    ).to(tl.int32)
+    mask = row_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + safe_rows[:, None] * stride_x + safe_ks[None, :], mask=mask, other=0)
+    x = x.to(tl.int32)
     s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], (safe_ks // SPB)[None, :], cp, SF_8X4))
-    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32)
-    lo = (_e2m1_f16(x).to(tl.float32) * 16384.0 * s).to(tl.bfloat16)
-    hi = (_e2m1_f16(x >> 4).to(tl.float32) * 16384.0 * s).to(tl.bfloat16)
-    values = tl.reshape(tl.join(lo, hi), (BR, 2 * BKH))
-    cols = tl.program_id(1) * (2 * BKH) + tl.arange(0, 2 * BKH)
-    tl.store(
-        out_ptr + rows[:, None] * (2 * KH) + cols[None, :],
-        values,
-        mask=row_ok[:, None] & (cols < 2 * KH)[None, :],
-    )
+    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * 16384.0
+    lo = (_e2m1_f16(x).to(tl.float32) * s).to(tl.int32, bitcast=True)
+    hi = (_e2m1_f16(x >> 4).to(tl.float32) * s).to(tl.int32, bitcast=True)
+    word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
+    tl.store(out_ptr + rows[:, None] * KH + ks[None, :], word, mask=mask)
+
+
+@triton.jit
+def fp4_gemv(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    alpha_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    KH,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_on,
+    cp,
+    iters_per_split,
+    alpha_value,
+    NVFP4: tl.constexpr,
+    A_8X4: tl.constexpr,
+    ALPHA: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKH: tl.constexpr,
+):
+    """Small-M product on the CUDA cores: no tensor-core tile to fill, no operand shuffles.
+
+    Each program owns BN columns and a slice of K. Weight nibbles are decoded to float32
+    (exact), multiplied by a's decoded values (scale included) and summed over each scale
+    block before b's block scale is applied once per block. Rows of a (at most BM) are
+    unrolled; programs along K write partial sums like fp4_mm.
+    """
+    SPB: tl.constexpr = 8 if NVFP4 else 16
+    NC: tl.constexpr = BKH // SPB
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    cols = tl.where(offs_n < N, offs_n, 0)
+    c_idx = tl.arange(0, NC)
+    k_in_tile = c_idx[:, None] * SPB + tl.arange(0, SPB)[None, :]
+    row_ids = tl.arange(0, BM)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    b_cols = b_ptr + cols[:, None, None] * stride_bn
+    for i in range(0, iters_per_split):
+        kb = (pid_k * iters_per_split + i) * BKH
+        k_bytes = kb + k_in_tile
+        k_ok = k_bytes < KH
+        w = tl.load(b_cols + k_bytes[None, :, :], mask=k_ok[None, :, :], other=0).to(tl.int32)
+        w_lo = _e2m1_f16(w).to(tl.float32)
+        w_hi = _e2m1_f16(w >> 4).to(tl.float32)
+        sf_col = tl.minimum(kb // SPB + c_idx, cp - 1)
+        s_b = tl.load(sb_ptr + _sf_offset(cols[:, None], sf_col[None, :], cp, False))
+        s_b = _scale(s_b.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32)
+        for r in tl.static_range(BM):
+            row = tl.minimum(r, M - 1)
+            x = tl.load(a_ptr + row * stride_am + k_bytes, mask=k_ok, other=0).to(tl.int32)
+            s_a = tl.load(sa_ptr + _sf_offset(row, sf_col, cp, A_8X4))
+            s_a = _scale(s_a.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32)
+            x_lo = _e2m1_f16(x).to(tl.float32) * s_a[:, None]
+            x_hi = _e2m1_f16(x >> 4).to(tl.float32) * s_a[:, None]
+            block = tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2)
+            contrib = tl.sum(block * s_b, axis=1)
+            acc += tl.where(row_ids[:, None] == r, contrib[None, :], 0.0)
+    acc = acc * 268435456.0  # 2**28: both decoded nibbles carry 2**-14
+    offs_m = row_ids
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_n[None, :] < N)
+    if not PARTIALS:
+        acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
+        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ptrs = part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask)

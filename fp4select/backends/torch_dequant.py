@@ -93,7 +93,7 @@ def _decode_into(
         k.dequant_bf16[(k.cdiv(rows, 32), k.cdiv(kh, 64))](
             data if data.dtype == torch.uint8 else data.view(torch.uint8),
             scales,
-            ws,
+            ws.view(torch.int32),
             rows,
             kh,
             data.stride(0),

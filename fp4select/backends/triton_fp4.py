@@ -64,9 +64,23 @@ class TileConfig:
     max_m: int | None
     preference: int
     description: str
+    kind: str = "mma"  # "mma": tensor-core tiles; "gemv": CUDA-core dot products for tiny M
 
 
 CONFIGS: tuple[TileConfig, ...] = (
+    TileConfig(
+        "triton-gemv",
+        16,
+        32,
+        128,
+        4,
+        3,
+        True,
+        16,
+        190,
+        "CUDA-core GEMV for M <= 16, 32 columns per program, split-K",
+        "gemv",
+    ),
     TileConfig(
         "triton-m16", 16, 64, 128, 4, 4, True, 64, 200, "decode tile 16x64, split-K to fill SMs"
     ),
@@ -121,7 +135,9 @@ def choose_split(m: int, n: int, kh: int, cfg: TileConfig, sms: int) -> int:
     key = (m, n, kh, cfg.block_m, cfg.block_n, cfg.block_kh, sms)
     split = _split_cache.get(key)
     if split is None:
-        tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+        tiles = math.ceil(n / cfg.block_n)
+        if cfg.kind == "mma":
+            tiles *= math.ceil(m / cfg.block_m)
         steps = math.ceil(kh / cfg.block_kh)
         split = max(1, min(_MAX_SPLIT, steps, (_SPLIT_TARGET_WAVES * sms) // max(tiles, 1)))
         # Even work per split: as many splits as divide the steps into equal-or-one-less parts.
@@ -132,7 +148,7 @@ def choose_split(m: int, n: int, kh: int, cfg: TileConfig, sms: int) -> int:
 
 
 def _workspace(device: torch.device, n: int, split: int, max_m: int) -> torch.Tensor | None:
-    key = (device.type, device.index, n, split)
+    key = (device.type, device.index, n, split, max_m)
     ws = _workspaces.get(key)
     if ws is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -144,6 +160,10 @@ def _workspace(device: torch.device, n: int, split: int, max_m: int) -> torch.Te
 def clear_workspaces() -> None:
     """Drop the split-K workspaces (tests; or to give memory back)."""
     _workspaces.clear()
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
 
 
 def _ceil4(x: int) -> int:
@@ -235,8 +255,7 @@ def _run(
         else:
             ws = got
     steps = k.cdiv(kh, cfg.block_kh)
-    grid_m, grid_n = k.cdiv(m, cfg.block_m), k.cdiv(n, cfg.block_n)
-    k.fp4_mm[(grid_m * grid_n, split)](
+    common = (
         a,
         b,
         a_descale,
@@ -254,18 +273,38 @@ def _run(
         cp,
         k.cdiv(steps, split),
         alpha_value,
-        NVFP4=use_nvfp4,
-        A_8X4=use_8x4_sf_layout,
-        ALPHA=alpha_kind,
-        SPLIT_K=split,
-        BM=cfg.block_m,
-        BN=cfg.block_n,
-        BKH=cfg.block_kh,
-        GROUP_M=8,
-        INTERPRETED=_INTERPRETED,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
+    if cfg.kind == "gemv":
+        if m > cfg.block_m:
+            raise ValueError(f"{cfg.name} takes M <= {cfg.block_m}, got M={m}")
+        k.fp4_gemv[(k.cdiv(n, cfg.block_n), split)](
+            *common,
+            NVFP4=use_nvfp4,
+            A_8X4=use_8x4_sf_layout,
+            ALPHA=alpha_kind,
+            PARTIALS=split > 1,
+            BM=_next_pow2(m),
+            BN=cfg.block_n,
+            BKH=cfg.block_kh,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    else:
+        grid_m, grid_n = k.cdiv(m, cfg.block_m), k.cdiv(n, cfg.block_n)
+        k.fp4_mm[(grid_m * grid_n, split)](
+            *common,
+            NVFP4=use_nvfp4,
+            A_8X4=use_8x4_sf_layout,
+            ALPHA=alpha_kind,
+            PARTIALS=split > 1,
+            BM=cfg.block_m,
+            BN=cfg.block_n,
+            BKH=cfg.block_kh,
+            GROUP_M=8,
+            INTERPRETED=_INTERPRETED,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     if split > 1:
         k.reduce_split[(k.cdiv(m, 16), k.cdiv(n, 128))](
             ws,
@@ -276,8 +315,8 @@ def _run(
             out.stride(0),
             out.stride(1),
             alpha_value,
+            split,
             ALPHA=alpha_kind,
-            SPLIT_K=split,
             BM=16,
             BN=128,
             num_warps=4,
@@ -292,6 +331,10 @@ def bind(problem: Problem, name: str) -> Runner:
     return functools.partial(_run, cfg=_BY_NAME[name])
 
 
+def bind_gemv(problem: Problem) -> Runner:
+    return bind(problem, "triton-gemv")
+
+
 def bind_m16(problem: Problem) -> Runner:
     return bind(problem, "triton-m16")
 
@@ -304,7 +347,12 @@ def bind_m128(problem: Problem) -> Runner:
     return bind(problem, "triton-m128")
 
 
-_BINDERS = {"triton-m16": bind_m16, "triton-m64": bind_m64, "triton-m128": bind_m128}
+_BINDERS = {
+    "triton-gemv": bind_gemv,
+    "triton-m16": bind_m16,
+    "triton-m64": bind_m64,
+    "triton-m128": bind_m128,
+}
 
 
 def _caps(cfg: TileConfig) -> Capabilities:
