@@ -24,7 +24,7 @@ OUT=${OUT:-benchmarks/results}
     timeout 150 python3 benchmarks/bench_gpu.py --out "$OUT" --skip-cold --time-limit-s 20
   else
     timeout 150 python3 benchmarks/gpu_check.py --sweep --out "$OUT"
-    timeout 400 python3 benchmarks/bench_gpu.py --out "$OUT" --time-limit-s 250
+    timeout 400 python3 benchmarks/bench_gpu.py --out "$OUT" --time-limit-s 200
     python3 -m fp4select doctor
   fi
   echo "== $(date -u +%FT%TZ) done"
