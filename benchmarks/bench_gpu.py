@@ -366,6 +366,8 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=330.0)
     parser.add_argument("--budget-s", type=float, default=0.3, help="selector timing budget/key")
     parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--max-shapes", type=int, default=len(SHAPES))
+    parser.add_argument("--name", default="gpu_h200", help="output file stem")
     args = parser.parse_args()
     device = torch.device("cuda")
     started = time.perf_counter()
@@ -400,7 +402,7 @@ def main() -> None:
             cache_dir=cache, isolation="inprocess", timing=TimingOptions(budget_s=args.budget_s)
         )
         rows, skipped = [], []
-        for label, n, k in SHAPES:
+        for label, n, k in SHAPES[: args.max_shapes]:
             if time.perf_counter() - started > args.time_limit_s:
                 skipped.append(label)
                 continue
@@ -431,10 +433,10 @@ def main() -> None:
             print(record["warm_path_error"])
     record["summary"] = summarize(rows, bw)
     record["seconds"] = time.perf_counter() - started
-    path = out_dir / "gpu_h200.json"
+    path = out_dir / f"{args.name}.json"
     path.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     try:
-        plot(rows, out_dir / "gpu_h200.png")
+        plot(rows, out_dir / f"{args.name}.png")
     except Exception:
         print("plot failed:", traceback.format_exc())
     print(json.dumps(record["summary"], indent=1, default=str))

@@ -52,7 +52,14 @@ def runners() -> dict[str, object]:
 
 def correctness(device: torch.device) -> list[dict]:
     results = []
-    shapes = [(1, 72, 160), (7, 200, 96), (33, 136, 4128), (130, 264, 544), (257, 4104, 1056)]
+    shapes = [
+        (1, 72, 160),
+        (3, 200, 96),
+        (7, 200, 96),
+        (33, 136, 4128),
+        (130, 264, 544),
+        (257, 4104, 1056),
+    ]
     # A compiled variant per (format, a layout, alpha kind, out dtype): a few cover them all.
     combos = [
         (True, "128x4", "scalar", "bfloat16"),
@@ -221,6 +228,7 @@ def sweep(device: torch.device) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated runner names to check")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -236,6 +244,11 @@ def main() -> None:
         "torch-scaled-mm": torch_scaled_mm.available(env),
     }
     print("available:", record["available"])
+    if args.only:
+        keep = set(args.only.split(","))
+        global runners
+        full = runners
+        runners = lambda: {n: r for n, r in full().items() if n.split("/")[0] in keep}  # noqa: E731
     try:
         record["correctness"] = correctness(device)
     except Exception:

@@ -209,21 +209,25 @@ def dequant_bf16(
     bfloat16. NVFP4 values are exact in bfloat16; MXFP4 ones while in its normal range.
     """
     SPB: tl.constexpr = 8 if NVFP4 else 16
+    NC: tl.constexpr = BKH // SPB
+    # 3-D (rows, scale blocks, bytes of a block): one scale load per block, broadcast in
+    # registers (a gathered load per byte made this kernel load-issue bound).
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    ks = tl.program_id(1) * BKH + tl.arange(0, BKH)
+    blocks = tl.program_id(1) * NC + tl.arange(0, NC)
+    ks = blocks[:, None] * SPB + tl.arange(0, SPB)[None, :]  # (NC, SPB) byte index
     row_ok = rows < R
-    k_ok = ks < KH
     safe_rows = tl.where(row_ok, rows, 0)
-    safe_ks = tl.where(k_ok, ks, 0)
-    mask = row_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + safe_rows[:, None] * stride_x + safe_ks[None, :], mask=mask, other=0)
+    mask = row_ok[:, None, None] & (ks < KH)[None, :, :]
+    x = tl.load(x_ptr + safe_rows[:, None, None] * stride_x + ks[None, :, :], mask=mask, other=0)
     x = x.to(tl.int32)
-    s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], (safe_ks // SPB)[None, :], cp, SF_8X4))
+    col = tl.minimum(blocks, cp - 1)
+    s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], col[None, :], cp, SF_8X4))
     s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * 16384.0
+    s = s[:, :, None]
     lo = (_e2m1_f16(x).to(tl.float32) * s).to(tl.int32, bitcast=True)
     hi = (_e2m1_f16(x >> 4).to(tl.float32) * s).to(tl.int32, bitcast=True)
     word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
-    tl.store(out_ptr + rows[:, None] * KH + ks[None, :], word, mask=mask)
+    tl.store(out_ptr + rows[:, None, None] * KH + ks[None, :, :], word, mask=mask)
 
 
 @triton.jit

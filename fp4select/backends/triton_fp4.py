@@ -70,15 +70,15 @@ class TileConfig:
 CONFIGS: tuple[TileConfig, ...] = (
     TileConfig(
         "triton-gemv",
+        4,
         16,
-        32,
-        128,
+        256,
         4,
         3,
         True,
-        16,
+        4,
         190,
-        "CUDA-core GEMV for M <= 16, 32 columns per program, split-K",
+        "CUDA-core GEMV for M <= 4, 16 columns x 512 K per step, split-K",
         "gemv",
     ),
     TileConfig(
