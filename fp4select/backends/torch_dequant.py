@@ -8,10 +8,11 @@ Design rules:
 * Exact operands: an NVFP4 value (e2m1 times e4m3) has at most 6 significant bits and fits
   bfloat16 exactly; MXFP4 values do while they stay in bfloat16's normal range. The result
   differs from the reference only by cuBLAS's summation order and the output rounding(s).
-* bfloat16 output: ``torch.mm(..., out=out)`` writes the product, then alpha is applied in place
-  (two roundings, within the validator's bound). float16 output: the product is taken in
-  float32 (``torch.mm(out_dtype=float32)`` where the build has it) so a large raw sum cannot
-  overflow float16 before alpha scales it down.
+* One rounding to the output dtype. Without alpha and with bfloat16 output, cuBLAS writes
+  ``out`` directly. Otherwise the product is taken in float32 (``mm.dtype_out`` into a reused
+  float32 workspace), then multiplied by alpha into ``out``: rounding to bfloat16 before
+  alpha would round twice (up to the validator's whole bound), and a raw float16 sum could
+  overflow before alpha scales it down.
 * Workspaces are reused per device and shape, never kept per layer: b's is keyed by (device,
   N, K), a's by (device, K) and grown to the largest M seen. A workspace is never freed once
   made (a captured CUDA graph may still write to it), and never grown during a capture: a call
@@ -110,16 +111,21 @@ def _decode_into(
     )
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _mm_f32(x: torch.Tensor, w_t: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """``x @ w_t`` accumulated and returned in float32, into the reused workspace ``ws``.
+
+    cuBLAS does this in one call (``mm.dtype_out``); a build without it (the CPU) multiplies
+    float32 copies instead, which is exact for these operands too.
+    """
     global _has_mm_out_dtype
     if _has_mm_out_dtype is not False:
         try:
-            result = torch.mm(a, b, out_dtype=torch.float32)
+            torch.ops.aten.mm.dtype_out(x, w_t, torch.float32, out=ws)
             _has_mm_out_dtype = True
-            return result
-        except (TypeError, RuntimeError, NotImplementedError):
+            return ws
+        except (RuntimeError, NotImplementedError, AttributeError):
             _has_mm_out_dtype = False
-    return torch.mm(a.float(), b.float())
+    return torch.mm(x.float(), w_t.float(), out=ws)
 
 
 def _run(
@@ -165,23 +171,19 @@ def _run(
     _decode_into(w, b.T, b_descale.T if b_descale.dim() == 2 else b_descale, use_nvfp4, "128x4")
     x = _growing(_a_workspaces, (device, k), m, k, torch.bfloat16, device)
     _decode_into(x, a, a_descale, use_nvfp4, "8x4" if use_8x4_sf_layout else "128x4")
-    if out_dtype == torch.bfloat16:
-        torch.mm(x, w.T, out=out)
-        result = out
+    if alpha is None and out_dtype == torch.bfloat16:
+        return torch.mm(x, w.T, out=out)  # cuBLAS rounds once, to bfloat16
+    # Otherwise the product stays in float32 until alpha is applied: one rounding to the
+    # output dtype (bfloat16 then alpha would round twice, which can reach the validator's
+    # whole bound), and no float16 overflow of a raw sum that alpha scales down.
+    result = _mm_f32(x, w.T, _growing(_f32_workspaces, (device, n), m, n, torch.float32, device))
+    if alpha is None:
+        return out.copy_(result)
+    if isinstance(alpha, torch.Tensor):
+        factor = alpha.reshape(m, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
     else:
-        result = _mm_f32(x, w.T)
-    if alpha is not None:
-        if isinstance(alpha, torch.Tensor):
-            factor = alpha.reshape(m, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
-        else:
-            factor = alpha
-        if result is out:
-            out.mul_(factor)
-        else:
-            torch.mul(result, factor, out=out)
-    elif result is not out:
-        out.copy_(result)
-    return out
+        factor = alpha
+    return torch.mul(result, factor, out=out)
 
 
 def bind(problem: Problem) -> Runner:
