@@ -13,7 +13,12 @@ Design rules:
   a constant 1 as b's; MXFP4 uses ``BlockWise1x32`` with the scale bytes viewed as
   ``float8_e8m0fnu``, and alpha, which that recipe cannot take, multiplies the output after.
 * Declared honestly: 128x4 scales for a only (no 8x4 swizzle in cuBLASLt), plain b, alpha none
-  or one scalar (no per-token alpha in the recipe).
+  or one scalar (no per-token alpha in the recipe), N % 16 == 0 and K % 32 == 0 (torch checks
+  that the packed operands' dimensions are multiples of 16; the CPU test found this).
+* MXFP4 is built (``BlockWise1x32``) but not declared: torch 2.13's shape rule for MX scales
+  (``_check_scaled_mm_sizes_v2``) counts them from the packed ``a.shape[1] = K/2``, so the
+  MXFP4 128x4 scales (K/32 per row) are refused by its meta function; whether the CUDA path
+  agrees needs a Blackwell GPU. Until then the selector never offers it MXFP4 problems.
 * :func:`scaled_mm_arguments` builds exactly what is passed, so CPU tests check it against
   torch's own shape/dtype rules for ``_scaled_mm_v2`` (its meta function, on fake CUDA tensors).
   No result of this backend on a Blackwell GPU has been measured by this project.
@@ -27,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
+from fp4select.backends.base import Backend, Capabilities, Runner
 from fp4select.keys import OUT_DTYPES, Problem
 
 NAME = "torch-scaled-mm"
@@ -180,11 +185,17 @@ BACKEND = Backend(
     bind=bind,
     available=available,
     caps=Capabilities(
-        formats=ALL_FORMATS,
+        # MXFP4 not declared: torch's rule for MX scales counts them from the packed K/2
+        # (1024 for a 7x320 a), not from K/32 as the MXFP4 layout has (1536): see the note at
+        # the top and tests/test_backends_gpu_builtin.py. Unverifiable without Blackwell.
+        formats=frozenset({"nvfp4"}),
         a_sf_layouts=frozenset({"128x4"}),
         b_layouts=frozenset({"plain"}),
         out_dtypes=frozenset(OUT_DTYPES),
         alpha_kinds=frozenset({"none", "scalar"}),
+        # torch's _scaled_mm_v2 checks: mat2's dims (K/2, N) and a's K/2 divisible by 16.
+        n_multiple=16,
+        k_multiple=32,
         devices=frozenset({"cuda"}),
     ),
     preference=150,
