@@ -17,9 +17,10 @@ Design rules:
 * K is split into nibbles: within a tile, the dot runs once over the low nibbles and once over
   the high ones (any permutation of K that a and b share leaves the sum unchanged), so no
   interleaving shuffle is needed. Both nibbles of a byte share one block scale.
-* Each tile configuration is its own registered candidate (``triton-m16``, ``triton-m64``,
-  ``triton-m128``): the selector picks one per M bucket by measurement, with no tactic
-  machinery. ``triton-m16`` splits K across programs (``split_k``) so that a decode GEMM fills
+* Each tile configuration is its own registered candidate (``triton-gemv``, ``triton-m16``,
+  ``triton-m64``, ``triton-m128``): the selector picks one per M bucket by measurement, with
+  no tactic machinery. ``triton-gemv`` (M <= 4) skips the tensor cores: per scale block it sums
+  decoded weight x decoded activation in float32 and applies b's block scale once per block. ``triton-m16`` splits K across programs (``split_k``) so that a decode GEMM fills
   every SM; partial sums go to a float32 workspace that a second small kernel reduces in a fixed
   order (deterministic) and finishes with alpha.
 * The warm path and CUDA graph capture: a call allocates nothing but the output. The split-K
