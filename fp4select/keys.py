@@ -198,6 +198,7 @@ def environment(device_index: int | None = None) -> dict[str, Any]:
         "flashinfer_cubin": _version("flashinfer-cubin"),
         "cutlass_dsl": _version("nvidia-cutlass-dsl"),
         "cudnn_frontend": _version("nvidia-cudnn-frontend"),
+        "triton": _version("triton"),  # compiles the triton-* and torch-dequant kernels
     }
     if device_index is None:
         env.update(device="cpu", gpu=None, cc=None, sm_count=None)

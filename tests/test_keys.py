@@ -117,6 +117,7 @@ def test_environment_holds_every_version_that_makes_a_kernel():
         "cudnn",
         "flashinfer",
         "fp4select",
+        "triton",
         "schema",
         "gpu",
         "cc",

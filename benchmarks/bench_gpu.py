@@ -1,0 +1,456 @@
+"""The GPU suite: every candidate, the floor, bf16 cuBLAS, fp4select's pick and the oracle.
+
+For shapes of real NVFP4 deployments (Llama-3.1 8B/70B/405B linears at TP 1/4/8, DeepSeek-V3
+dense and shared-expert MLPs, Qwen3-235B attention projections) and M from 1 to 8192:
+
+* ``backend_us``: each candidate that passed fp4select's validation, timed independently of the
+  selector (CUDA-graph replay, inputs rotated to keep L2 cold, interleaved rounds, median) with
+  many more rounds than the selector uses;
+* ``floor_us``: bytes of a, b, their scales and the output over the device-to-device copy
+  bandwidth measured in the same run;
+* ``bf16_us``: cuBLAS bf16 ``a @ w.T`` on already-dequantized operands, timed the same way;
+* ``picked``: what fp4select's selector chooses (the real Selector, isolation inprocess, timing
+  budget --budget-s per key); ``oracle``: the fastest in ``backend_us``; ``regret`` = time of the
+  pick / time of the oracle, both from ``backend_us``.
+
+Also: cold and warm tuning wall time for Llama-3.1-8B's shapes (cold first, with an empty
+Triton cache if the caller gave one, so JIT compile counts), and the warm-path overhead of
+best_mm_fp4 eager and under CUDA-graph replay. Stops adding shapes when --time-limit-s is
+spent and records which were left out. Writes benchmarks/results/gpu_h200.json and
+gpu_h200.png (or under --out).
+
+    python benchmarks/bench_gpu.py [--out DIR] [--time-limit-s 330]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import json
+import math
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from _common import machine
+
+import fp4select
+from fp4select import formats, timing, validate
+from fp4select.keys import Problem, m_bucket
+from fp4select.timing import TimingOptions
+
+# (label, N, K), in the order they are measured (most important first).
+SHAPES = [
+    ("square 8192 (target)", 8192, 8192),
+    ("Llama-3.1-8B qkv TP1", 6144, 4096),
+    ("Llama-3.1-8B gate_up TP1", 28672, 4096),
+    ("Llama-3.1-8B down TP1", 4096, 14336),
+    ("Llama-3.1-70B qkv TP4", 2560, 8192),
+    ("Llama-3.1-70B gate_up TP4", 14336, 8192),
+    ("Llama-3.1-70B down TP4", 8192, 7168),
+    ("Llama-3.1-70B o TP4", 8192, 2048),
+    ("DeepSeek-V3 shared-expert gate_up", 4096, 7168),
+    ("DeepSeek-V3 dense down TP8", 7168, 2304),
+    ("Qwen3-235B qkv TP4", 2304, 4096),
+    ("Llama-3.1-405B gate_up TP8", 13312, 16384),
+    ("Llama-3.1-70B qkv TP8", 1280, 8192),
+    ("Llama-3.1-405B down TP8", 16384, 6656),
+    ("DeepSeek-V3 dense gate_up TP8", 4608, 7168),
+    ("Qwen3-235B o TP4", 4096, 2048),
+]
+MS = [1, 4, 16, 64, 256, 1024, 2048, 8192]
+COLD_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3.1-8B
+COLD_MS = [1, 16, 256, 2048, 8192]
+ORACLE = TimingOptions(budget_s=0.5, min_rounds=15, max_rounds=60)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy (median of 20)."""
+    src = torch.randn(1 << 28, device=device)  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / statistics.median(times[5:])
+
+
+def bf16_rate(device: torch.device) -> float:
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    timings, _ = timing.time_interleaved(
+        {"mm": [lambda: x @ y]}, device, TimingOptions(budget_s=0.5)
+    )
+    return 2 * 8192**3 / (timings["mm"].median_us * 1e-6)
+
+
+def fp4_bytes(m: int, n: int, k: int) -> int:
+    return m * k // 2 + n * k // 2 + (m + n) * k // 16 + m * n * 2
+
+
+def dequantized(inputs: validate.ProbeInputs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and w as bf16 (M, K), (N, K) with the global scale left out (as the kernels see them)."""
+    a = formats.dequantize(inputs.a, inputs.a_descale, k, use_nvfp4=True, sf_layout="128x4")
+    w = formats.dequantize(inputs.b.T, inputs.b_descale.T, k, use_nvfp4=True, sf_layout="128x4")
+    return a.to(torch.bfloat16), w.to(torch.bfloat16)
+
+
+def measure_point(
+    sel: fp4select.api.Selector, n: int, k: int, m: int, device: torch.device, bw: float
+) -> dict:
+    problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+    t0 = time.perf_counter()
+    decision = sel.decide(problem, device)
+    tune_s = time.perf_counter() - t0
+    registry = sel.registry()
+    passed = [name for name, v in decision.verdicts.items() if v.passed]
+    if m * n * k > 2**31:  # emulation takes milliseconds here and never wins: not re-timed
+        passed = [p for p in passed if p != "emulation"]
+    first = validate.make_inputs(problem, m, device, seed=101, with_reference=False)
+    sets_n = timing.input_sets_for_cold_l2(device, first.nbytes() + m * n * 2, True)
+    sets = [first] + [
+        validate.make_inputs(problem, m, device, seed=101 + i, with_reference=False)
+        for i in range(1, sets_n)
+    ]
+    calls = {}
+    for name in passed:
+        runner = registry.get(name).dispatcher(problem)
+        calls[name] = [functools.partial(runner, *s.args(problem)) for s in sets]
+    dq = [dequantized(s, k) for s in sets[: max(1, min(len(sets), 4))]]
+    calls["bf16 cuBLAS"] = [functools.partial(torch.mm, a, w.T) for a, w in dq]
+    timings, method = timing.time_interleaved(calls, device, ORACLE)
+    backend_us = {name: timings[name].median_us for name in passed}
+    oracle = min(backend_us, key=backend_us.get)
+    picked = decision.winner
+    regret = backend_us[picked] / backend_us[oracle] if picked in backend_us else None
+    floor_us = fp4_bytes(m, n, k) / bw * 1e6
+    row = {
+        "n": n,
+        "k": k,
+        "m": m,
+        "backend_us": backend_us,
+        "spread": {name: [timings[name].p10_us, timings[name].p90_us] for name in passed},
+        "floor_us": floor_us,
+        "bf16_us": timings["bf16 cuBLAS"].median_us,
+        "picked": picked,
+        "oracle": oracle,
+        "regret": regret,
+        "selector_us": {name: t.median_us for name, t in decision.timings.items()},
+        "selector_margin": (decision.ranking or {}).get("margin"),
+        "tie_broken_by_preference": (decision.ranking or {}).get("tie_broken_by_preference"),
+        "verdicts": {
+            name: v.status + (f": {v.reason}" if v.reason else "")
+            for name, v in decision.verdicts.items()
+            if not v.passed
+        },
+        "tune_s": tune_s,
+        "method": method,
+    }
+    for d in dq:
+        del d
+    return row
+
+
+def cold_and_warm(device: torch.device, budget_s: float) -> dict:
+    problems = [Problem(n=n, k=k, m_bucket=m_bucket(m)) for n, k in COLD_SHAPES for m in COLD_MS]
+    with tempfile.TemporaryDirectory() as cache:
+        sel = fp4select.configure(
+            cache_dir=cache, isolation="inprocess", timing=TimingOptions(budget_s=budget_s)
+        )
+        t0 = time.perf_counter()
+        first = sel.decide(problems[0], device)
+        first_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        winners = {}
+        for p in problems[1:]:
+            winners[f"{p.n}x{p.k}@{p.m_bucket}"] = sel.decide(p, device).winner
+        cold_s = time.perf_counter() - t0
+        rest_s = time.perf_counter() - t1
+        sel = fp4select.configure(cache_dir=cache, isolation="inprocess")
+        t0 = time.perf_counter()
+        for p in problems:
+            sel.decide(p, device)
+        warm_s = time.perf_counter() - t0
+    winners[f"{problems[0].n}x{problems[0].k}@{problems[0].m_bucket}"] = first.winner
+    return {
+        "model": "Llama-3.1-8B (TP1): qkv, o, gate_up, down",
+        "keys": len(problems),
+        "ms": COLD_MS,
+        "isolation": "inprocess",
+        "timing_budget_s": budget_s,
+        "first_key_s": first_s,
+        "cold_s": cold_s,
+        "cold_other_keys_s": rest_s,
+        "warm_from_disk_s": warm_s,
+        "warm_per_key_ms": warm_s / len(problems) * 1e3,
+        "winners": winners,
+    }
+
+
+def warm_path(device: torch.device) -> list[dict]:
+    """best_mm_fp4 against the bound runner it dispatches to: eager per call, and graph replay."""
+    rows = []
+    for n, k, m in ((8192, 8192, 16), (1024, 1024, 1)):
+        problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+        inputs = validate.make_inputs(problem, m, device, seed=7, with_reference=False)
+        kwargs = inputs.kwargs(problem)
+        kwargs.pop("b_layout")
+        fp4select.best_mm_fp4(**kwargs)  # tunes (if needed) and binds
+        sel = fp4select.api.selector()
+        decision = sel.lookup(problem, device)
+        runner = sel.bind(decision, device)
+        args = inputs.args(problem)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        direct = functools.partial(runner, *args[:6], out, *args[7:])
+        via = functools.partial(fp4select.best_mm_fp4, **{**kwargs, "out": out})
+
+        def eager_us(fn, calls=400):
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / calls * 1e6
+
+        def graph_us(fn, calls=100):
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    fn()
+            graph.replay()
+            samples = []
+            for _ in range(15):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                graph.replay()
+                e.record()
+                e.synchronize()
+                samples.append(s.elapsed_time(e) * 1e3 / calls)
+            return statistics.median(samples)
+
+        eager = {"direct": [], "best_mm_fp4": []}
+        for _ in range(5):  # interleaved, so drift hits both
+            eager["direct"].append(eager_us(direct))
+            eager["best_mm_fp4"].append(eager_us(via))
+        g_direct, g_via = graph_us(direct), graph_us(via)
+        host = {}
+        for name, fn in (("direct", direct), ("best_mm_fp4", via)):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host[name] = (time.perf_counter() - t0) / 200 * 1e6  # launch-side time, no sync
+            torch.cuda.synchronize()
+        rows.append(
+            {
+                "n": n,
+                "k": k,
+                "m": m,
+                "winner": decision.winner,
+                "eager_us_per_call": {nm: statistics.median(v) for nm, v in eager.items()},
+                "host_us_per_call_no_sync": host,
+                "graph_replay_us_per_call": {"direct": g_direct, "best_mm_fp4": g_via},
+            }
+        )
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = []
+    for r in rows:
+        if (r["n"], r["k"]) not in shapes:
+            shapes.append((r["n"], r["k"]))
+    shapes = shapes[:6]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), squeeze=False)
+    for ax, (n, k) in zip(axes.flat, shapes):
+        pts = sorted((r for r in rows if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
+        names = sorted({nm for r in pts for nm in r["backend_us"]} | {"bf16 cuBLAS"})
+        for nm in names:
+            xs, ys = [], []
+            for r in pts:
+                t = r["bf16_us"] if nm == "bf16 cuBLAS" else r["backend_us"].get(nm)
+                if t is not None:
+                    xs.append(r["m"])
+                    ys.append(t / r["floor_us"])
+            style = "--" if nm == "bf16 cuBLAS" else "-"
+            ax.plot(xs, ys, style, marker="o", label=nm)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_title(f"N={n} K={k}")
+        ax.set_xlabel("M")
+        ax.set_ylabel("time / FP4 HBM floor")
+        ax.legend(fontsize=7)
+    fig.suptitle("fp4select candidates on the H200 (NVFP4, bf16 out): time / floor against M")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summarize(rows: list[dict], bw: float) -> dict:
+    regrets = [r["regret"] for r in rows if r["regret"] is not None]
+    decode = [r for r in rows if r["m"] <= 16 and r["n"] == 8192 and r["k"] == 8192]
+    triton_decode = {}
+    for r in decode:
+        best = min(
+            ((t, nm) for nm, t in r["backend_us"].items() if nm.startswith("triton")),
+            default=(None, None),
+        )
+        if best[0] is not None:
+            triton_decode[r["m"]] = {
+                "backend": best[1],
+                "us": best[0],
+                "floor_us": r["floor_us"],
+                "fraction_of_floor": r["floor_us"] / best[0],
+                "achieved_TBps": fp4_bytes(r["m"], r["n"], r["k"]) / (best[0] * 1e-6) / 1e12,
+            }
+    prefill = []
+    for r in rows:
+        if r["m"] >= 2048 and r["n"] >= 4096 and r["k"] >= 4096:
+            best = min(r["backend_us"].values())
+            prefill.append(
+                {
+                    "n": r["n"],
+                    "k": r["k"],
+                    "m": r["m"],
+                    "best": r["oracle"],
+                    "bf16_over_best": r["bf16_us"] / best,
+                }
+            )
+    return {
+        "points": len(rows),
+        "regret_geomean": geomean(regrets),
+        "regret_worst": max(regrets) if regrets else None,
+        "regret_over_1.10": [
+            {k: r[k] for k in ("n", "k", "m", "picked", "oracle", "regret")}
+            for r in rows
+            if r["regret"] and r["regret"] > 1.10
+        ],
+        "decode_8192_triton": triton_decode,
+        "prefill_vs_bf16": prefill,
+        "prefill_min_ratio": min((p["bf16_over_best"] for p in prefill), default=None),
+        "targets": {
+            "decode_fraction_of_floor": 0.60,
+            "prefill_bf16_over_best": 0.85,
+            "regret_geomean": 1.02,
+            "regret_worst": 1.10,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--time-limit-s", type=float, default=330.0)
+    parser.add_argument("--budget-s", type=float, default=0.3, help="selector timing budget/key")
+    parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--max-shapes", type=int, default=len(SHAPES))
+    parser.add_argument("--name", default="gpu_h200", help="output file stem")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    started = time.perf_counter()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record: dict = {
+        "benchmark": "gpu",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(device),
+        "triton": _version("triton"),
+        "selector_timing_budget_s": args.budget_s,
+        "oracle_timing": ORACLE.to_json(),
+        "alpha": "scalar",
+        "format": "nvfp4, 128x4 scales, plain b, bf16 out",
+    }
+    if not args.skip_cold:
+        try:
+            record["tuning_cost"] = cold_and_warm(device, args.budget_s)
+            print(
+                "tuning cost:", {k: v for k, v in record["tuning_cost"].items() if k != "winners"}
+            )
+        except Exception:
+            record["tuning_cost_error"] = traceback.format_exc()
+            print(record["tuning_cost_error"])
+    bw = copy_bandwidth(device)
+    record["copy_bandwidth_TBps"] = bw / 1e12
+    record["bf16_TFLOPs"] = bf16_rate(device) / 1e12
+    print(f"copy {bw / 1e12:.2f} TB/s, bf16 {record['bf16_TFLOPs']:.0f} TFLOP/s")
+
+    with tempfile.TemporaryDirectory() as cache:
+        sel = fp4select.configure(
+            cache_dir=cache, isolation="inprocess", timing=TimingOptions(budget_s=args.budget_s)
+        )
+        rows, skipped = [], []
+        for label, n, k in SHAPES[: args.max_shapes]:
+            if time.perf_counter() - started > args.time_limit_s:
+                skipped.append(label)
+                continue
+            for m in MS:
+                try:
+                    row = measure_point(sel, n, k, m, device, bw)
+                except Exception:
+                    print(f"{label} M={m} failed:\n{traceback.format_exc()}")
+                    continue
+                row["shape"] = label
+                rows.append(row)
+                best = ", ".join(
+                    f"{nm}={t:.1f}"
+                    for nm, t in sorted(row["backend_us"].items(), key=lambda x: x[1])
+                )
+                print(
+                    f"{label:34s} M={m:5d} floor={row['floor_us']:8.1f} bf16={row['bf16_us']:8.1f} "
+                    f"picked={row['picked']} regret={row['regret'] or 0:.3f} | {best}",
+                    flush=True,
+                )
+        record["rows"] = rows
+        record["skipped_shapes"] = skipped
+        try:
+            record["warm_path"] = warm_path(device)
+            print("warm path:", record["warm_path"])
+        except Exception:
+            record["warm_path_error"] = traceback.format_exc()
+            print(record["warm_path_error"])
+    record["summary"] = summarize(rows, bw)
+    record["seconds"] = time.perf_counter() - started
+    path = out_dir / f"{args.name}.json"
+    path.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+    try:
+        plot(rows, out_dir / f"{args.name}.png")
+    except Exception:
+        print("plot failed:", traceback.format_exc())
+    print(json.dumps(record["summary"], indent=1, default=str))
+    print(f"wrote {path} in {record['seconds']:.0f} s")
+
+
+def _version(dist: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The Triton kernels behind ``triton_fp4`` (imported only when a Triton backend first runs).
+
+Kept apart because Triton resolves a kernel's helper functions through the module's globals,
+and because importing triton costs about a second that fp4select should not pay at import.
+See ``triton_fp4`` for the design rules (exact float16 operands, nibble-split K, split-K).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+cdiv = triton.cdiv
+
+
+@triton.jit
+def _e2m1_f16(c):
+    """Nibble code (low 4 bits of an int32) -> float16 holding e2m1 * 2**-14, exactly."""
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _scale(s, NVFP4: tl.constexpr):
+    """Scale bytes (int32) -> float16 e4m3 value (NVFP4) or float32 2**(b-127) (MXFP4)."""
+    if NVFP4:
+        # e4m3 bits shifted into float16's fields give value * 2**-8 (subnormals too).
+        bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+    else:
+        f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+        return tl.where(s == 255, float("nan"), f)
+
+
+@triton.jit
+def _decode(x, s, NVFP4: tl.constexpr):
+    """Packed bytes (int32) and their broadcast scales -> (low, high) dot operands."""
+    if NVFP4:
+        lo = _e2m1_f16(x) * s
+        hi = _e2m1_f16(x >> 4) * s
+    else:
+        lo = (_e2m1_f16(x).to(tl.float32) * 16384.0 * s).to(tl.bfloat16)
+        hi = (_e2m1_f16(x >> 4).to(tl.float32) * 16384.0 * s).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _sf_offset(row, col, cp, LAYOUT_8X4: tl.constexpr):
+    if LAYOUT_8X4:
+        return (row // 8) * cp * 8 + (col // 4) * 32 + (row % 8) * 4 + col % 4
+    else:
+        return (
+            (row // 128) * cp * 128
+            + (col // 4) * 512
+            + (row % 32) * 16
+            + ((row % 128) // 32) * 4
+            + col % 4
+        )
+
+
+@triton.jit
+def _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA: tl.constexpr):
+    if ALPHA == 1:
+        acc = acc * alpha_value
+    elif ALPHA == 2:
+        acc = acc * tl.load(alpha_ptr).to(tl.float32)
+    elif ALPHA == 3:
+        per_row = tl.load(alpha_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+        acc = acc * per_row[:, None]
+    return acc
+
+
+@triton.jit
+def fp4_mm(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    alpha_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    KH,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_on,
+    cp,
+    iters_per_split,
+    alpha_value,
+    NVFP4: tl.constexpr,
+    A_8X4: tl.constexpr,
+    ALPHA: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKH: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    SPB: tl.constexpr = 8 if NVFP4 else 16  # packed bytes per block scale
+    NC: tl.constexpr = BKH // SPB
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * grid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rows = tl.where(offs_m < M, offs_m, 0)  # clamped: loads need no row/col mask
+    cols = tl.where(offs_n < N, offs_n, 0)
+    c_idx = tl.arange(0, NC)
+    e_idx = tl.arange(0, SPB)
+    k_in_tile = c_idx[:, None] * SPB + e_idx[None, :]  # (NC, SPB) byte offsets
+
+    a_rows = a_ptr + rows[:, None, None] * stride_am
+    b_cols = b_ptr + cols[None, None, :] * stride_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # range() over a kernel argument, not over program-id arithmetic: the interpreter
+    # (CPU tests) can only loop over scalars. Steps past K load nothing (masked).
+    for i in range(0, iters_per_split):
+        kb = (pid_k * iters_per_split + i) * BKH
+        k_bytes = kb + k_in_tile
+        k_ok = k_bytes < KH
+        x_a = tl.load(a_rows + k_bytes[None, :, :], mask=k_ok[None, :, :], other=0)
+        x_b = tl.load(b_cols + k_bytes[:, :, None], mask=k_ok[:, :, None], other=0)
+        # Scale columns past K are clamped, not masked (masked loads of float8 pointers need
+        # an `other` that float8 cannot take); their data bytes load as 0, so they add 0.
+        sf_col = tl.minimum(kb // SPB + c_idx, cp - 1)
+        s_a = tl.load(sa_ptr + _sf_offset(rows[:, None], sf_col[None, :], cp, A_8X4))
+        s_b = tl.load(sb_ptr + _sf_offset(cols[None, :], sf_col[:, None], cp, False))
+        s_a = _scale(s_a.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4)
+        s_b = _scale(s_b.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4)
+        a_lo, a_hi = _decode(x_a.to(tl.int32), s_a[:, :, None], NVFP4)
+        b_lo, b_hi = _decode(x_b.to(tl.int32), s_b[:, None, :], NVFP4)
+        if INTERPRETED and not NVFP4:
+            # Triton 3.6's interpreter multiplies bfloat16 dot operands as integers; the
+            # values were already rounded to bfloat16, so float32 gives the GPU's product.
+            a_lo, a_hi = a_lo.to(tl.float32), a_hi.to(tl.float32)
+            b_lo, b_hi = b_lo.to(tl.float32), b_hi.to(tl.float32)
+        acc = tl.dot(tl.reshape(a_lo, (BM, BKH)), tl.reshape(b_lo, (BKH, BN)), acc)
+        acc = tl.dot(tl.reshape(a_hi, (BM, BKH)), tl.reshape(b_hi, (BKH, BN)), acc)
+    if NVFP4:
+        acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_n[None, :] < N)
+    if not PARTIALS:
+        acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
+        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ptrs = part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def reduce_split(
+    part_ptr,
+    alpha_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    stride_on,
+    alpha_value,
+    split_k,
+    ALPHA: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_n[None, :] < N)
+    ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(0, split_k):  # fixed order: the result is deterministic
+        acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0)
+    acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dequant_bf16(
+    x_ptr,
+    s_ptr,
+    out_ptr,
+    R,
+    KH,
+    stride_x,
+    cp,
+    NVFP4: tl.constexpr,
+    SF_8X4: tl.constexpr,
+    BR: tl.constexpr,
+    BKH: tl.constexpr,
+):
+    """Packed (R, K/2) rows and their swizzled scales -> bfloat16 (R, K), row-major.
+
+    ``out_ptr`` is the bfloat16 workspace viewed as int32 (R, K/2): each byte's two values are
+    written as one word (low nibble's bfloat16 in the low half), so no interleave is needed.
+    The float32 products are exact and representable in bfloat16, so their top 16 bits are the
+    bfloat16. NVFP4 values are exact in bfloat16; MXFP4 ones while in its normal range.
+    """
+    SPB: tl.constexpr = 8 if NVFP4 else 16
+    NC: tl.constexpr = BKH // SPB
+    # 3-D (rows, scale blocks, bytes of a block): one scale load per block, broadcast in
+    # registers (a gathered load per byte made this kernel load-issue bound).
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    blocks = tl.program_id(1) * NC + tl.arange(0, NC)
+    ks = blocks[:, None] * SPB + tl.arange(0, SPB)[None, :]  # (NC, SPB) byte index
+    row_ok = rows < R
+    safe_rows = tl.where(row_ok, rows, 0)
+    mask = row_ok[:, None, None] & (ks < KH)[None, :, :]
+    x = tl.load(x_ptr + safe_rows[:, None, None] * stride_x + ks[None, :, :], mask=mask, other=0)
+    x = x.to(tl.int32)
+    col = tl.minimum(blocks, cp - 1)
+    s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], col[None, :], cp, SF_8X4))
+    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * 16384.0
+    s = s[:, :, None]
+    lo = (_e2m1_f16(x).to(tl.float32) * s).to(tl.int32, bitcast=True)
+    hi = (_e2m1_f16(x >> 4).to(tl.float32) * s).to(tl.int32, bitcast=True)
+    word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
+    tl.store(out_ptr + rows[:, None, None] * KH + ks[None, :, :], word, mask=mask)
+
+
+@triton.jit
+def fp4_gemv(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    alpha_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    KH,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_on,
+    cp,
+    iters_per_split,
+    alpha_value,
+    NVFP4: tl.constexpr,
+    A_8X4: tl.constexpr,
+    ALPHA: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKH: tl.constexpr,
+):
+    """Small-M product on the CUDA cores: no tensor-core tile to fill, no operand shuffles.
+
+    Each program owns BN columns and a slice of K. Weight nibbles are decoded to float32
+    (exact), multiplied by a's decoded values (scale included) and summed over each scale
+    block before b's block scale is applied once per block. Rows of a (at most BM) are
+    unrolled; programs along K write partial sums like fp4_mm.
+    """
+    SPB: tl.constexpr = 8 if NVFP4 else 16
+    NC: tl.constexpr = BKH // SPB
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    cols = tl.where(offs_n < N, offs_n, 0)
+    c_idx = tl.arange(0, NC)
+    k_in_tile = c_idx[:, None] * SPB + tl.arange(0, SPB)[None, :]
+    row_ids = tl.arange(0, BM)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    b_cols = b_ptr + cols[:, None, None] * stride_bn
+    for i in range(0, iters_per_split):
+        kb = (pid_k * iters_per_split + i) * BKH
+        k_bytes = kb + k_in_tile
+        k_ok = k_bytes < KH
+        w = tl.load(b_cols + k_bytes[None, :, :], mask=k_ok[None, :, :], other=0).to(tl.int32)
+        w_lo = _e2m1_f16(w).to(tl.float32)
+        w_hi = _e2m1_f16(w >> 4).to(tl.float32)
+        sf_col = tl.minimum(kb // SPB + c_idx, cp - 1)
+        s_b = tl.load(sb_ptr + _sf_offset(cols[:, None], sf_col[None, :], cp, False))
+        s_b = _scale(s_b.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32)
+        for r in tl.static_range(BM):
+            row = tl.minimum(r, M - 1)
+            x = tl.load(a_ptr + row * stride_am + k_bytes, mask=k_ok, other=0).to(tl.int32)
+            s_a = tl.load(sa_ptr + _sf_offset(row, sf_col, cp, A_8X4))
+            s_a = _scale(s_a.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32)
+            x_lo = _e2m1_f16(x).to(tl.float32) * s_a[:, None]
+            x_hi = _e2m1_f16(x >> 4).to(tl.float32) * s_a[:, None]
+            block = tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2)
+            contrib = tl.sum(block * s_b, axis=1)
+            acc += tl.where(row_ids[:, None] == r, contrib[None, :], 0.0)
+    acc = acc * 268435456.0  # 2**28: both decoded nibbles carry 2**-14
+    offs_m = row_ids
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_n[None, :] < N)
+    if not PARTIALS:
+        acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
+        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ptrs = part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask)

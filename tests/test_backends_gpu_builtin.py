@@ -1,0 +1,222 @@
+"""The GPU built-ins' declarations and everything about them a CPU can check without kernels.
+
+torch-scaled-mm cannot run here (it needs FP4 tensor cores): its arguments are checked against
+torch's own rules for ``_scaled_mm_v2`` (the meta function, run on fake CUDA tensors), so a
+wrong dtype, scale count or swizzle fails here rather than on the first Blackwell machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4select.backends import discover, torch_dequant, torch_scaled_mm, triton_fp4
+from fp4select.keys import Problem
+from fp4select.validate import make_inputs
+
+CPU = {"device": "cpu", "cc": None}
+H200 = {"device": "cuda", "cc": 90}
+B200 = {"device": "cuda", "cc": 100}
+
+
+def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
+    names = list(discover(include_flashinfer=False).backends)
+    gpu = [c.name for c in triton_fp4.CONFIGS] + ["torch-dequant", "torch-scaled-mm"]
+    assert names[: 1 + len(gpu)] == ["emulation", *gpu]
+    backends = discover(include_flashinfer=False).backends
+    assert {backends[n].family for n in gpu} == {"native", "builtin"}
+    assert backends["torch-dequant"].family == "builtin"
+    assert backends["torch-scaled-mm"].family == "native"
+    # Each is importable by name, so the sandbox child can rebuild it.
+    for n in gpu:
+        assert backends[n].to_json()["bind"].startswith("fp4select.backends.")
+
+
+def test_each_says_why_it_cannot_run_here():
+    for backend in (*triton_fp4.BACKENDS, torch_dequant.BACKEND, torch_scaled_mm.BACKEND):
+        reason = backend.unavailable_reason(CPU)
+        assert reason and isinstance(reason, str), backend.name
+    assert "8.0" in triton_fp4.available({"device": "cuda", "cc": 75})
+    assert "9.0" in torch_scaled_mm.available(H200)
+    assert "Blackwell" in torch_scaled_mm.available(H200)
+    assert torch_dequant.available(H200) is None
+
+
+def test_triton_is_available_on_hopper_when_installed(monkeypatch):
+    monkeypatch.setattr(triton_fp4, "triton_installed", lambda: True)
+    assert triton_fp4.available(H200) is None
+    monkeypatch.setattr(triton_fp4, "triton_installed", lambda: False)
+    assert triton_fp4.available(H200) == "triton is not installed"
+
+
+def test_scaled_mm_is_available_on_blackwell_iff_torch_has_the_api():
+    assert torch_scaled_mm.available(B200) == torch_scaled_mm.missing_torch_support()
+
+
+def test_declarations_exclude_what_the_kernels_do_not_take():
+    backends = discover(include_flashinfer=False).backends
+    trtllm = Problem(n=256, k=256, m_bucket=1, b_layout="trtllm")
+    for name in ("triton-m64", "torch-dequant", "torch-scaled-mm"):
+        assert "trtllm" in backends[name].caps.rejects(trtllm, "cuda")
+    sm = backends["torch-scaled-mm"].caps
+    assert sm.rejects(Problem(n=256, k=256, m_bucket=1, a_sf_layout="8x4"), "cuda")
+    assert sm.rejects(Problem(n=256, k=256, m_bucket=1, alpha_kind="per_token"), "cuda")
+    gemv = backends["triton-gemv"].caps
+    assert gemv.rejects(Problem(n=256, k=256, m_bucket=8), "cuda")
+    assert gemv.rejects(Problem(n=256, k=256, m_bucket=4), "cuda") is None
+    assert backends["triton-m16"].caps.rejects(Problem(n=256, k=256, m_bucket=128), "cuda")
+    assert (
+        backends["triton-m128"].caps.rejects(Problem(n=256, k=256, m_bucket=8192), "cuda") is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "kh", "expected"),
+    [
+        (1, 8192, 4096, 2),  # 128 tiles of 16x64: two splits make two waves of 132 SMs
+        (1, 1024, 4096, 16),
+        (1, 65536, 4096, 1),
+        (1, 1024, 64, 1),  # one K step: nothing to split
+    ],
+)
+def test_split_k_fills_the_sms_and_never_exceeds_the_k_steps(m, n, kh, expected):
+    cfg = next(c for c in triton_fp4.CONFIGS if c.name == "triton-m16")
+    split = triton_fp4.choose_split(m, n, kh, cfg, 132)
+    steps = -(-kh // cfg.block_kh)
+    tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+    assert 1 <= split <= min(steps, 16)
+    assert split == expected
+    assert tiles * split <= 2 * 132 or split == 1
+    # Equal work per split: the last one is at most one step short.
+    per = -(-steps // split)
+    assert per * (split - 1) < steps <= per * split
+
+
+def test_dequant_workspaces_grow_and_outgrown_ones_are_kept_for_captured_graphs():
+    torch_dequant.clear_workspaces()
+    cache: dict = {}
+    device = torch.device("cpu")
+    first = torch_dequant._growing(cache, ("k",), 4, 8, torch.bfloat16, device)
+    assert first.shape == (4, 8)
+    same = torch_dequant._growing(cache, ("k",), 3, 8, torch.bfloat16, device)
+    assert same.data_ptr() == first.data_ptr()  # reused, no allocation
+    bigger = torch_dequant._growing(cache, ("k",), 5, 8, torch.bfloat16, device)
+    assert bigger.shape == (5, 8) and cache[("k",)].shape[0] == 8  # doubled
+    assert any(t.data_ptr() == first.data_ptr() for t in torch_dequant._retired)
+    torch_dequant.clear_workspaces()
+
+
+def test_dequant_on_cpu_without_triton_uses_the_reference_decode(monkeypatch):
+    monkeypatch.setattr(triton_fp4, "triton_installed", lambda: False)
+    problem = Problem(n=72, k=160, m_bucket=8, alpha_kind="per_token")
+    inputs = make_inputs(problem, 5, "cpu")
+    from fp4select.validate import check
+
+    out = torch_dequant._run(*inputs.args(problem))
+    result = check(out, inputs, torch.bfloat16)
+    assert result.ok and result.worst_ratio < 0.6, result
+    torch_dequant.clear_workspaces()
+
+
+# -- torch-scaled-mm's arguments, against torch's own rules -----------------------------------
+
+needs_scaled_mm = pytest.mark.skipif(
+    torch_scaled_mm.missing_torch_support() is not None,
+    reason=str(torch_scaled_mm.missing_torch_support()),
+)
+
+
+def _fake_cuda_inputs(problem: Problem, m: int):
+    """The validator's inputs, moved onto fake CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs = make_inputs(problem, m, "cpu", with_reference=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tensors = {}
+    with mode:
+        for name in ("a", "a_descale", "alpha"):
+            t = getattr(inputs, name)
+            tensors[name] = None if t is None else torch.empty_like(t, device="cuda")
+        weight = torch.empty_like(inputs.b.T.contiguous(), device="cuda")
+        wscale = torch.empty_like(inputs.b_descale.T.contiguous(), device="cuda")
+        tensors["b"], tensors["b_descale"] = weight.T, wscale.T
+    return mode, tensors
+
+
+@needs_scaled_mm
+@pytest.mark.parametrize(("nvfp4", "alpha_kind"), [(True, "scalar"), (True, "none")])
+def test_scaled_mm_arguments_satisfy_torchs_shape_and_dtype_rules(nvfp4, alpha_kind):
+    problem = Problem(
+        n=208,
+        k=320,
+        m_bucket=8,
+        use_nvfp4=nvfp4,
+        block_size=16 if nvfp4 else 32,
+        alpha_kind=alpha_kind,
+    )
+    mode, t = _fake_cuda_inputs(problem, 7)
+    with mode:
+        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
+            t["a"], t["b"], t["a_descale"], t["b_descale"], t["alpha"], torch.bfloat16, nvfp4
+        )
+        assert args[0].dtype == torch.float4_e2m1fn_x2 and args[0].stride() == (160, 1)
+        assert args[1].dtype == torch.float4_e2m1fn_x2 and args[1].stride() == (1, 160)
+        sf = torch.float8_e4m3fn if nvfp4 else torch.float8_e8m0fnu
+        first_scale = args[2][0] if isinstance(args[2], list) else args[2]
+        assert first_scale.dtype == sf
+        assert kwargs["swizzle_a"] in (
+            torch.nn.functional.SwizzleType.SWIZZLE_32_4_4,
+            [
+                torch.nn.functional.SwizzleType.SWIZZLE_32_4_4,
+                torch.nn.functional.SwizzleType.NO_SWIZZLE,
+            ],
+        )
+        out = torch.nn.functional.scaled_mm(*args, **kwargs)  # torch's meta checks run here
+        assert tuple(out.shape) == (7, 208) and out.dtype == torch.bfloat16
+
+
+@needs_scaled_mm
+def test_scaled_mm_declares_the_divisibility_torch_checks():
+    """N=200 passes every other rule; torch refuses it, so the declaration must exclude it."""
+    problem = Problem(n=200, k=320, m_bucket=8)
+    assert "N % 16" in torch_scaled_mm.BACKEND.caps.rejects(problem, "cuda")
+    mode, t = _fake_cuda_inputs(problem, 7)
+    with mode:
+        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
+            t["a"], t["b"], t["a_descale"], t["b_descale"], t["alpha"], torch.bfloat16, True
+        )
+        with pytest.raises(RuntimeError, match="divisible by 16"):
+            torch.nn.functional.scaled_mm(*args, **kwargs)
+
+
+@needs_scaled_mm
+def test_mxfp4_is_not_declared_because_torchs_mx_scale_rule_disagrees_with_the_layout():
+    """If torch starts accepting K/32 MX scales for FP4, this fails: then declare mxfp4."""
+    problem = Problem(n=208, k=320, m_bucket=8, use_nvfp4=False, block_size=32, alpha_kind="none")
+    assert "mxfp4" in torch_scaled_mm.BACKEND.caps.rejects(problem, "cuda")
+    mode, t = _fake_cuda_inputs(problem, 7)
+    with mode:
+        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
+            t["a"], t["b"], t["a_descale"], t["b_descale"], None, torch.bfloat16, False
+        )
+        assert args[2].dtype == torch.float8_e8m0fnu and args[2].numel() == 128 * 12
+        with pytest.raises(RuntimeError, match="MX scaling"):
+            torch.nn.functional.scaled_mm(*args, **kwargs)
+
+
+@needs_scaled_mm
+def test_scaled_mm_rejects_scales_of_the_wrong_layout_size():
+    """An 8x4-sized a scale buffer (not 128-row padded) must not get past torch's checks."""
+    problem = Problem(n=208, k=320, m_bucket=8, a_sf_layout="8x4")
+    mode, t = _fake_cuda_inputs(problem, 7)
+    with mode:
+        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
+            t["a"], t["b"], t["a_descale"], t["b_descale"], t["alpha"], torch.bfloat16, True
+        )
+        with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError or its own
+            torch.nn.functional.scaled_mm(*args, **kwargs)
+
+
+def test_scaled_mm_runner_refuses_8x4_before_reaching_torch():
+    with pytest.raises(ValueError, match="8x4"):
+        torch_scaled_mm._run(*(None,) * 7, 16, True, True, True)
