@@ -321,3 +321,23 @@ def test_server_max_m_takes_the_larger_of_decode_and_prefill():
     assert integration.server_max_m(args) == 1024
     args.chunked_prefill_size = 8192
     assert integration.server_max_m(args) == 8192
+
+
+def test_the_sglang_example_check_runs(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "sglang_fp4select.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FP4SELECT_"))}
+    env["FP4SELECT_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "SGLang's FP4 GEMM is fp4select's: True" in proc.stdout
+    assert "flashinfer.mm_fp4 untouched: True" in proc.stdout

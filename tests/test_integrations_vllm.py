@@ -251,3 +251,23 @@ def test_worker_load_model_tunes_the_loaded_fp4_layers(inprocess, monkeypatch, c
     assert "[4/4]" in caplog.text and "sandbox worker closed" in caplog.text
     assert_family(problem_for("trtllm", 2, eight_by_four=True), SHUFFLED_ONLY, PLAIN_ONLY)
     assert_family(problem_for("plain", 2, n=384), PLAIN_ONLY, SHUFFLED_ONLY)
+
+
+def test_the_vllm_example_check_runs(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "vllm_fp4select.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FP4SELECT_"))}
+    env["FP4SELECT_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "is fp4select's: True" in proc.stdout
