@@ -2,11 +2,12 @@
 # The engine plugins against the real SGLang and vLLM, on a CPU machine.
 #
 # Builds (once) a Python 3.11 virtual environment with sglang 0.5.23 and vllm 0.33.0 installed
-# without their GPU dependencies, plus the pure-Python packages their modules import
-# (.ci/engines-requirements.txt), flashinfer-python 0.7.4 and torch 2.14.1 + torchvision 0.29.1
-# (a CUDA build that runs CPU tensors; the registry's torchvision does not load beside a CPU-only
-# torch). Then installs this checkout into it (editable, so the entry points are this
-# checkout's) and runs the tests marked `engines`. Exits non-zero if the environment cannot be
+# without their GPU dependencies, plus the pure-Python packages their modules import, with
+# flashinfer-python 0.7.4 and torch 2.14.1 + torchvision 0.29.1 (a CUDA build that runs CPU
+# tensors; the registry's torchvision does not load beside a CPU-only torch): the list is
+# .ci/engines-requirements.txt, the versions .ci/engines-constraints.txt. Then installs this
+# checkout into it (editable, so the entry points are this checkout's) and runs the tests marked
+# `engines`. Exits non-zero if the environment cannot be
 # built, if the engines are not the versions the tests were written for, or if a test fails.
 #
 #   FP4SELECT_ENGINES_VENV    where the environment lives (default /work/venvs/engines)
@@ -22,10 +23,11 @@ VLLM=0.33.0
 venv=${FP4SELECT_ENGINES_VENV:-/work/venvs/engines}
 python=${FP4SELECT_ENGINES_PYTHON:-python3.11}
 requirements=.ci/engines-requirements.txt
+constraints=.ci/engines-constraints.txt
 started=$(date +%s)
 
 stamp_of() {
-  { cat "$requirements"; echo "sglang==$SGLANG vllm==$VLLM"; "$python" --version; } | sha256sum | cut -d' ' -f1
+  { cat "$requirements" "$constraints"; echo "sglang==$SGLANG vllm==$VLLM"; "$python" --version; } | sha256sum | cut -d' ' -f1
 }
 
 if ! command -v "$python" >/dev/null; then
@@ -40,7 +42,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.fp4select-stamp" 2>/dev/null)
   mkdir -p "$(dirname "$venv")"
   "$python" -m venv "$venv"
   {
-    "$venv/bin/python" -m pip install -q -r "$requirements" &&
+    "$venv/bin/python" -m pip install -q -r "$requirements" -c "$constraints" &&
       "$venv/bin/python" -m pip install -q --no-deps "sglang==$SGLANG" "vllm==$VLLM"
   } >"$log" 2>&1 || {
     grep -v "is ignored: it is neither" "$log" | tail -40 >&2
