@@ -341,3 +341,42 @@ def test_the_sglang_example_check_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "SGLang's FP4 GEMM is fp4select's: True" in proc.stdout
     assert "flashinfer.mm_fp4 untouched: True" in proc.stdout
+
+
+_SCHEDULER_PROCESS = """
+import sys
+{imports}
+from sglang.srt.plugins import load_plugins
+
+load_plugins()
+mq = sys.modules.get("sglang.srt.layers.quantization.modelopt_quant")
+print("imported:", mq is not None)
+print("patched:", bool(mq and getattr(mq.flashinfer_fp4_gemm, "__fp4select__", False)))
+"""
+
+
+@pytest.mark.parametrize(
+    "imports, expected",
+    [
+        # SGLang's scheduler process: scheduler.py is imported, then load_plugins() runs.
+        ("import sglang.srt.managers.scheduler", "imported: True\npatched: True"),
+        # A process that runs no GEMM (detokenizer, HTTP server): left as it was.
+        ("", "imported: False\npatched: False"),
+    ],
+    ids=["scheduler", "other"],
+)
+def test_the_plugin_patches_the_process_that_runs_the_gemms(tmp_path, imports, expected):
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FP4SELECT_"))}
+    env.update(SGLANG_PLUGINS="fp4select", FP4SELECT_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCHEDULER_PROCESS.format(imports=imports)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert expected in proc.stdout, proc.stdout

@@ -1,7 +1,10 @@
 """SGLang plugin: its dense FP4 GEMMs go through fp4select, tuned when the model is loaded.
 
 Turn it on with ``SGLANG_PLUGINS=fp4select`` (SGLang's plugin allow-list; add other plugins to
-the comma list) or ``FP4SELECT_ENGINE_PLUGIN=1``; from code, ``patch()`` / ``unpatch()``.
+the comma list) or ``FP4SELECT_ENGINE_PLUGIN=1``; from code, ``patch()`` / ``unpatch()``. The
+entry point patches only a process that has imported the call site's module: SGLang's
+scheduler process has (scheduler.py imports it before ``load_plugins()``); the HTTP server and
+detokenizer processes, which run no GEMM, have not.
 
 Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import sys
 from typing import Any
 
 import torch
@@ -62,6 +66,12 @@ def plugin() -> None:
             ALLOW_LIST_ENV,
             _common.ENABLE_ENV,
         )
+        return
+    if TARGET_MODULE not in sys.modules:
+        # SGLang's scheduler process (the one that runs the GEMMs) has imported the call site
+        # before it loads plugins; the other processes (the HTTP server, the detokenizer) have
+        # not, and patching there would only import the model code for nothing.
+        log.debug("fp4select: %s not imported in this process; not patching here", TARGET_MODULE)
         return
     try:
         patch()
