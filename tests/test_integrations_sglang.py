@@ -127,6 +127,9 @@ def test_sglang_version_and_patch_targets_are_what_the_plugin_expects():
             assert _common.LAYOUT_OF_BACKEND[name] == LAYOUT_OF_RUNNER[member]
     # The load-time hook point and the server arguments the M bound is read from.
     assert "self.load_model()" in inspect.getsource(ModelRunner.initialize)
+    runner_source = inspect.getsource(ModelRunner)
+    for needed in ("self.server_args = server_args", "self.model_config", "self.model = "):
+        assert needed in runner_source, needed
     from sglang.srt.server_args import ServerArgs
 
     fields = set(dir(ServerArgs))

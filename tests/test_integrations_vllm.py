@@ -110,8 +110,17 @@ def test_vllm_version_and_patch_targets_are_what_the_plugin_expects():
         assert backend in _common.LAYOUT_OF_BACKEND
     trtllm_prep = inspect.getsource(vllm_kernels.FlashInferTrtllmNvFp4LinearKernel)
     assert "shuffle_matrix_a" in trtllm_prep
-    # The load-time hook point comes before memory profiling.
+    # The load-time hook point comes before memory profiling, and has what tune_worker reads.
     assert callable(Worker.load_model) and callable(Worker.determine_available_memory)
+    from vllm.config import SchedulerConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    init = inspect.getsource(WorkerBase.__init__)
+    assert "self.vllm_config = vllm_config" in init
+    assert "self.model_config = vllm_config.model_config" in init
+    assert callable(GPUModelRunner.get_model)
+    assert "max_num_batched_tokens" in SchedulerConfig.__dataclass_fields__
 
 
 # -- vllm's own loader -------------------------------------------------------------------------
