@@ -7,8 +7,8 @@
 # tensors; the registry's torchvision does not load beside a CPU-only torch): the list is
 # .ci/engines-requirements.txt, the versions .ci/engines-constraints.txt. Then installs this
 # checkout into it (editable, so the entry points are this checkout's) and runs the tests marked
-# `engines`. Exits non-zero if the environment cannot be
-# built, if the engines are not the versions the tests were written for, or if a test fails.
+# `engines`. Exits non-zero if the environment cannot be built, if the engines are not the
+# versions the tests were written for, or if a test fails.
 #
 #   FP4SELECT_ENGINES_VENV    where the environment lives (default /work/venvs/engines)
 #   FP4SELECT_ENGINES_PYTHON  the interpreter to build it with (default python3.11)

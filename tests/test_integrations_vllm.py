@@ -121,6 +121,21 @@ def test_vllm_version_and_patch_targets_are_what_the_plugin_expects():
     assert "self.model_config = vllm_config.model_config" in init
     assert callable(GPUModelRunner.get_model)
     assert "max_num_batched_tokens" in SchedulerConfig.__dataclass_fields__
+    # Where model_shapes finds each layer's kernel: quant_method.kernel (ModelOpt) and
+    # scheme.kernel (compressed-tensors).
+    from vllm.model_executor.layers.quantization import modelopt
+    from vllm.model_executor.layers.quantization.compressed_tensors import (
+        compressed_tensors as ct_method,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as ct_w4a4,
+    )
+
+    assert "self.kernel = select_linear_kernel(" in inspect.getsource(modelopt.ModelOptLinearMethod)
+    assert "self.kernel = init_nvfp4_linear_kernel(" in inspect.getsource(
+        ct_w4a4.CompressedTensorsW4A4Fp4
+    )
+    assert "layer.scheme = " in inspect.getsource(ct_method)
 
 
 # -- vllm's own loader -------------------------------------------------------------------------
