@@ -1,0 +1,297 @@
+"""The vLLM plugin against the real vLLM package, on the CPU.
+
+Run by .ci/engines.sh in an environment with vllm 0.33.0 installed without its GPU
+dependencies; skipped elsewhere. vLLM's ``vllm::flashinfer_mm_fp4`` op is registered for CUDA
+only; these tests give it a CPU kernel made of its own Python body (``op._init_fn``), so a call
+through ``flashinfer_scaled_fp4_mm`` runs the same op body, which imports ``flashinfer.mm_fp4``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import types
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vllm is not installed here (.ci/engines.sh builds the engine test environment)",
+        allow_module_level=True,
+    )
+
+import flashinfer
+import flashinfer.gemm.gemm_base as gemm_base
+import vllm.plugins as vllm_plugins
+import vllm.utils.flashinfer as vllm_flashinfer
+from test_integrations_common import (
+    PLAIN_ONLY,
+    SHUFFLED_ONLY,
+    assert_exact,
+    assert_family,
+    calls,
+    problem_for,
+    register_layout_backends,
+)
+from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vllm_kernels
+from vllm.v1.worker.gpu_worker import Worker
+
+import fp4select
+from fp4select.backends import flashinfer as fi_backend
+from fp4select.integrations import _common
+from fp4select.integrations import vllm as integration
+from fp4select.validate import make_inputs
+
+pytestmark = pytest.mark.engines
+
+
+def _objects() -> dict[str, object]:
+    """Every object the plugin may change, by identity."""
+    return {
+        "flashinfer.mm_fp4": flashinfer.mm_fp4,
+        "gemm_base.mm_fp4": gemm_base.mm_fp4,
+        "Worker.load_model": vars(Worker)["load_model"],
+        "vllm op": vllm_flashinfer.flashinfer_mm_fp4,
+        "vllm op body": vllm_flashinfer.flashinfer_mm_fp4._init_fn,
+    }
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    """Each test starts unpatched, with vLLM's loader ready to run again, and ends unpatched."""
+    before = _objects()
+    monkeypatch.delenv(_common.ENABLE_ENV, raising=False)
+    monkeypatch.delenv(_common.UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(vllm_plugins, "plugins_loaded", False)
+    monkeypatch.setattr(_common, "_warned_untested", set())
+    yield
+    integration.unpatch()
+    monkeypatch.undo()  # a test's own stand-ins go first, then everything must be as it was
+    assert _objects() == before
+
+
+@pytest.fixture(scope="module")
+def cpu_op():
+    """vLLM's op with a CPU kernel: its own body, registered for the CPU once per process."""
+    op = vllm_flashinfer.flashinfer_mm_fp4
+    if "cpu" not in getattr(op, "_backend_fns", {}):
+        op.register_kernel("cpu")(op._init_fn)
+    return op
+
+
+# -- the facts the plugin stands on ------------------------------------------------------------
+def test_vllm_version_and_patch_targets_are_what_the_plugin_expects():
+    assert integration.engine_version() in integration.TESTED_VERSIONS
+    assert vllm_plugins.DEFAULT_PLUGINS_GROUP == "vllm.general_plugins"
+    # The custom op imports flashinfer.mm_fp4 inside its body, on every call.
+    body = vllm_flashinfer.flashinfer_mm_fp4._init_fn
+    assert "from flashinfer import mm_fp4" in inspect.getsource(body)
+    assert list(inspect.signature(body).parameters) == [
+        "A",
+        "B",
+        "A_scale",
+        "B_scale",
+        "g_scale",
+        "dtype",
+        "use_8x4_sf_layout",
+        "backend",
+        "block_size",
+        "use_nvfp4",
+    ]
+    source = inspect.getsource(vllm_flashinfer.flashinfer_scaled_fp4_mm)
+    assert 'backend == "trtllm" and a.shape[0] <= 32' in source  # 8x4 scales at small M
+    # Each FlashInfer NVFP4 kernel class exists and passes the backend the plugin maps.
+    for name, backend in integration.KERNEL_BACKENDS.items():
+        cls = getattr(vllm_kernels, name)
+        assert cls.__module__ == integration.KERNEL_MODULE
+        assert f'backend="{backend}"' in inspect.getsource(cls.apply_weights), name
+        assert backend in _common.LAYOUT_OF_BACKEND
+    trtllm_prep = inspect.getsource(vllm_kernels.FlashInferTrtllmNvFp4LinearKernel)
+    assert "shuffle_matrix_a" in trtllm_prep
+    # The load-time hook point comes before memory profiling, and has what tune_worker reads.
+    assert callable(Worker.load_model) and callable(Worker.determine_available_memory)
+    from vllm.config import SchedulerConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    init = inspect.getsource(WorkerBase.__init__)
+    assert "self.vllm_config = vllm_config" in init
+    assert "self.model_config = vllm_config.model_config" in init
+    assert callable(GPUModelRunner.get_model)
+    assert "max_num_batched_tokens" in SchedulerConfig.__dataclass_fields__
+    # Where model_shapes finds each layer's kernel: quant_method.kernel (ModelOpt) and
+    # scheme.kernel (compressed-tensors).
+    from vllm.model_executor.layers.quantization import modelopt
+    from vllm.model_executor.layers.quantization.compressed_tensors import (
+        compressed_tensors as ct_method,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as ct_w4a4,
+    )
+
+    assert "self.kernel = select_linear_kernel(" in inspect.getsource(modelopt.ModelOptLinearMethod)
+    assert "self.kernel = init_nvfp4_linear_kernel(" in inspect.getsource(
+        ct_w4a4.CompressedTensorsW4A4Fp4
+    )
+    assert "layer.scheme = " in inspect.getsource(ct_method)
+
+
+# -- vllm's own loader -------------------------------------------------------------------------
+def test_vllm_loader_finds_and_applies_the_plugin(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "fp4select")
+    vllm_plugins.load_general_plugins()
+    assert getattr(flashinfer.mm_fp4, "__fp4select__", False)
+    assert integration.is_patched()
+    assert vars(Worker)["load_model"].__wrapped__ is not None
+    # The custom op is not replaced, and fp4select's backend still finds flashinfer's kernel.
+    assert vllm_flashinfer.flashinfer_mm_fp4 is _objects()["vllm op"]
+    assert not getattr(gemm_base.mm_fp4, "__fp4select__", False)
+    assert fi_backend.load()[0] is gemm_base.mm_fp4
+
+
+@pytest.mark.parametrize("allow_list", [None, "", "lora_filesystem_resolver"])
+def test_vllm_loader_leaves_vllm_alone_unless_the_allow_list_names_fp4select(
+    monkeypatch, allow_list
+):
+    if allow_list is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", allow_list)
+    before = _objects()
+    vllm_plugins.load_general_plugins()
+    assert _objects() == before
+
+
+# -- a call through vLLM's FlashInfer NVFP4 path ----------------------------------------------------
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass", "cudnn", "cute-dsl", "b12x"])
+@pytest.mark.parametrize("m", [3, 40])
+def test_flashinfer_scaled_fp4_mm_reaches_best_mm_fp4_within_the_prepared_layout(
+    inprocess, cpu_op, backend, m
+):
+    register_layout_backends()
+    assert integration.patch(tune_at_load=False)
+    layout = _common.LAYOUT_OF_BACKEND[backend]
+    # vLLM's trtllm activations carry 8x4 scales at M <= 32.
+    problem = problem_for(layout, m, eight_by_four=layout == "trtllm" and m <= 32)
+    inputs = make_inputs(problem, m, "cpu")
+    # As vLLM's kernels call it: the (N, K/2) weight and its (N, K/16) scale rows.
+    out = vllm_flashinfer.flashinfer_scaled_fp4_mm(
+        inputs.a,
+        inputs.b.T,
+        inputs.a_descale,
+        inputs.b_descale.T,
+        inputs.alpha,
+        torch.bfloat16,
+        backend=backend,
+    )
+    assert_exact(out, inputs, problem)
+    allowed, other = (
+        (SHUFFLED_ONLY, PLAIN_ONLY) if layout == "trtllm" else (PLAIN_ONLY, SHUFFLED_ONLY)
+    )
+    assert_family(problem, allowed, other)
+    assert other not in calls
+    assert fp4select.stats()["tunings"] == 1
+
+
+def test_without_the_plugin_the_call_reaches_flashinfer(cpu_op):
+    # The control for the test above: unpatched, the same call is flashinfer's (no CUDA here).
+    problem = problem_for("plain", 3)
+    inputs = make_inputs(problem, 3, "cpu")
+    with pytest.raises(Exception) as info:
+        vllm_flashinfer.flashinfer_scaled_fp4_mm(
+            inputs.a,
+            inputs.b.T,
+            inputs.a_descale,
+            inputs.b_descale.T,
+            inputs.alpha,
+            torch.bfloat16,
+            backend="cutlass",
+        )
+    assert "fp4select" not in str(info.value)
+
+
+# -- unpatch and the version gate --------------------------------------------------------------
+def test_unpatch_restores_every_object():
+    before = _objects()
+    assert integration.patch(tune_at_load=True)
+    after = _objects()
+    assert after["flashinfer.mm_fp4"] is not before["flashinfer.mm_fp4"]
+    assert after["Worker.load_model"] is not before["Worker.load_model"]
+    assert after["gemm_base.mm_fp4"] is before["gemm_base.mm_fp4"]
+    assert integration.patch() is True  # idempotent
+    assert len(integration.unpatch()) == 2
+    assert _objects() == before
+    assert integration.unpatch() == []
+
+
+def test_an_untested_vllm_logs_one_warning_and_is_left_untouched(monkeypatch, caplog):
+    monkeypatch.setattr(integration, "engine_version", lambda: "0.34.0")
+    monkeypatch.setenv("VLLM_PLUGINS", "fp4select")
+    before = _objects()
+    with caplog.at_level(logging.WARNING, logger="fp4select.integrations"):
+        vllm_plugins.load_general_plugins()
+        integration.plugin()
+        assert integration.patch() is False
+    assert _objects() == before
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fp4select.integrations"]
+    assert len(warnings) == 1, warnings
+    assert "vLLM 0.34.0 is not a version" in warnings[0] and "0.33.0" in warnings[0]
+
+
+# -- tuning at load ------------------------------------------------------------------------------
+def _fp4_layer(kernel_class: type, n: int, k: int) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.quant_method = types.SimpleNamespace(kernel=object.__new__(kernel_class))
+    layer.weight = torch.nn.Parameter(
+        torch.zeros(n, k // 2, dtype=torch.uint8), requires_grad=False
+    )
+    return layer
+
+
+def test_worker_load_model_tunes_the_loaded_fp4_layers(inprocess, monkeypatch, caplog):
+    register_layout_backends()
+    loaded = []
+    monkeypatch.setattr(Worker, "load_model", lambda self: loaded.append(self))
+    assert integration.patch(tune_at_load=True)
+    model = torch.nn.Sequential(
+        _fp4_layer(vllm_kernels.FlashInferTrtllmNvFp4LinearKernel, 256, 128),
+        _fp4_layer(vllm_kernels.FlashInferCutlassNvFp4LinearKernel, 384, 128),
+        torch.nn.Linear(4, 4),  # not FP4: ignored
+    )
+    worker = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(get_model=lambda: model),
+        model_config=types.SimpleNamespace(dtype=torch.bfloat16),
+        vllm_config=types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(max_num_batched_tokens=2)
+        ),
+    )
+    with caplog.at_level(logging.INFO, logger="fp4select.integrations"):
+        Worker.load_model(worker)
+    assert loaded == [worker]
+    # Two layers, buckets 1 and 2: four problems; the trtllm layer's with 8x4 scales.
+    assert fp4select.stats()["tunings"] == 4
+    assert "[4/4]" in caplog.text and "sandbox worker closed" in caplog.text
+    assert_family(problem_for("trtllm", 2, eight_by_four=True), SHUFFLED_ONLY, PLAIN_ONLY)
+    assert_family(problem_for("plain", 2, n=384), PLAIN_ONLY, SHUFFLED_ONLY)
+
+
+def test_the_vllm_example_check_runs(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "vllm_fp4select.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FP4SELECT_"))}
+    env["FP4SELECT_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "is fp4select's: True" in proc.stdout
