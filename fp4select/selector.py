@@ -112,6 +112,12 @@ class Decision:
             "source": self.source,
         }
 
+    def tactic(self, name: str | None) -> dict[str, Any] | None:
+        """The tactic record ``name`` was validated and timed at (served with it), if any."""
+        verdict = self.verdicts.get(name) if name else None
+        record = verdict.detail.get("tactic") if verdict is not None else None
+        return record if isinstance(record, dict) else None
+
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Decision:
         """Rebuild from a store record; raises (KeyError/TypeError/ValueError) if malformed."""
@@ -378,7 +384,7 @@ class Selector:
             raise NoCorrectBackendError(
                 f"backend {decision.winner!r} chosen earlier is not registered here"
             )
-        return backend.dispatcher(decision.problem)
+        return backend.dispatcher(decision.problem, decision.tactic(decision.winner))
 
     def fallback(self, problem: Problem, device: torch.device) -> tuple[Runner, str]:
         """A runner that needs no probing, for a miss while a CUDA graph is being captured.
@@ -426,7 +432,7 @@ class Selector:
         self.counters.explicit += 1
         decision = self.lookup(problem, device)
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
-            return backend.dispatcher(problem)
+            return backend.dispatcher(problem, decision.tactic(name))
         if self.isolation == "inprocess" or backend.family == "builtin":
             return backend.runner(problem)  # unproven here: keep the backend's own checks on
         options = ProbeOptions(timing=self.timing, validate_only=True)
