@@ -149,6 +149,48 @@ def tuner_api() -> tuple[TunerAPI | None, str | None]:
     )
 
 
+_MM_FP4_CONFIGS = (
+    "_MM_FP4_TUNING_CONFIG_128x4",
+    "_MM_FP4_TUNING_CONFIG_8x4",
+    "_MM_FP4_TUNING_CONFIG_128x4_PER_TOKEN_ALPHA",
+)
+_MAPPING_PROBES = (*range(1, 4097), 4098, 6000, 8191, 8192, 8193, 12345, 16384, 65537, 1 << 20)
+
+
+@functools.lru_cache(maxsize=1)
+def bucket_mapping_disagreement() -> str | None:
+    """Where mm_fp4's tuning configs bucket M unlike fp4select's ``m_bucket``, or None.
+
+    cuDNN builds one graph per ``map_to_tuning_buckets(M)`` and a tactic is a plan index into
+    that graph: a tactic tuned at the bucket's top means the same kernel for every M of the
+    bucket only if flashinfer maps all of them to that top, as fp4select does. The configs are
+    private names, read if present; a flashinfer without them is not second-guessed (pinned
+    validation at several M of the bucket still checks the numbers).
+    """
+    from fp4select.keys import m_bucket
+
+    try:
+        gemm_base = importlib.import_module("flashinfer.gemm.gemm_base")
+    except Exception:
+        return None
+    for name in _MM_FP4_CONFIGS:
+        config = getattr(gemm_base, name, None)
+        specs = getattr(config, "dynamic_tensor_specs", None)
+        if not specs:
+            continue
+        mapper = getattr(specs[0], "map_to_tuning_buckets", None)
+        if not callable(mapper):
+            continue
+        for m in _MAPPING_PROBES:
+            try:
+                theirs = mapper(m)
+            except Exception as exc:
+                return f"{name} cannot map M={m} ({type(exc).__name__}: {exc})"
+            if theirs != m_bucket(m):
+                return f"{name} maps M={m} to {theirs}, fp4select's bucket is {m_bucket(m)}"
+    return None
+
+
 # -- the choose_one hook ---------------------------------------------------------------------
 def _hook(original: Callable[..., Any]) -> Callable[..., Any]:
     def choose_one(custom_op, runners, tuning_config, inputs, **kwargs):
@@ -287,7 +329,7 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
     api, why = tuner_api()
     if api is None:
         return {"op": OP, "tactic": None, "reason": why}
-    why = install()
+    why = install() or bucket_mapping_disagreement()
     if why is not None:
         return {"op": OP, "tactic": None, "reason": why}
     settings: dict[str, Any] = {"tuning_buckets": (problem.m_bucket,)}
