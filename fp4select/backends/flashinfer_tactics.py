@@ -16,7 +16,10 @@ and 0.7.4):
   so near-tied tactics resolve to the same one in every process. Without ``tuning_buckets``
   (flashinfer 0.6.0 and other early 0.6 releases) it would profile every power of two up to M
   and bucket M downwards, so tuning is reported unavailable there and backends are timed at
-  flashinfer's default, as before.
+  flashinfer's default, as before. The same holds where mm_fp4's tuning configs map M to
+  buckets other than fp4select's (checked once): cuDNN builds one graph per mapped M and its
+  tactic is a plan index into that graph, so the tactic tuned at the bucket's top means the
+  same kernel across the bucket only when both map every M of it to that top.
 * **What was chosen is read from choose_one itself**, not from flashinfer's cache: the same
   hook that serves tactics records ``(runner class, tactic)`` of the fp4_gemm choice made
   while tuning. The tactic is then validated (pinned) at every validation M of the bucket, and
