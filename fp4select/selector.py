@@ -444,7 +444,7 @@ class Selector:
             raise NoCorrectBackendError(
                 f"backend {name!r} failed its check on {problem.describe()} ({why})"
             )
-        return backend.dispatcher(problem)
+        return backend.dispatcher(problem, verdict.detail.get("tactic"))  # the tactic it passed at
 
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""

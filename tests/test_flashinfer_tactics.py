@@ -388,6 +388,18 @@ def test_tuned_in_the_sandbox_stored_and_served_by_a_new_process_without_tuning(
     assert log.read_text().splitlines() == ["ran 1"]
 
 
+def test_an_explicitly_named_backend_is_served_at_the_tactic_it_was_checked_at(cache_dir):
+    fp4select.configure(cache_dir=cache_dir, isolation="subprocess", timing=FAST)
+    try:
+        fp4select.register_backend(tb.BACKEND)
+        inputs = make_inputs(PROBLEM, 11, "cpu")
+        out = fp4select.best_mm_fp4(**inputs.kwargs(PROBLEM), backend=tb.NAME)
+    finally:
+        fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
+    assert check(out, inputs, torch.bfloat16).ok
+    assert tb.profiled == [] and tb.ran == [1]  # tuned and checked in the child; pinned here
+
+
 def _run(code: str, env: dict[str, str]) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
