@@ -273,6 +273,16 @@ def test_tune_says_why_not_where_autotune_takes_no_tuning_buckets(monkeypatch):
     assert tactics.pinned(runner, record) is runner
 
 
+def test_tactics_env_turns_tuning_off_and_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(tactics.TACTICS_ENV, "default")
+    record = tactics.tune(tb.BACKEND.runner(PROBLEM), PROBLEM, _args(16))
+    assert record["tactic"] is None and record["reason"] == "FP4SELECT_TACTICS=default"
+    assert tb.profiled == [] and tb.ran == []
+    monkeypatch.setenv(tactics.TACTICS_ENV, "fastest")
+    with pytest.raises(ValueError, match="FP4SELECT_TACTICS must be 'tune' or 'default'"):
+        tactics.tune(tb.BACKEND.runner(PROBLEM), PROBLEM, _args(16))
+
+
 def test_tune_notes_an_ordinary_failure_and_lets_a_cuda_error_through():
     def fails(*args):
         raise RuntimeError("no plan for this shape")

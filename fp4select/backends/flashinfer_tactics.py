@@ -47,7 +47,9 @@ and 0.7.4):
   collectives; ranks that share the store pin the same calls. fp4select does not set a process
   group itself: it tunes in a child process outside any group.
 * Everything is feature-detected; a missing piece is a reason string in the tactic record,
-  never an exception.
+  never an exception. ``FP4SELECT_TACTICS=default`` turns tuning off (backends are then timed
+  and served at flashinfer's default, as before), e.g. where JIT-compiling every tactic of a
+  backend takes longer than the sandbox's ``FP4SELECT_PROBE_TIMEOUT_S`` allows.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,6 +73,7 @@ from fp4select.timing import MIN_TIE_TOLERANCE
 
 log = logging.getLogger("fp4select")
 
+TACTICS_ENV = "FP4SELECT_TACTICS"  # "tune" (default) or "default": time at flashinfer's default
 OP = "fp4_gemm"  # mm_fp4's custom_op name in choose_one, 0.6.0 to 0.7.4
 DEFAULT_TACTIC = -1  # flashinfer's fallback tactic: what choose_one returns on a cache miss
 TIE_TOLERANCE = MIN_TIE_TOLERANCE
@@ -329,6 +333,11 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
     errors propagate (the probe classifies them); other tuning failures become a reason and the
     backend is timed at its default tactic.
     """
+    mode = os.environ.get(TACTICS_ENV, "tune").strip().lower() or "tune"
+    if mode not in ("tune", "default"):
+        raise ValueError(f"{TACTICS_ENV} must be 'tune' or 'default', got {mode!r}")
+    if mode == "default":
+        return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}=default"}
     api, why = tuner_api()
     if api is None:
         return {"op": OP, "tactic": None, "reason": why}
