@@ -14,6 +14,10 @@ Design rules:
   caller-supplied ``out`` poisoned with NaN, so a backend that ignores ``out=`` or leaves
   elements unwritten fails. A repeat run records whether the backend is bit-for-bit
   deterministic (recorded, not required: split-K kernels may legitimately differ).
+* A backend with a ``tune`` hook (flashinfer's, through its autotuner) is tuned first, at the
+  bucket's top M; it is then validated and timed at the tactic it chose, which its verdict
+  records, so what is served is what was checked. Its default tactic is timed beside it, for
+  the record only (``detail["default_timing"]``), never as a candidate.
 """
 
 from __future__ import annotations
