@@ -165,6 +165,22 @@ class _Inputs:
 def validate_backend(
     backend: Backend, problem: Problem, inputs: _Inputs, device: torch.device, report: Report
 ) -> Verdict:
+    """The verdict; with the tactic it was reached at in ``detail`` (wrong ones included)."""
+    tactic: dict[str, Any] = {}
+    verdict = _validate(backend, problem, inputs, device, report, tactic)
+    if tactic:
+        verdict.detail["tactic"] = tactic
+    return verdict
+
+
+def _validate(
+    backend: Backend,
+    problem: Problem,
+    inputs: _Inputs,
+    device: torch.device,
+    report: Report,
+    tactic: dict[str, Any],
+) -> Verdict:
     out_dtype = problem.torch_out_dtype
     ms = validation_ms(problem.m_bucket)
     worst = 0.0
@@ -172,14 +188,12 @@ def validate_backend(
     try:
         report({"event": "run", "backend": backend.name, "phase": "bind", "m": None})
         runner = backend.runner(problem)
-        tactic = None
         if backend.tune is not None:  # tune first: the tactic that is validated is the one timed
             m = problem.m_bucket
             report({"event": "run", "backend": backend.name, "phase": "tune", "m": m})
-            record = backend.tune(runner, problem, inputs[m].args(problem))
+            tactic.update(backend.tune(runner, problem, inputs[m].args(problem)) or {})
             _sync(device)
-            if record:
-                tactic = dict(record)
+            if tactic:
                 runner = backend.runner(problem, tactic)
         last = None
         for m in ms:
@@ -208,10 +222,7 @@ def validate_backend(
         deterministic = bool(torch.equal(poisoned, last)) if last is not None else None
     except Exception as exc:
         return classify(backend, exc, m)
-    detail: dict[str, Any] = {"ms": list(ms)}
-    if tactic is not None:
-        detail["tactic"] = tactic
-    return Verdict(backend.name, PASSED, "", None, worst, deterministic, detail)
+    return Verdict(backend.name, PASSED, "", None, worst, deterministic, {"ms": list(ms)})
 
 
 def time_backends(

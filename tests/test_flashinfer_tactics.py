@@ -340,6 +340,22 @@ def test_validation_runs_at_the_tuned_tactic_at_every_m_of_the_bucket(monkeypatc
     assert result.verdicts[tb.NAME].detail["ms"] == [129, 193, 256]
 
 
+def test_a_tactic_that_computes_wrong_numbers_is_rejected_and_named(monkeypatch):
+    """What is served is what was checked: a wrong tuned tactic fails the backend for the key."""
+    forward = tb.TwoTacticRunner.forward
+
+    def wrong_at_1(self, inputs, tactic=-1, do_preparation=False, **kwargs):
+        out = forward(self, inputs, tactic, do_preparation, **kwargs)
+        if tactic == 1 and out is not None:
+            out.zero_()
+        return out
+
+    monkeypatch.setattr(tb.TwoTacticRunner, "forward", wrong_at_1)
+    result = probe(PROBLEM, [tb.BACKEND], "cpu", ProbeOptions(timing=FAST))
+    verdict = result.verdicts[tb.NAME]
+    assert verdict.status == "wrong" and verdict.detail["tactic"]["tactic"] == 1
+
+
 def test_selector_bind_serves_the_tactic_of_a_decision_read_from_disk(inprocess):
     fp4select.register_backend(tb.BACKEND)
     record = {"op": "fp4_gemm", "tactic": 0, "runner": "TwoTacticRunner", "default": -1}
