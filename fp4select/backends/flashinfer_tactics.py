@@ -335,7 +335,13 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
     """
     mode = os.environ.get(TACTICS_ENV, "tune").strip().lower() or "tune"
     if mode not in ("tune", "default"):
-        raise ValueError(f"{TACTICS_ENV} must be 'tune' or 'default', got {mode!r}")
+        # Raised here it would read as "unsupported" for every backend (flashinfer's checks
+        # raise ValueError): say it in each record and the log instead, and tune nothing.
+        why = f"{TACTICS_ENV} must be 'tune' or 'default', got {mode!r}; not tuned"
+        if why not in _warned:
+            _warned.add(why)
+            log.error(why)
+        return {"op": OP, "tactic": None, "reason": why}
     if mode == "default":
         return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}=default"}
     api, why = tuner_api()
