@@ -2,12 +2,16 @@
 
 Design rules:
 
-* The warm path is one tuple of cheap attributes (shapes, device index, the scalar arguments),
-  one dict lookup and one call of a bound runner: no device sync, no host-device copy, no
-  logging, so it is safe inside CUDA graph capture and costs well under a microsecond.
+* The warm path is one tuple of cheap attributes, one dict lookup and one call of a bound
+  runner: no device sync, no host-device copy, no logging, so it is safe inside CUDA graph
+  capture and costs about a microsecond.
 * Arguments are checked in full the first time a call signature is seen, before any kernel
-  runs; a signature that passed is not re-checked (``FP4SELECT_CHECK=always`` re-checks every
-  call). Bad input raises ``TypeError``/``ValueError`` naming the argument.
+  runs. The signature holds everything those checks looked at that a later call could change
+  without changing shapes (dtypes, devices, b's strides, the scale and alpha shapes, flags by
+  identity), so a call the first call would refuse never finds a bound runner: the same bad
+  call gets the same ``TypeError``/``ValueError`` naming the argument, first or thousandth.
+  A call that fails inside the backend is checked in full before its error propagates.
+  ``FP4SELECT_CHECK=always`` re-checks every call.
 * A miss while a CUDA graph is being captured never tunes (tuning syncs and allocates): a
   fallback serves the capture, and the key is tuned on the next eager call or by
   ``tune_pending()``.
@@ -19,7 +23,8 @@ from typing import Any, Literal
 
 import torch
 
-from fp4select.keys import B_LAYOUTS, OUT_DTYPES, Problem, m_bucket
+from fp4select import record as _record
+from fp4select.keys import B_LAYOUTS, INVARIANT_BUCKET, OUT_DTYPES, Problem, m_bucket
 from fp4select.selector import Decision, Selector
 from fp4select.store import Store
 from fp4select.timing import TimingOptions
@@ -109,6 +114,7 @@ def best_mm_fp4(
     use_nvfp4: bool = True,
     enable_pdl: bool = True,
     *,
+    batch_invariant: bool = False,
     b_layout: Literal["plain", "trtllm"] = "plain",
     allow_blacklisted: bool = False,
 ) -> torch.Tensor:
@@ -118,41 +124,69 @@ def best_mm_fp4(
     on disk); a concrete name runs that backend unless it is blacklisted here. ``b_layout``
     says how ``b`` was prepared: ``"plain"`` (128x4 scales, as cudnn/cutlass/b12x take it) or
     ``"trtllm"`` (row-shuffled weight and scales); only backends taking that layout compete.
+    ``batch_invariant=True`` promises that row i of the output has the same bits whatever M is:
+    one backend serves every M of the shape (flashinfer's batch-invariant class where it runs,
+    else emulation's fixed-shape chunked product); it needs ``backend="auto"``.
     """
     try:
+        # Everything the first call checks that could change silently between calls. Flags
+        # and block_size enter by identity: True, False, 16 and 32 are singletons, so a 1 or
+        # a 16.0 never matches a valid call's key and is checked (and refused) every time.
         signature = (
             a.shape,
+            a.dtype,
+            a.device,
             b.shape,
-            a.get_device(),
+            b.dtype,
+            b.stride(),
+            b.device,
+            a_descale.shape,
+            a_descale.dtype,
+            a_descale.device,
+            b_descale.shape,
+            b_descale.dtype,
+            b_descale.device,
+            None if alpha is None else (alpha.shape, alpha.dtype, alpha.device),
+            None if out is None else (out.shape, out.dtype, out.device),
             out_dtype,
-            block_size,
-            use_8x4_sf_layout,
+            id(block_size),
+            id(use_8x4_sf_layout),
             backend,
-            use_nvfp4,
+            id(use_nvfp4),
+            id(enable_pdl),
+            id(batch_invariant),
             b_layout,
-            None if alpha is None else alpha.shape,
-            None if out is None else out.shape,
-            allow_blacklisted,
+            id(allow_blacklisted),
         )
         runner = _lookup(signature)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments
         signature, runner = None, None
     if runner is None:  # with FP4SELECT_CHECK=always nothing is bound, so every call checks
         args = (a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout)
-        runner = _miss(signature, args, backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted)
-    return runner(
-        a,
-        b,
-        a_descale,
-        b_descale,
-        alpha,
-        out_dtype,
-        out,
-        block_size,
-        use_8x4_sf_layout,
-        use_nvfp4,
-        enable_pdl,
-    )
+        flags = (backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant)
+        runner = _miss(signature, args, *flags)
+    try:
+        return runner(
+            a,
+            b,
+            a_descale,
+            b_descale,
+            alpha,
+            out_dtype,
+            out,
+            block_size,
+            use_8x4_sf_layout,
+            use_nvfp4,
+            enable_pdl,
+        )
+    except Exception:
+        # A failing call explains itself as its first call would have: the same argument
+        # errors, whatever was bound. Arguments that pass the checks: the backend's own error.
+        check_arguments(
+            a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout,
+            backend, use_nvfp4, enable_pdl, b_layout, batch_invariant, allow_blacklisted,
+        )  # fmt: skip
+        raise
 
 
 # Marks the patched-in function so fp4select never mistakes it for flashinfer's own mm_fp4
@@ -160,9 +194,14 @@ def best_mm_fp4(
 best_mm_fp4.__fp4select__ = True  # type: ignore[attr-defined]
 
 
-def _miss(signature, args, backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted):
+def _miss(
+    signature, args, backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant
+):
     """Check the arguments, find or make the decision, bind it for this signature."""
-    problem = check_arguments(*args, backend, use_nvfp4, enable_pdl, b_layout)
+    problem = check_arguments(
+        *args, backend, use_nvfp4, enable_pdl, b_layout, batch_invariant, allow_blacklisted
+    )
+    _record.note(problem)  # FP4SELECT_RECORD: the first call of a signature only
     a = args[0]
     sel = selector()
     device = a.device
@@ -206,6 +245,8 @@ def check_arguments(
     use_nvfp4: Any = True,
     enable_pdl: Any = True,
     b_layout: Any = "plain",
+    batch_invariant: Any = False,
+    allow_blacklisted: Any = False,
 ) -> Problem:
     """Every check that can be made without running a kernel; returns the problem key."""
     a = _need_tensor("a", a)
@@ -216,11 +257,18 @@ def check_arguments(
         ("use_8x4_sf_layout", use_8x4_sf_layout),
         ("use_nvfp4", use_nvfp4),
         ("enable_pdl", enable_pdl),
+        ("batch_invariant", batch_invariant),
+        ("allow_blacklisted", allow_blacklisted),
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto' or a backend name), got {backend!r}")
+    if batch_invariant and backend != "auto":
+        raise ValueError(
+            f"batch_invariant=True needs backend='auto' (one backend must serve every M of the "
+            f"shape, so fp4select picks it), got backend={backend!r}"
+        )
     if b_layout not in B_LAYOUTS:
         raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {b_layout!r}")
     if out_dtype not in _DTYPE_NAMES:
@@ -241,6 +289,14 @@ def check_arguments(
     m, n, k = a.shape[0], b.shape[1], 2 * a.shape[1]
     if m < 1 or n < 1 or k < 1:
         raise ValueError(f"a and b must be non-empty, got M={m}, N={n}, K={k}")
+    if not a.is_contiguous():
+        raise ValueError(f"a must be row-major contiguous (M, K/2), got strides {a.stride()}")
+    if not b.t().is_contiguous():
+        raise ValueError(
+            f"b must be the transposed view (weight.T) of a row-major (N, K/2) weight, i.e. "
+            f"strides (1, K/2) = (1, {b.shape[0]}), got strides {b.stride()}; a row-major "
+            "(K/2, N) tensor holds the same shape but not the same matrix"
+        )
     if not isinstance(block_size, int) or isinstance(block_size, bool):
         raise TypeError(f"block_size must be an int, got {block_size!r}")
     expected_block = 16 if use_nvfp4 else 32
@@ -305,13 +361,14 @@ def check_arguments(
     return Problem(
         n=n,
         k=k,
-        m_bucket=m_bucket(m),
+        m_bucket=INVARIANT_BUCKET if batch_invariant else m_bucket(m),
         out_dtype=_DTYPE_NAMES[out_dtype],
         block_size=block_size,
         use_nvfp4=use_nvfp4,
         a_sf_layout="8x4" if use_8x4_sf_layout else "128x4",
         b_layout=b_layout,
         alpha_kind=alpha_kind,
+        batch_invariant=batch_invariant,
     )
 
 
@@ -329,9 +386,7 @@ def explain(
     served (memory, disk, tuned), ``origin`` how the decision first entered this process.
     """
     if problem is None:
-        b_layout = kwargs.pop("b_layout", "plain")
-        kwargs.pop("allow_blacklisted", None)
-        problem = check_arguments(*args, **kwargs, b_layout=b_layout)
+        problem = check_arguments(*args, **kwargs)
         device = args[0].device if args else kwargs["a"].device
     device = torch.device(device or "cpu")
     sel = selector()

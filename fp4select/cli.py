@@ -96,7 +96,11 @@ def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[s
         "fp4select": __version__,
         "machine": machine,
         "environment": env,
-        "flashinfer": {"listed_backends": listed, "problem": why},
+        "flashinfer": {
+            "listed_backends": listed,
+            "problem": why,
+            "signature": signature_report(mm_fp4),
+        },
         "backends": rows,
         "source_errors": registry.source_errors,
         "cache": {
@@ -105,6 +109,38 @@ def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[s
             "isolation": sel.isolation,
         },
         "blacklist": blacklist,
+    }
+
+
+def signature_report(mm_fp4: Any) -> dict[str, Any]:
+    """How ``best_mm_fp4``'s parameters line up with the installed ``flashinfer.mm_fp4``'s.
+
+    A newer flashinfer may add a parameter: fp4select keeps working (it calls flashinfer
+    with the parameters both know), but a caller passing the new one gets a TypeError from
+    ``best_mm_fp4``, and this says so before it happens.
+    """
+    import inspect
+
+    from fp4select.api import best_mm_fp4
+
+    if mm_fp4 is None:
+        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+    try:
+        theirs = inspect.signature(mm_fp4).parameters
+    except (TypeError, ValueError):
+        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+    ours = inspect.signature(best_mm_fp4).parameters
+    missing = [name for name in theirs if name not in ours]
+    defaults = [
+        name
+        for name, param in theirs.items()
+        if name in ours and param.default is not inspect.Parameter.empty
+        and ours[name].default != param.default
+    ]  # fmt: skip
+    return {
+        "matches": not missing and not defaults,
+        "only_in_flashinfer": missing,
+        "different_defaults": defaults,
     }
 
 
@@ -132,6 +168,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(
             f"flashinfer.mm_fp4 lists {len(fi['listed_backends'])} backends: {', '.join(fi['listed_backends'])}"
         )
+        sig = fi["signature"]
+        if sig["matches"] is False:
+            print(
+                "warning: best_mm_fp4 does not mirror this flashinfer's mm_fp4: "
+                f"parameters only in flashinfer: {sig['only_in_flashinfer'] or 'none'}; "
+                f"different defaults: {sig['different_defaults'] or 'none'} "
+                "(calls without them work; passing them to best_mm_fp4 raises TypeError)"
+            )
     rows = []
     for r in report["backends"]:
         ccs = r.get("flashinfer_supported_ccs")
@@ -171,12 +215,56 @@ def _parse_shape(text: str) -> tuple[int, int]:
     return n, k
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _buckets(max_m: int) -> list[int]:
     top = m_bucket(max_m)
     return [b for b in M_BUCKETS if b <= top]
 
 
-def _problems(args: argparse.Namespace) -> list[Problem]:
+def _problems_for(
+    shapes: Sequence[tuple[int, int]], args: argparse.Namespace, fmt: str
+) -> list[Problem]:
+    use_nvfp4 = fmt == "nvfp4"
+    return [
+        Problem(
+            n=n,
+            k=k,
+            m_bucket=bucket,
+            out_dtype=args.out_dtype,
+            block_size=16 if use_nvfp4 else 32,
+            use_nvfp4=use_nvfp4,
+            a_sf_layout=args.a_sf_layout,
+            b_layout=args.b_layout,
+            alpha_kind=args.alpha,
+        )
+        for n, k in shapes
+        for bucket in _buckets(args.max_m)
+    ]
+
+
+class _WarmUsageError(Exception):
+    """Bad warm input: printed as ``warm: <message>``, exit status 2."""
+
+
+def _warm_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Every key warm will tune, from --shape, --shapes-file, --model and --from-record.
+
+    Returns the problems (deduplicated, first appearance first) and, as data for --dry-run,
+    the model table and the record counts.
+    """
+    from fp4select.model_shapes import ModelConfigError, shapes_from_path
+    from fp4select.record import read_record
+
+    plan: dict[str, Any] = {"model": None, "record": None}
     shapes = list(args.shape or [])
     for path in args.shapes_file or []:
         with open(path, encoding="utf-8") as fh:
@@ -187,63 +275,170 @@ def _problems(args: argparse.Namespace) -> list[Problem]:
                 if isinstance(item, list)
                 else (int(item["n"]), int(item["k"]))
             )
-    if not shapes:
-        raise SystemExit("warm: give at least one --shape N,K or --shapes-file")
-    use_nvfp4 = args.format == "nvfp4"
-    problems = []
-    for n, k in shapes:
-        for bucket in _buckets(args.max_m):
-            problems.append(
-                Problem(
-                    n=n,
-                    k=k,
-                    m_bucket=bucket,
-                    out_dtype=args.out_dtype,
-                    block_size=16 if use_nvfp4 else 32,
-                    use_nvfp4=use_nvfp4,
-                    a_sf_layout=args.a_sf_layout,
-                    b_layout=args.b_layout,
-                    alpha_kind=args.alpha,
-                )
+    fmt = args.format or "nvfp4"
+    problems: list[Problem] = []
+    if args.model:
+        try:
+            model = shapes_from_path(args.model, tp=args.tp)
+        except ModelConfigError as exc:
+            raise _WarmUsageError(f"--model {args.model}: {exc}") from None
+        if args.format and args.format != model.format:
+            raise _WarmUsageError(
+                f"--format {args.format} contradicts the model's FP4 layers ({model.format})"
             )
-    return problems
+        plan["model"] = model
+        problems += model.problems(
+            args.max_m,
+            out_dtype=args.out_dtype,
+            a_sf_layout=args.a_sf_layout,
+            b_layout=args.b_layout,
+            alpha_kind=args.alpha,
+        )
+    problems += _problems_for(shapes, args, fmt)
+    if args.from_record:
+        try:
+            counts = read_record(args.from_record)
+        except OSError as exc:
+            raise _WarmUsageError(f"--from-record: {exc}") from None
+        plan["record"] = counts
+        problems += list(counts)
+    if not (args.shape or args.shapes_file or args.model or args.from_record):
+        raise _WarmUsageError("give --shape N,K, --shapes-file, --model PATH or --from-record FILE")
+    plan["problems"] = list(dict.fromkeys(problems))
+    return plan
+
+
+def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
+    model, record, problems = plan["model"], plan["record"], plan["problems"]
+    if as_json:
+        _print_json(
+            {
+                "model": model.to_json() if model else None,
+                "record": [{"problem": p.to_json(), "count": c} for p, c in record.items()]
+                if record is not None
+                else None,
+                "problems": [p.to_json() for p in problems],
+            }
+        )
+        return
+    if model is not None:
+        print(f"{model.architecture} at tp={model.tp}: {model.format} layers per rank")
+        rows = [[x.name, x.n, x.k, x.count, x.split] for x in model.layers]
+        print(_table(rows, ["layer", "N", "K", "count", "split"]) if rows else "no FP4 layers")
+        for line in model.notes:
+            print(f"note: {line}")
+    if record is not None:
+        rows = [[p.describe(), c] for p, c in record.items()]
+        print(_table(rows, ["recorded problem", "seen"]) if rows else "the record is empty")
+    print(f"{len(problems)} problem keys to tune")
+
+
+def _warm_devices(args: argparse.Namespace) -> list[torch.device] | None:
+    from fp4select.multi_gpu import check_same_environment, parse_devices
+
+    if not args.devices:
+        return None
+    if args.device:
+        raise _WarmUsageError("give --device or --devices, not both")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = [torch.device("cuda", i) for i in parse_devices(args.devices, count)]
+    check_same_environment(devices)
+    return devices
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
+    import time
+
     from fp4select.api import selector
+    from fp4select.multi_gpu import DeviceError, warm_parallel
 
-    device = _device(args.device)
-    problems = _problems(args)
-    sel = selector()
     try:
-        from tqdm import tqdm
+        plan = _warm_plan(args)
+        devices = None if args.dry_run else _warm_devices(args)
+    except (_WarmUsageError, DeviceError) as exc:
+        print(f"warm: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        _print_plan(plan, args.json)
+        return 0
+    problems = plan["problems"]
+    if not problems:
+        print("warm: no FP4 problem keys to tune (see --dry-run for why)", file=sys.stderr)
+        return 1
+    sel = selector()
+    started = time.perf_counter()
+    if devices is not None:
+        show = not (args.quiet or args.json)
 
-        progress = tqdm(
-            problems, desc="fp4select warm", unit="key", disable=args.quiet or args.json
+        def progress(row: dict[str, Any]) -> None:
+            if show:
+                print(f"{row['problem']}: {row['winner']} ({row['source']}) on {row['device']}")
+
+        results, counters = warm_parallel(
+            problems,
+            devices,
+            store_root=sel.store.root,
+            isolation=sel.isolation,
+            timing=sel.timing,
+            progress=progress,
         )
-    except ImportError:  # tqdm comes with flashinfer; without it, plain lines
-        progress = problems
-    results = []
-    failures = 0
-    for problem in progress:
-        decision = sel.decide(problem, device)
-        if decision.winner is None:
-            failures += 1
-        results.append(
+        device = devices[0]
+    else:
+        device = _device(args.device)
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(
+                problems, desc="fp4select warm", unit="key", disable=args.quiet or args.json
+            )
+        except ImportError:  # tqdm comes with flashinfer; without it, plain lines
+            progress = problems
+        results = []
+        for problem in progress:
+            decision = sel.decide(problem, device)
+            results.append(
+                {
+                    "problem": problem.describe(),
+                    "winner": decision.winner,
+                    "source": decision.source,
+                    "seconds": round(decision.tuning_seconds, 3),
+                }
+            )
+            if not args.json and progress is problems and not args.quiet:
+                print(f"{problem.describe()}: {decision.winner} ({decision.source})")
+        counters = sel.counters.as_dict()
+    wall = time.perf_counter() - started
+    failures = sum(1 for r in results if r["winner"] is None)
+    exported = None
+    if args.export:
+        try:
+            exported = sel.store.export_archive(args.export, environment_for(device)).entries
+        except (OSError, ValueError) as exc:
+            print(f"warm: --export {args.export} failed: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        _print_json(
             {
-                "problem": problem.describe(),
-                "winner": decision.winner,
-                "source": decision.source,
-                "seconds": round(decision.tuning_seconds, 3),
+                "results": results,
+                "stats": counters,
+                "devices": [str(d) for d in devices] if devices else [str(device)],
+                "wall_seconds": round(wall, 3),
+                "exported": exported,
             }
         )
-        if not args.json and progress is problems and not args.quiet:
-            print(f"{problem.describe()}: {decision.winner} ({decision.source})")
-    if args.json:
-        _print_json({"results": results, "stats": sel.counters.as_dict()})
     else:
-        rows = [[r["problem"], r["winner"] or "NONE", r["source"], r["seconds"]] for r in results]
-        print(_table(rows, ["problem", "winner", "source", "tuning s"]))
+        rows = [
+            [r["problem"], r["winner"] or "NONE", r["source"], r.get("seconds", "-")]
+            + ([r.get("device") or "-"] if devices else [])
+            for r in results
+        ]
+        header = ["problem", "winner", "source", "tuning s"] + (["device"] if devices else [])
+        print(_table(rows, header))
+        print(
+            f"{len(results)} keys in {wall:.1f} s" + (f" on {len(devices)} GPUs" if devices else "")
+        )
+        if exported is not None:
+            print(f"exported {exported} entries to {args.export}")
     return 1 if failures else 0
 
 
@@ -259,23 +454,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(items)
         return 0
+    from fp4select.probe import MalformedRecord
+    from fp4select.selector import Decision
+
     rows = []
     for item in items:
-        rec, e = item["record"], item["env"]
-        try:
-            desc = Problem.from_json(item["key"]).describe()
-        except Exception:
-            desc = str(item["key"])
-        margin = (rec.get("ranking") or {}).get("margin")
-        rows.append(
-            [
-                e.get("gpu") or "cpu",
-                desc,
-                rec.get("winner"),
-                "-" if margin is None else f"{margin:+.1%}",
-                rec.get("created", ""),
-            ]
-        )
+        e = item["env"]
+        gpu = e.get("gpu") if isinstance(e.get("gpu"), str) else "cpu"
+        try:  # a record is data from disk: checked field by field before it is printed
+            decision = Decision.from_json(item["record"], source="disk")
+        except MalformedRecord as exc:
+            rows.append(((1 << 62,), [gpu, str(item["key"])[:60], "INVALID", "-", f"{exc}"[:60]]))
+            continue
+        margin = (decision.ranking or {}).get("margin")
+        p = decision.problem
+        row = [gpu, p.describe(), decision.winner, "-" if margin is None else f"{margin:+.1%}"]
+        rows.append(((p.n, p.k, p.m_bucket, p.describe()), [*row, decision.created]))
+    rows = [row for _, row in sorted(rows, key=lambda r: r[0])]
     print(_table(rows, ["gpu", "problem", "winner", "margin", "created"]) if rows else "no entries")
     return 0
 
@@ -369,24 +564,103 @@ def cmd_blacklist(args: argparse.Namespace) -> int:
     return 0
 
 
+def _many(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _os_error(exc: OSError) -> str:
+    return f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from fp4select.api import selector
 
     env = None if args.all else environment_for(_device(args.device))
-    count = selector().store.export_archive(args.path, env)
-    print(f"exported {count} entries to {args.path}")
+    try:
+        result = selector().store.export_archive(args.path, env, overwrite=args.force)
+    except OSError as exc:  # a directory, an existing file without --force, a failing disk
+        print(f"export failed: {_os_error(exc)}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json({"path": args.path, **result.as_dict()})
+    else:
+        print(
+            f"exported {_many(result.entries, 'entry', 'entries')} and "
+            f"{_many(result.blacklist, 'blacklist record', 'blacklist records')} to {args.path}"
+        )
     return 0
+
+
+def _entry_problem(key: dict[str, Any], record: dict[str, Any]) -> str | None:
+    """Why an archived decision must not be imported: it is data from another machine."""
+    from fp4select.probe import MalformedRecord
+    from fp4select.selector import Decision
+
+    try:
+        decision = Decision.from_json(record, source="import")
+    except MalformedRecord as exc:
+        return str(exc)
+    if decision.problem.to_json() != key:
+        return "its record answers another problem than its key"
+    return None
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from fp4select.api import selector
+    from fp4select.selector import PROTECTED_BACKENDS
 
     try:
-        count = selector().store.import_archive(args.path, overwrite=args.overwrite)
-    except (OSError, ValueError) as exc:
+        # The built-in fallback must stay usable: an archive cannot blacklist it.
+        result = selector().store.import_archive(
+            args.path,
+            overwrite=args.overwrite,
+            protected_backends=PROTECTED_BACKENDS,
+            check_entry=_entry_problem,
+        )
+    except OSError as exc:
+        print(f"import failed: {_os_error(exc)}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
         print(f"import failed: {exc}", file=sys.stderr)
         return 1
-    print(f"imported {count} entries from {args.path}")
+    from fp4select import bundle
+
+    fit = bundle.applicability(args.path, environment_for(_device(args.device)))
+    lost = result.entries_in_memory + result.blacklist_in_memory
+    if args.json:
+        _print_json({"path": args.path, **result.as_dict(), "applicability": fit})
+    else:
+        r = result
+        print(f"imported {_many(r.entries_written, 'entry', 'entries')} from {args.path}")
+        print(f"{fit['apply']} of {_many(fit['entries'], 'entry', 'entries')} apply here")
+        for why, count in sorted(fit["reasons"].items()):
+            print(f"  {count} do not: {why}")
+        for why in r.entries_invalid:
+            print(f"skipped an invalid entry: {why}")
+        if r.entries_present:
+            print(
+                f"skipped {_many(r.entries_present, 'entry', 'entries')} already present "
+                "(use --overwrite to replace them)"
+            )
+        print(f"imported {_many(r.blacklist_written, 'blacklist record', 'blacklist records')}")
+        if r.blacklist_present:
+            print(
+                f"skipped {_many(r.blacklist_present, 'blacklist record', 'blacklist records')} "
+                "already present (use --overwrite to replace them)"
+            )
+        if r.blacklist_protected:
+            print(
+                "refused the blacklist records of "
+                f"{', '.join(sorted(set(r.blacklist_protected)))}: the built-in fallback "
+                "cannot be blacklisted by an archive"
+            )
+    if lost:
+        print(
+            f"import failed: {_many(lost, 'record', 'records')} could not be written to the cache "
+            "(see the warning above) and are lost when this command ends",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -520,9 +794,17 @@ def cmd_clear(args: argparse.Namespace) -> int:
     from fp4select.api import selector
 
     env = None if args.all else environment_for(_device(args.device))
-    count = selector().store.clear(env)
-    print(f"removed {count} files")
-    return 0
+    result = selector().store.clear(env)
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        print(
+            f"removed {_many(result.entries, 'entry', 'entries')} and "
+            f"{_many(result.blacklist, 'blacklist record', 'blacklist records')}"
+        )
+    for path in result.not_removed:
+        print(f"not removed: {path} (see the warning above)", file=sys.stderr)
+    return 1 if result.not_removed else 0
 
 
 def _problem_options(p: argparse.ArgumentParser) -> None:
@@ -565,10 +847,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--shapes-file", action="append", metavar="JSON", help='{"shapes": [[N, K], ...]}'
     )
     p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a Hugging Face model folder or its config.json: tune its FP4 linear layers",
+    )
+    p.add_argument(
+        "--tp", type=_positive_int, default=1, help="tensor-parallel degree for --model (default 1)"
+    )
+    p.add_argument(
+        "--from-record",
+        metavar="FILE",
+        help="tune exactly the problem keys a run recorded with FP4SELECT_RECORD=FILE",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="all|0,1,...",
+        help="tune on these GPUs (of one kind) in parallel, one worker each",
+    )
+    p.add_argument(
+        "--export", metavar="FILE", help="afterwards, write this environment's decisions to FILE"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the layers and keys; tune nothing")
+    p.add_argument(
         "--max-m", type=int, default=8192, help="largest batch (tokens) to cover (default 8192)"
     )
     p.add_argument("--quiet", action="store_true")
     _problem_options(p)
+    p.set_defaults(format=None)  # --model brings its own format; nvfp4 otherwise
     p = command("show", cmd_show, "list stored decisions")
     p.add_argument("--all", action="store_true", help="every environment, not just this machine's")
     p = command(
@@ -587,12 +892,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clear", nargs="?", const="", metavar="BACKEND", help="clear one backend, or all"
     )
-    p = command("export", cmd_export, "write this environment's decisions to one JSON file")
+    p = command(
+        "export",
+        cmd_export,
+        "write this environment's decisions to one new JSON file (never onto a directory)",
+    )
     p.add_argument("path")
     p.add_argument("--all", action="store_true", help="every environment")
+    p.add_argument("--force", action="store_true", help="replace an existing file at PATH")
     p = command("import", cmd_import, "read decisions from an exported JSON file")
     p.add_argument("path")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace entries and records already present"
+    )
     p = command(
         "verify",
         cmd_verify,

@@ -52,6 +52,7 @@ tensor ops: no ``.item()``, no ``.tolist()``, no host-built tensors, no branchin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -495,11 +496,13 @@ def reference_mm_fp4(
     *,
     b_layout: str = "plain",
     compute_dtype: torch.dtype = torch.float32,
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """What ``flashinfer.mm_fp4`` should return, with its argument conventions.
 
     Decoding is exact in float32 (e2m1 times e4m3 / 2**e), so the only rounding is in the
     matmul, the alpha product and the final cast; ``compute_dtype=float64`` removes most of it.
+    ``matmul(a, w)`` replaces ``a @ w.T`` on the decoded (M, K) and (N, K) operands.
     """
     if b_layout not in ("plain", "trtllm"):
         raise ValueError(f"b_layout must be 'plain' or 'trtllm', got {b_layout!r}")
@@ -533,7 +536,7 @@ def reference_mm_fp4(
     w_deq = _dequantize(
         b.T, b_descale, k, use_nvfp4, "128x4", b_layout == "trtllm", None, compute_dtype
     )
-    result = a_deq @ w_deq.T
+    result = a_deq @ w_deq.T if matmul is None else matmul(a_deq, w_deq)
     if isinstance(alpha, (int, float)):
         # A Python scalar multiplies directly: no host->device copy inside graph capture.
         result = result * alpha

@@ -29,6 +29,10 @@ OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 A_SF_LAYOUTS = ("128x4", "8x4")
 B_LAYOUTS = ("plain", "trtllm")
 ALPHA_KINDS = ("none", "scalar", "per_token")
+# A batch-invariant problem has one decision for every M: its key's bucket is this one, and it
+# is validated at INVARIANT_MS (decode to prefill), since no bucket narrows where it must hold.
+INVARIANT_BUCKET = 1
+INVARIANT_MS = (1, 37, 300)
 
 
 def _bucket_edges() -> list[int]:
@@ -96,6 +100,7 @@ class Problem:
     a_sf_layout: str = "128x4"
     b_layout: str = "plain"
     alpha_kind: str = "scalar"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.out_dtype not in OUT_DTYPES:
@@ -114,6 +119,14 @@ class Problem:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.m_bucket not in M_BUCKETS:
             raise ValueError(f"m_bucket must be an M bucket (see M_BUCKETS), got {self.m_bucket}")
+        for name in ("use_nvfp4", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.batch_invariant and self.m_bucket != INVARIANT_BUCKET:
+            raise ValueError(
+                f"a batch-invariant problem has one decision for every M: m_bucket must be "
+                f"{INVARIANT_BUCKET}, got {self.m_bucket}"
+            )
 
     @property
     def format(self) -> str:
@@ -125,10 +138,24 @@ class Problem:
 
     @property
     def m_range(self) -> tuple[int, int]:
+        if self.batch_invariant:
+            return 1, M_BUCKETS[-1]
         return bucket_range(self.m_bucket)
 
+    def validation_ms(self) -> tuple[int, ...]:
+        """The M values a candidate must be right at before it may serve this problem."""
+        return INVARIANT_MS if self.batch_invariant else validation_ms(self.m_bucket)
+
+    def timing_m(self) -> int:
+        """The M a candidate is timed at: the heaviest its decision must serve."""
+        return INVARIANT_MS[-1] if self.batch_invariant else self.m_bucket
+
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA_VERSION, **asdict(self)}
+        data = {"schema": SCHEMA_VERSION, **asdict(self)}
+        if not self.batch_invariant:
+            # Absent when False, so that keys stored before the field existed still match.
+            del data["batch_invariant"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Problem:
@@ -140,8 +167,9 @@ class Problem:
 
     def describe(self) -> str:
         lo, hi = self.m_range
+        rows = "M=any (batch invariant)" if self.batch_invariant else f"M={lo}..{hi}"
         return (
-            f"N={self.n} K={self.k} M={lo}..{hi} {self.format} out={self.out_dtype} "
+            f"N={self.n} K={self.k} {rows} {self.format} out={self.out_dtype} "
             f"a_sf={self.a_sf_layout} b={self.b_layout} alpha={self.alpha_kind}"
         )
 

@@ -34,7 +34,7 @@ import torch
 
 from fp4select import timing, validate
 from fp4select.backends.base import Backend
-from fp4select.keys import Problem, validation_ms
+from fp4select.keys import Problem
 
 Report = Callable[[Mapping[str, Any]], None]
 
@@ -44,6 +44,39 @@ PASSED = "passed"
 FATAL_STATUSES = frozenset({"crash", "hang", "cuda-error"})
 # Timing key of a tuned backend's run at its default tactic (moved into its verdict's detail).
 DEFAULT_SUFFIX = "@default"
+STATUSES = FATAL_STATUSES | {
+    PASSED,
+    "wrong",
+    "error",
+    "oom",
+    "unsupported",
+    "unavailable",
+    "blacklisted",
+}
+
+
+class MalformedRecord(ValueError):
+    """A record read from disk, an archive or a pipe is not what fp4select writes."""
+
+
+def need(ok: bool, what: str) -> None:
+    """Refuse a field read from outside before anything uses it."""
+    if not ok:
+        raise MalformedRecord(what)
+
+
+def is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def is_number(value: Any) -> bool:
+    """A finite, non-negative JSON number (NaN and infinity never come from fp4select)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 @dataclass
@@ -64,8 +97,30 @@ class Verdict:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Verdict:
+    def from_json(cls, data: Any) -> Verdict:
+        """Rebuild from JSON read from outside; raises MalformedRecord field by field."""
+        need(isinstance(data, Mapping), f"a verdict must be an object, got {type(data).__name__}")
+        need(
+            set(data) <= _VERDICT_FIELDS and {"backend", "status"} <= set(data),
+            f"a verdict has the fields {sorted(_VERDICT_FIELDS)}, got {sorted(map(str, data))}",
+        )
+        backend, status = data["backend"], data["status"]
+        need(isinstance(backend, str) and bool(backend), "verdict.backend must be a name")
+        need(status in STATUSES, f"verdict.status must be one of {sorted(STATUSES)}: {status!r}")
+        need(isinstance(data.get("reason", ""), str), "verdict.reason must be a string")
+        m = data.get("m")
+        need(m is None or is_int(m, 1), f"verdict.m must be null or a positive int: {m!r}")
+        worst = data.get("worst_ratio")
+        need(worst is None or is_number(worst), f"verdict.worst_ratio must be finite: {worst!r}")
+        deterministic = data.get("deterministic")
+        need(deterministic in (None, True, False), "verdict.deterministic must be a bool or null")
+        need(isinstance(data.get("detail", {}), dict), "verdict.detail must be an object")
         return cls(**data)
+
+
+_VERDICT_FIELDS = frozenset(
+    {"backend", "status", "reason", "m", "worst_ratio", "deterministic", "detail"}
+)
 
 
 @dataclass(frozen=True)
@@ -182,14 +237,14 @@ def _validate(
     tactic: dict[str, Any],
 ) -> Verdict:
     out_dtype = problem.torch_out_dtype
-    ms = validation_ms(problem.m_bucket)
+    ms = problem.validation_ms()
     worst = 0.0
     m = None
     try:
         report({"event": "run", "backend": backend.name, "phase": "bind", "m": None})
         runner = backend.runner(problem)
         if backend.tune is not None:  # tune first: the tactic that is validated is the one timed
-            m = problem.m_bucket
+            m = problem.timing_m()
             report({"event": "run", "backend": backend.name, "phase": "tune", "m": m})
             tactic.update(backend.tune(runner, problem, inputs[m].args(problem)) or {})
             _sync(device)
@@ -220,9 +275,35 @@ def _validate(
         if isinstance(returned, torch.Tensor) and returned.data_ptr() != poisoned.data_ptr():
             return Verdict(backend.name, "wrong", "with out=: returned a different tensor", m)
         deterministic = bool(torch.equal(poisoned, last)) if last is not None else None
+        if problem.batch_invariant:
+            why = _variance(runner, problem, data, last, device, report, backend.name)
+            if why:
+                return Verdict(backend.name, "wrong", why, m, worst)
     except Exception as exc:
         return classify(backend, exc, m)
     return Verdict(backend.name, PASSED, "", None, worst, deterministic, {"ms": list(ms)})
+
+
+def _variance(
+    runner: Any,
+    problem: Problem,
+    data: validate.ProbeInputs,
+    full: torch.Tensor,
+    device: torch.device,
+    report: Report,
+    name: str,
+) -> str:
+    """Why the runner is not batch invariant ("" when row bits do not depend on M)."""
+    for m in problem.validation_ms()[:-1]:
+        report({"event": "run", "backend": name, "phase": "invariance", "m": m})
+        part = runner(*validate.prefix_inputs(data, m, problem).args(problem))
+        _sync(device)
+        if not (isinstance(part, torch.Tensor) and torch.equal(part, full[:m])):
+            return (
+                f"not batch invariant: the first {m} rows differ in their bits when computed "
+                f"alone from within a batch of {data.m}"
+            )
+    return ""
 
 
 def time_backends(
@@ -238,7 +319,7 @@ def time_backends(
     A backend with a tuned tactic (``tactics[name]``) is timed at it, and at its ``default``
     tactic too, under the key ``name + DEFAULT_SUFFIX``, so the record shows what tuning bought.
     """
-    m = problem.m_bucket
+    m = problem.timing_m()
     report({"event": "run", "backend": None, "phase": "inputs", "m": m})
     first = validate.make_inputs(problem, m, device, options.seed + 1, with_reference=False)
     sets = timing.input_sets_for_cold_l2(device, first.nbytes(), options.timing.cold_l2)

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +39,17 @@ from fp4select.backends import emulation
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
-from fp4select.probe import FATAL_STATUSES, InProcessProber, ProbeOptions, ProbeResult, Verdict
-from fp4select.store import Store, digest
+from fp4select.probe import (
+    FATAL_STATUSES,
+    InProcessProber,
+    MalformedRecord,
+    ProbeOptions,
+    ProbeResult,
+    Verdict,
+    is_number,
+    need,
+)
+from fp4select.store import CacheWarning, Store, digest
 from fp4select.timing import Timing, TimingOptions, rank
 
 log = logging.getLogger("fp4select")
@@ -47,6 +58,9 @@ ISOLATION_ENV = "FP4SELECT_ISOLATION"
 BLACKLIST_SCOPE_ENV = "FP4SELECT_BLACKLIST_SCOPE"
 TIME_BUDGET_ENV = "FP4SELECT_TIME_BUDGET_S"
 ISOLATIONS = ("subprocess", "inprocess")
+# Never blacklisted beyond one key, and never by an imported archive: every supported problem
+# must keep a correct answer.
+PROTECTED_BACKENDS = frozenset({emulation.NAME})
 
 
 class BlacklistedBackendError(RuntimeError):
@@ -119,22 +133,70 @@ class Decision:
         return record if isinstance(record, dict) else None
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], source: str) -> Decision:
-        """Rebuild from a store record; raises (KeyError/TypeError/ValueError) if malformed."""
+    def from_json(cls, data: Any, source: str) -> Decision:
+        """Rebuild from a store record or an import, checking every field before it is used.
+
+        Raises ``MalformedRecord`` (a ValueError) naming the field: a record that is not what
+        fp4select writes (NaN, wrong types, a winner that never passed) is never served.
+        """
+        need(isinstance(data, Mapping), f"a decision must be an object, not {type(data).__name__}")
+        for name, kind in (("problem", dict), ("env", dict), ("verdicts", dict), ("timings", dict)):
+            need(isinstance(data.get(name), kind), f"decision.{name} must be an object")
+        try:
+            problem = Problem.from_json(data["problem"])
+        except (TypeError, ValueError) as exc:
+            raise MalformedRecord(f"decision.problem: {exc}") from None
+        verdicts = {k: Verdict.from_json(v) for k, v in data["verdicts"].items()}
+        for name, verdict in verdicts.items():
+            need(verdict.backend == name, f"verdicts[{name!r}] is about {verdict.backend!r}")
+        timings = {k: Timing.from_json(v) for k, v in data["timings"].items()}
+        winner = data.get("winner")
+        need(winner is None or isinstance(winner, str), "decision.winner must be a name or null")
+        if winner is not None:
+            verdict = verdicts.get(winner)
+            need(verdict is not None and verdict.passed, f"winner {winner!r} never passed")
+        ranking = data.get("ranking")
+        need(ranking is None or isinstance(ranking, dict), "decision.ranking must be an object")
+        if ranking is not None:
+            need(ranking.get("winner") == winner, "decision.ranking names another winner")
+            margin = ranking.get("margin")
+            need(margin is None or _finite(margin), f"ranking.margin must be finite: {margin!r}")
+        considered = data.get("considered", [])
+        need(
+            isinstance(considered, list) and all(isinstance(n, str) for n in considered),
+            "decision.considered must be a list of names",
+        )
+        seconds = data.get("tuning_seconds", 0.0)
+        need(is_number(seconds), f"decision.tuning_seconds must be finite: {seconds!r}")
+        for name in ("method", "created", "isolation"):
+            need(isinstance(data.get(name, ""), str), f"decision.{name} must be a string")
         return cls(
-            problem=Problem.from_json(data["problem"]),
+            problem=problem,
             env=dict(data["env"]),
-            winner=data["winner"],
-            verdicts={k: Verdict.from_json(v) for k, v in data["verdicts"].items()},
-            timings={k: Timing.from_json(v) for k, v in data["timings"].items()},
-            ranking=data.get("ranking"),
+            winner=winner,
+            verdicts=verdicts,
+            timings=timings,
+            ranking=ranking,
             method=data.get("method", ""),
-            considered=list(data.get("considered", [])),
+            considered=list(considered),
             created=data.get("created", ""),
-            tuning_seconds=float(data.get("tuning_seconds", 0.0)),
+            tuning_seconds=float(seconds),
             isolation=data.get("isolation", ""),
             source=source,
         )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -145,9 +207,16 @@ class Counters:
     waited_for_other_process: int = 0
     fallbacks: int = 0
     explicit: int = 0
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str) -> None:
+        """Count one event; threads share the selector, and ``+=`` on an attribute can lose one."""
+        with self._guard:
+            setattr(self, name, getattr(self, name) + 1)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        with self._guard:
+            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 class Selector:
@@ -174,26 +243,30 @@ class Selector:
 
     # -- parts -----------------------------------------------------------------------------
     def registry(self, refresh: bool = False) -> registry_mod.Registry:
-        generation = registry_mod.generation()
-        if self._registry is None or refresh or generation != self._registry_generation:
-            self._registry = registry_mod.discover()
-            self._registry_generation = generation
-        return self._registry
+        with self._lock:
+            generation = registry_mod.generation()
+            if self._registry is None or refresh or generation != self._registry_generation:
+                self._registry = registry_mod.discover()
+                self._registry_generation = generation
+            return self._registry
 
     def prober(self) -> Any:
-        if self._prober is None:
-            if self.isolation == "inprocess":
-                self._prober = InProcessProber()
-            else:
-                from fp4select.sandbox import SandboxProber
+        """The one prober of this selector: two threads must never start two sandbox workers."""
+        with self._lock:
+            if self._prober is None:
+                if self.isolation == "inprocess":
+                    self._prober = InProcessProber()
+                else:
+                    from fp4select.sandbox import SandboxProber
 
-                self._prober = SandboxProber()
-        return self._prober
+                    self._prober = SandboxProber()
+            return self._prober
 
     def close(self) -> None:
-        if self._prober is not None:
-            self._prober.close()
-            self._prober = None
+        with self._lock:
+            prober, self._prober = self._prober, None
+        if prober is not None:
+            prober.close()
 
     @staticmethod
     def _memory_key(env: Mapping[str, Any], problem: Problem) -> str:
@@ -240,11 +313,11 @@ class Selector:
         with self._lock:
             decision = self._memory.get(mkey)
         if decision is not None:
-            self.counters.memory_hits += 1
+            self.counters.add("memory_hits")
             return decision
         decision = self._read(env, problem)
         if decision is not None:
-            self.counters.disk_hits += 1
+            self.counters.add("disk_hits")
             with self._lock:
                 self._memory[mkey] = decision
         return decision
@@ -255,8 +328,11 @@ class Selector:
             return None
         try:
             decision = Decision.from_json(record, source="disk")
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            log.warning("ignoring a malformed decision for %s: %s", problem.describe(), exc)
+        except MalformedRecord as exc:
+            _warn_once(
+                f"fp4select cache: ignoring the stored decision for {problem.describe()}: {exc}. "
+                "Treated as a miss; tuning again replaces it."
+            )
             return None
         if decision.problem != problem:
             return None
@@ -279,6 +355,16 @@ class Selector:
             return None
         return decision
 
+    def decisions(self, env: Mapping[str, Any]) -> list[Decision]:
+        """The decisions this process holds for ``env`` (what ranks compare and share)."""
+        with self._lock:
+            return [d for d in self._memory.values() if d.env == env]
+
+    def adopt(self, decision: Decision) -> None:
+        """Hold ``decision`` in memory as if it had been read from disk (rank 0's, say)."""
+        with self._lock:
+            self._memory[self._memory_key(decision.env, decision.problem)] = decision
+
     def decide(self, problem: Problem, device: torch.device) -> Decision:
         decision = self.lookup(problem, device)
         if decision is not None:
@@ -287,7 +373,7 @@ class Selector:
         with self.store.lock(env, problem.to_json(), timeout=self.lock_timeout):
             decision = self._read(env, problem)
             if decision is not None:  # another process tuned it while we waited for the lock
-                self.counters.waited_for_other_process += 1
+                self.counters.add("waited_for_other_process")
             else:
                 decision = self.tune(problem, device)
         with self._lock:
@@ -305,7 +391,7 @@ class Selector:
             len(runnable),
             ", ".join(b.name for b in runnable),
         )
-        self.counters.tunings += 1
+        self.counters.add("tunings")
         started = time.perf_counter()
         result = self._probe(problem, runnable, device)
         verdicts = {**excluded, **result.verdicts}
@@ -352,19 +438,25 @@ class Selector:
     ) -> ProbeResult:
         if not runnable:
             return ProbeResult()
-        return self.prober().probe(problem, runnable, device, ProbeOptions(timing=self.timing))
+        # Batch invariance, not speed, decides a batch-invariant problem: its backends are
+        # validated (invariance included) and the preference order picks among them.
+        options = ProbeOptions(timing=self.timing, validate_only=problem.batch_invariant)
+        return self.prober().probe(problem, runnable, device, options)
 
     def _record_fatal(self, env: Mapping[str, Any], problem: Problem, result: ProbeResult) -> None:
         scope = os.environ.get(BLACKLIST_SCOPE_ENV, "environment").strip().lower()
         for name, verdict in result.verdicts.items():
             if verdict.status not in FATAL_STATUSES:
                 continue
+            # The built-in fallback is every problem's last resort: a fault (a hang on a huge
+            # problem, an OOM kill) condemns it for that key only, never for the environment.
+            keyed = scope == "key" or name in PROTECTED_BACKENDS
             record = {
                 "backend": name,
                 "kind": verdict.status,
                 "reason": verdict.reason,
                 "when": _now(),
-                "scope": "key" if scope == "key" else "environment",
+                "scope": "key" if keyed else "environment",
                 "key": problem.to_json(),
                 "m": verdict.m,
                 "detail": verdict.detail,
@@ -393,9 +485,16 @@ class Selector:
         ``inprocess`` isolation only, flashinfer's own heuristic choice (``backend="auto"``,
         unproven, which is the risk that setting accepts); else emulation.
         """
+        if problem.batch_invariant:
+            raise RuntimeError(
+                f"batch_invariant=True: no decision yet for {problem.describe()} and a CUDA graph "
+                "is being captured; a fallback now could compute these rows with another kernel "
+                "than the one chosen later. Call once eagerly (or `fp4select warm`) before capture."
+            )
         env = environment_for(device)
-        self.counters.fallbacks += 1
-        self.pending.add((problem, str(device)))
+        self.counters.add("fallbacks")
+        with self._lock:
+            self.pending.add((problem, str(device)))
         with self._lock:
             proven = [
                 d
@@ -429,7 +528,7 @@ class Selector:
                 f"backend {name!r} was blacklisted in this environment on {entry.get('when')} "
                 f"({entry.get('kind')}: {entry.get('reason')}); pass allow_blacklisted=True to use it anyway"
             )
-        self.counters.explicit += 1
+        self.counters.add("explicit")
         decision = self.lookup(problem, device)
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
             return backend.dispatcher(problem, decision.tactic(name))
@@ -449,10 +548,12 @@ class Selector:
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""
         done = []
-        while self.pending:
-            problem, device = self.pending.pop()
+        while True:
+            with self._lock:
+                if not self.pending:
+                    return done
+                problem, device = self.pending.pop()
             done.append(self.decide(problem, torch.device(device)))
-        return done
 
 
 def _same_shape_class(a: Problem, b: Problem) -> bool:
@@ -460,6 +561,6 @@ def _same_shape_class(a: Problem, b: Problem) -> bool:
 
 
 def _blacklist_applies(entry: Mapping[str, Any], problem: Problem) -> bool:
-    if entry.get("scope") == "key":
+    if entry.get("scope") == "key" or entry.get("backend") in PROTECTED_BACKENDS:
         return entry.get("key") == problem.to_json()
     return True

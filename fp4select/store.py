@@ -7,46 +7,49 @@ that can break the program it is meant to speed up is worse than no cache.
 Rules
 -----
 1. Location.  ``Store(root)``; ``root=None`` means ``$FP4SELECT_CACHE_DIR`` when set and
-   non-empty, else ``platformdirs.user_cache_dir("fp4select")``.  Relative roots are made
-   absolute at construction so a later ``chdir`` cannot move the cache.  Layout::
+   non-empty, else ``platformdirs.user_cache_dir("fp4select")``; made absolute at
+   construction so a later ``chdir`` cannot move it.  Layout::
 
        <root>/v<SCHEMA_VERSION>/<env_hash>/env.json
                                           /entries/<key_hash>.json
                                           /locks/<key_hash>.lock
                                           /blacklist/<backend_file_name>.json
 
-   The schema number is part of the path so that two fp4select versions with different
-   schemas can share a root without ever reading each other's files.
+   The schema number is in the path so that fp4select versions with different schemas can
+   share a root without reading each other's files.
 2. Hashes.  ``digest(obj)`` is the first 20 hex digits of the sha256 of the canonical JSON
-   (``sort_keys=True, separators=(",", ":")``, ASCII, no NaN or infinity).  Dict order never
-   matters; tuples and lists hash alike because JSON cannot tell them apart.  Changing the
-   canonical form orphans every existing cache, so it is frozen by a test.
-3. JSON only.  Nothing read is imported or executed.  Every file carries
-   ``{"schema": SCHEMA_VERSION, "kind": "fp4select.<entry|blacklist|env>", "env_hash": ...}``
-   plus its payload.  Entry and blacklist files also carry the ``env`` dict (and entries the
-   ``key`` dict) so each file is self-describing: ``iter_entries`` and exports need nothing
-   else, and ``read_entry`` can check the file really answers the question asked.  Writing a
-   value that is not strict JSON (a set, a NaN) raises at once, before anything is written.
-4. One file per entry, written atomically: temp file in the same directory (``mkstemp``,
-   name starting with ``.`` so no reader ever lists it), ``fsync``, ``os.replace``.  A damaged
-   file can therefore only lose itself, and a reader sees the old or the new file, never half
-   of one.  The directory is not fsynced: after a power cut an entry may be missing, which
-   is a miss, never a corrupt read.  Temp files are removed on any failure; only a killed
-   process (SIGKILL between create and rename) can leave one, and readers ignore it.
-5. Damaged files are misses.  A file that is truncated, empty, not UTF-8, not JSON, not an
-   object, of another schema or kind, or that answers a different env or key, or that cannot
-   be read (permissions, a directory in its place) makes the lookup a miss plus exactly one
-   ``CacheWarning`` per path per process.  Never an exception: the caller re-tunes, which is
-   what an empty cache would cost anyway.  The file is left in place (a newer fp4select may
-   own it); the next successful write for that key replaces it.  ``clear`` and the ``remove``
-   methods are explicit requests and do delete damaged files.
-6. Failing disk.  Any ``OSError`` while writing (read-only directory, ``ENOSPC``, quota, ...)
-   switches the root to memory-only for the rest of the process, with one warning.  Writes
-   then go to an in-memory overlay that reads consult before the disk, so the process still
-   remembers its own decisions; existing files stay readable.  The state is per root and per
-   process, shared by every ``Store`` on that root: constructing a fresh ``Store`` does not
-   retry the disk.  ``write_entry`` returns whether the record reached the disk.
-7. Locks.  ``store.lock(env, key)`` serializes tuning of one key across processes, so that N
+   (``sort_keys=True, separators=(",", ":")``, ASCII, no NaN or infinity): dict order never
+   matters, tuples and lists hash alike.  Changing it orphans every cache; a test freezes it.
+3. Strict JSON only.  Nothing read is imported or executed, and parsing refuses NaN,
+   Infinity and floats that overflow to infinity (Python's json accepts all three).  Every
+   file carries ``{"schema", "kind": "fp4select.<entry|blacklist|env>", "env_hash", "env"}``
+   (entries also their ``key``) so each is self-describing and ``read_entry`` can check it
+   answers the question asked; blacklist records are checked field by field.  Writing
+   what is not strict JSON, or a file over 1 MiB, raises before anything is written.
+4. Only what fp4select made.  A file is read only if it is a regular file of at most 1 MiB,
+   opened with ``O_NONBLOCK | O_NOFOLLOW`` (a FIFO cannot block, a symlink to ``/dev/zero``
+   is never followed), and only below directories that are real ones (the root itself may
+   be a symlink: the user chose it).  A directory, symlink, FIFO or device where fp4select
+   keeps a file is damage (rule 6): never read, followed or deleted.  A write or ``clear``
+   may replace or unlink such a *name* (a symlink, a FIFO), never what it points at, and
+   nothing here removes a directory: there is no recursive delete in this module.
+5. Atomic writes: temp file in the same directory (``mkstemp``, named ``.*`` so no reader
+   lists it), ``fsync``, ``os.replace``.  A reader sees the old file or the new one, never
+   half; a damaged file loses only itself.  The directory is not fsynced: after a power cut
+   an entry may be missing, which is a miss.  Temp files are removed on any failure.
+6. Damaged files are misses.  Truncated, empty, not UTF-8, not strict JSON, not an object,
+   another schema or kind, another env or key, unreadable, or not ours (rule 4): the lookup
+   misses with exactly one ``CacheWarning`` per path per process, never an exception (the
+   caller re-tunes).  The file stays (a newer fp4select may own it) until a write replaces
+   it.  ``clear`` and the ``remove`` methods delete damaged files, never a directory: that
+   is left, warned about and listed in ``ClearResult.not_removed``.
+7. Failing disk.  Any ``OSError`` while writing (read-only, ``ENOSPC``, a directory in the
+   way, a symlinked directory in the path) switches the root to memory-only for the rest of
+   the process, with one warning.  Writes then go to an in-memory overlay that reads consult
+   first; existing files stay readable.  The state is per root and per process (a fresh
+   ``Store`` does not retry).  ``write_entry`` and ``add_to_blacklist`` return whether the
+   record reached the disk, and deletes report a record only hidden from this process.
+8. Locks.  ``store.lock(env, key)`` serializes tuning of one key across processes, so that N
    processes missing the same key at once tune it once::
 
        record = store.read_entry(env, key)
@@ -57,41 +60,46 @@ Rules
                    record = tune()
                    store.write_entry(env, key, record)
 
-   It is a ``filelock.FileLock`` on ``locks/<key_hash>.lock`` taken behind a per-process
-   ``threading.RLock``, so threads are serialized too and the lock is reentrant within a
-   thread.  When the root is memory-only, or the lock file cannot be made (then with one
-   warning), only the per-process lock is taken: other processes may tune the same key, which
-   costs time, never correctness.  A wait longer than ``timeout`` seconds (negative or
-   infinite: wait forever) raises ``filelock.Timeout``.  Lock files are never deleted by this
-   module: unlinking a lock file another process holds breaks mutual exclusion.
-8. Blacklist.  Per environment, one file per backend (``add_to_blacklist`` replaces that
-   backend's record: last writer wins).  Separate files mean concurrent additions of
-   different backends from different processes cannot lose each other; there is no
-   read-modify-write of a shared file.  Backend names that are not safe lowercase file names
-   (case-insensitive file systems would merge ``"Cutlass"`` and ``"cutlass"``) get a
-   sanitized name plus a hash suffix.  Numerical rejections of one (backend, key) belong in
-   that key's entry record, not here.
-9. Archives.  ``export_archive``/``import_archive`` move a cache between machines as one JSON
-   file.  Import is an explicit user action, so a damaged archive raises ``ValueError`` naming
-   the problem, and everything is validated before anything is written.
+   A ``filelock.FileLock`` on ``locks/<key_hash>.lock`` behind a per-process
+   ``threading.RLock`` (threads are serialized too, reentrant within a thread, and still
+   when no lock file can be used).  filelock >= 3.20.3 opens it with ``O_NOFOLLOW``, so a
+   planted symlink fails the file lock instead of truncating its target; a planted hard
+   link (which filelock 4.2.0 and older truncate once locked) is refused before filelock
+   sees it.  Memory-only, or no usable lock file (one warning): only the per-process lock
+   is held, and other processes may tune the same key, which costs time, never correctness.
+   Waiting longer than ``timeout`` s (negative or infinite: forever) raises
+   ``filelock.Timeout``.  Lock files are never deleted: unlinking one that another process
+   holds breaks mutual exclusion.
+9. Blacklist.  Per environment, one file per backend (last writer wins): concurrent
+   additions of different backends cannot lose each other.  Names that are not safe
+   lowercase file names get a sanitized name plus a hash suffix.  Numerical rejections of
+   one (backend, key) belong in that key's entry, not here.
+10. Archives are explicit user actions, so problems raise.  ``export_archive`` writes one
+    new file, whole or not at all: a directory is refused, and so is any existing name
+    unless ``overwrite`` (which replaces the name, never writing through a symlink).
+    ``import_archive`` reads a regular file of at most 256 MiB, validates everything
+    (``ValueError`` naming the problem) before writing anything, refuses blacklist records
+    for ``protected_backends``, and returns what it did, record by record.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import re
-import shutil
+import stat
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -105,6 +113,9 @@ __all__ = [
     "ENV_VAR",
     "SCHEMA_VERSION",
     "CacheWarning",
+    "ClearResult",
+    "ExportResult",
+    "ImportResult",
     "Store",
     "default_root",
     "digest",
@@ -128,6 +139,61 @@ _UNSAFE_CHARS = re.compile(r"[^a-z0-9._-]+")
 
 class CacheWarning(UserWarning):
     """The cache could not be used as is; fp4select carries on as if it missed."""
+
+
+@dataclass(frozen=True)
+class ClearResult:
+    """What ``Store.clear`` did.  A record only hidden from this process is not counted.
+
+    ``not_removed`` names the files still on disk: a directory squatting on an entry's name
+    (never ours to delete), or a file the disk refused to delete (the store is memory-only).
+    """
+
+    entries: int = 0
+    blacklist: int = 0
+    not_removed: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "not_removed": list(self.not_removed)}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``Store.export_archive`` wrote."""
+
+    entries: int = 0
+    blacklist: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What ``Store.import_archive`` did, record by record.
+
+    ``*_in_memory`` counts records the store kept in this process only because it could not
+    write (rule 7): they are lost when the process ends.  ``*_present`` counts records skipped
+    because one was already there (``overwrite=False``); ``blacklist_protected`` names the
+    backends whose records were refused because the caller protects them; ``entries_invalid``
+    says why each entry the caller's ``check_entry`` refused was skipped.
+    """
+
+    entries_written: int = 0
+    entries_in_memory: int = 0
+    entries_present: int = 0
+    blacklist_written: int = 0
+    blacklist_in_memory: int = 0
+    blacklist_present: int = 0
+    blacklist_protected: tuple[str, ...] = ()
+    entries_invalid: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "blacklist_protected": list(self.blacklist_protected),
+            "entries_invalid": list(self.entries_invalid),
+        }
 
 
 # --------------------------------------------------------------------------- hashing / JSON
@@ -158,8 +224,24 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "number")
 
 
+class _NotStrictJSON(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotStrictJSON(f"holds {name}, which strict JSON does not allow")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to infinity without ever saying "Infinity"
+        raise _NotStrictJSON(f"holds {text}, which is not a finite number")
+    return value
+
+
 def _decode(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """Parse one file; a problem comes back as text because it becomes a warning or error."""
+    """Parse one file as strict JSON (no NaN or infinity, which Python's json accepts);
+    a problem comes back as text because it becomes a warning or an error."""
     if not data.strip():
         return None, "empty file"
     try:
@@ -167,9 +249,11 @@ def _decode(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
     except UnicodeDecodeError as exc:
         return None, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
         return None, "JSON nested too deeply"
+    except _NotStrictJSON as exc:
+        return None, str(exc)
     except ValueError as exc:
         return None, f"not valid JSON, truncated or corrupt ({exc})"
     if not isinstance(obj, dict):
@@ -257,6 +341,10 @@ def _check_blacklist(obj: dict[str, Any], env_hash: str, file_name: str) -> str 
         return f"'record' must be a JSON object, found {_json_type(record)}"
     if record.get("backend") != backend:
         return "its record names another backend"
+    try:
+        _blacklist_record(backend, record)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -270,14 +358,24 @@ def _blacklist_record(backend: Any, record: Mapping[str, Any]) -> dict[str, Any]
     for field in ("reason", "kind"):
         if not isinstance(out.get(field), str):
             raise ValueError(f"blacklist record for {backend!r} needs a string {field!r}")
-    if not isinstance(out.setdefault("when", _utc_now()), str):
-        raise ValueError(f"blacklist record for {backend!r}: 'when' must be an ISO 8601 string")
+    when = out.setdefault("when", _utc_now())
+    try:
+        datetime.fromisoformat(when)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"blacklist record for {backend!r}: 'when' must be an ISO 8601 string, not {when!r}"
+        ) from None
     for field in ("key", "detail"):
         value = out.get(field)
         if value is not None:
             if not isinstance(value, Mapping):
                 raise ValueError(f"blacklist record for {backend!r}: {field!r} must be a mapping")
             out[field] = dict(value)
+    scope = out.get("scope")
+    if scope is not None and not isinstance(scope, str):
+        raise ValueError(f"blacklist record for {backend!r}: 'scope' must be a string")
+    if scope == "key" and out.get("key") is None:
+        raise ValueError(f"blacklist record for {backend!r}: scope 'key' needs a 'key' mapping")
     return out
 
 
@@ -305,29 +403,135 @@ def _warn_once(tag: str, message: str) -> None:
 # --------------------------------------------------------------------------- file primitives
 
 
-def _read_file(path: Path) -> bytes | None:
-    """None when nothing is there; other failures raise, since they mean damage."""
+class _Damage(OSError):
+    """Something at one of our paths that fp4select never creates there.
+
+    A directory, a symlink, a FIFO, a device, or a file larger than anything it writes: such a
+    thing is not ours, so it is never read, followed or deleted, only reported.
+    """
+
+
+_MAX_FILE_BYTES: Final = 1 << 20  # an entry, blacklist or env file; real ones are a few KiB
+_MAX_ARCHIVE_BYTES: Final = 256 << 20
+# O_NONBLOCK: opening a FIFO must not wait for a writer.  O_NOFOLLOW: a symlink is refused by
+# the kernel, closing the gap between the lstat check and the open where the flag exists.
+_READ_FLAGS: Final = (
+    os.O_RDONLY
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+
+
+def _what(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _read_fd(fd: int, path: Path, limit: int) -> bytes:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise _Damage(errno.EINVAL, f"it is {_what(info.st_mode)}, not a regular file", str(path))
+    if info.st_size > limit:
+        raise _Damage(errno.EFBIG, f"it is larger than {limit} bytes", str(path))
+    data = bytearray()
+    while len(data) <= limit:  # the size may have grown since fstat
+        chunk = os.read(fd, limit + 1 - len(data))
+        if not chunk:
+            return bytes(data)
+        data += chunk
+    raise _Damage(errno.EFBIG, f"it is larger than {limit} bytes", str(path))
+
+
+def _read_file(path: Path, limit: int = _MAX_FILE_BYTES) -> bytes | None:
+    """The bytes of the regular file at ``path``, None when nothing is there.
+
+    Anything else raises: ``_Damage`` for what fp4select never writes (a FIFO would block every
+    lookup, a symlink to ``/dev/zero`` would never end), ``OSError`` when it cannot be read.
+    """
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        info = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         # NotADirectoryError: a parent is a file, so nothing of ours is here; a write reports it.
         return None
+    if not stat.S_ISREG(info.st_mode):
+        raise _Damage(errno.EINVAL, f"it is {_what(info.st_mode)}, not a regular file", str(path))
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a symlink made just now
+            raise _Damage(exc.errno, "it is a symbolic link", str(path)) from None
+        raise
+    try:
+        return _read_fd(fd, path, limit)
+    finally:
+        os.close(fd)
+
+
+def _read_archive(path: Path) -> bytes:
+    """An archive the user named: symlinks are followed (the user chose the path), but only a
+    regular file of at most ``_MAX_ARCHIVE_BYTES`` is read; anything else is ``ValueError``."""
+    fd = os.open(path, _READ_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
+    try:
+        return _read_fd(fd, path, _MAX_ARCHIVE_BYTES)
+    except _Damage as exc:
+        raise ValueError(f"{path} is not a usable fp4select archive: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> bool:
+    """Unlink the name at ``path``; True if there was one.  A directory is not ours: it stays."""
     try:
-        os.unlink(path)
+        info = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return False
-    except OSError:
-        if not path.is_dir() or path.is_symlink():
-            raise
-        shutil.rmtree(path)
+    if stat.S_ISDIR(info.st_mode):
+        raise _Damage(
+            errno.EISDIR, "it is a directory, which fp4select never makes there", str(path)
+        )
+    try:
+        os.unlink(path)  # a symlink or FIFO goes as a name; what it points at is untouched
+    except FileNotFoundError:
+        return False
     return True
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _check_lock_file(path: Path) -> None:
+    """Refuse a lock file that something else was made into before filelock opens it.
+
+    filelock >= 3.20.3 (the pyproject floor) opens with ``O_NOFOLLOW``, so a planted symlink
+    fails there; but a planted hard link would be opened and, by filelock 4.2.0 and older,
+    truncated.  This check narrows that to a race with an active attacker.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(info.st_mode):
+        raise _Damage(errno.EPERM, f"it is {_what(info.st_mode)}, not a lock file", str(path))
+    if info.st_nlink > 1:
+        raise _Damage(errno.EPERM, "it is a hard link to another file", str(path))
+
+
+def _atomic_write(path: Path, data: bytes, *, replace: bool = True) -> None:
+    """Write ``data`` so that a reader sees the old file or the new one, never half of one.
+
+    ``replace=False`` claims the name atomically and raises ``FileExistsError`` if anything is
+    there.  A directory at ``path`` is never replaced: that raises ``_Damage``.
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         try:
@@ -340,18 +544,38 @@ def _atomic_write(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            # A directory squatting on the name is damage in our namespace; the write fixes it.
-            if not path.is_dir() or path.is_symlink():
-                raise
-            shutil.rmtree(path)
-            os.replace(tmp, path)
+        if replace:
+            if os.path.isdir(path) and not os.path.islink(path):
+                raise _Damage(
+                    errno.EISDIR, "a directory is in the way; it is left as it is", str(path)
+                )
+            os.replace(tmp, path)  # onto a directory this fails (EISDIR): never destructive
+        else:
+            _link_exclusive(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _link_exclusive(tmp: str, path: Path) -> None:
+    try:
+        os.link(tmp, path)  # fails with EEXIST if anything, even a dangling symlink, is there
+    except FileExistsError:
+        raise
+    except OSError:
+        # No hard links on this file system: claim the name with O_EXCL, then move onto it.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        os.close(os.open(path, flags, 0o644))
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # the empty placeholder made just above
+            raise
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
 
 
 # --------------------------------------------------------------------------- per-process state
@@ -497,7 +721,7 @@ class Store:
 
     @property
     def memory_only(self) -> bool:
-        """True once a write under this root failed in this process; see rule 6."""
+        """True once a write under this root failed in this process; see rule 7."""
         return self._state.memory_only
 
     # ----------------------------------------------------------------- paths
@@ -517,11 +741,36 @@ class Store:
 
     # ----------------------------------------------------------------- plumbing
 
+    def _check_dirs(self, directory: Path) -> None:
+        """Raise ``_Damage`` if a directory between the root and ``directory`` is not a real one.
+
+        The root itself may be a symlink (the user chose it); below it, a symlink would lead
+        reads and writes out of the cache.  A missing component is fine: nothing is there.
+        """
+        current = self._root
+        for part in directory.relative_to(self._root).parts:
+            current = current / part
+            try:
+                info = os.lstat(current)
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            if not stat.S_ISDIR(info.st_mode):
+                raise _Damage(
+                    errno.ENOTDIR,
+                    f"{current} is {_what(info.st_mode)}, not a directory",
+                    str(current),
+                )
+
     def _load(
         self, path: Path, check: Callable[[dict[str, Any]], str | None], *, quiet: bool = False
     ) -> dict[str, Any] | None:
+        after = "the file is left in place until the next write to it replaces it"
         try:
+            self._check_dirs(path.parent)
             data = _read_file(path)
+        except _Damage as exc:
+            problem = str(exc.strerror)
+            after = "fp4select does not write such a thing, so it is not read, followed or deleted"
         except OSError as exc:
             problem = f"cannot read it ({exc.strerror or exc})"
         else:
@@ -535,14 +784,14 @@ class Store:
         if not quiet:
             _warn_once(
                 str(path),
-                f"fp4select cache: ignoring {path}: {problem}. Treated as a miss; the file is "
-                "left in place until the next write to it replaces it.",
+                f"fp4select cache: ignoring {path}: {problem}. Treated as a miss; {after}.",
             )
         return None
 
     def _list(self, directory: Path, pattern: re.Pattern[str]) -> dict[str, Path]:
         """Stem -> path of the names in ``directory`` that this module could have written."""
         try:
+            self._check_dirs(directory)
             names = os.listdir(directory)
         except (FileNotFoundError, NotADirectoryError):
             return {}
@@ -573,7 +822,9 @@ class Store:
 
     def _list_dirs(self, directory: Path) -> list[str]:
         try:
-            return [entry.name for entry in os.scandir(directory) if entry.is_dir()]
+            self._check_dirs(directory)
+            with os.scandir(directory) as entries:
+                found = list(entries)
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as exc:
@@ -582,6 +833,14 @@ class Store:
                 f"fp4select cache: cannot list {directory} ({exc.strerror or exc}); skipping it.",
             )
             return []
+        for entry in found:
+            if entry.is_symlink():
+                _warn_once(
+                    entry.path,
+                    f"fp4select cache: ignoring {entry.path}: it is a symbolic link; it is not "
+                    "read, followed or deleted.",
+                )
+        return [e.name for e in found if e.is_dir(follow_symlinks=False)]
 
     def _degrade(self, exc: OSError) -> None:
         with self._state.guard:
@@ -601,9 +860,13 @@ class Store:
     def _persist(
         self, table: _Table, env_hash: str, stem: str, path: Path, data: bytes, env_data: bytes
     ) -> bool:
+        if len(data) > _MAX_FILE_BYTES:  # it would be refused when read back (rule 6)
+            raise ValueError(f"record is {len(data)} bytes as JSON; the limit is {_MAX_FILE_BYTES}")
         state = self._state
         if not state.memory_only:
             try:
+                # mkdir and mkstemp follow symlinks: check first that none leads out of the cache.
+                self._check_dirs(path.parent)
                 self._ensure_env_file(env_hash, env_data)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _atomic_write(path, data)
@@ -618,33 +881,48 @@ class Store:
             table[(env_hash, stem)] = data
         return False
 
-    def _delete(self, table: _Table, env_hash: str, stem: str, path: Path) -> bool:
+    def _delete(self, table: _Table, env_hash: str, stem: str, path: Path) -> str:
+        """Forget one record: "removed", "absent", "hidden" (from this process only: the
+        root is memory-only and the file stays) or "left" (something not ours is there)."""
         state = self._state
+        slot = (env_hash, stem)
         if not state.memory_only:
-            with state.guard:
-                in_memory = table.get((env_hash, stem)) is not None
             try:
+                self._check_dirs(path.parent)
                 on_disk = _remove(path)
+            except _Damage as exc:
+                _warn_once(
+                    f"left:{path}",
+                    f"fp4select cache: not removing {path}: {exc.strerror}. Remove it yourself "
+                    "if it is not needed.",
+                )
+                return "left"
             except OSError as exc:
                 self._degrade(exc)
             else:
                 with state.guard:
-                    table.pop((env_hash, stem), None)
-                return on_disk or in_memory
+                    in_memory = table.pop(slot, None) is not None
+                return "removed" if on_disk or in_memory else "absent"
         with state.guard:
-            slot = (env_hash, stem)
-            removed = table[slot] is not None if slot in table else os.path.lexists(path)
+            forgotten = slot in table and table[slot] is None
+            in_memory = table.get(slot) is not None
             table[slot] = None
-        return removed
+        if forgotten:
+            return "absent"
+        if os.path.lexists(path):
+            return "hidden"
+        return "removed" if in_memory else "absent"
 
     def _delete_all(
         self, table: _Table, env_hash: str, directory: Path, pattern: re.Pattern[str]
-    ) -> int:
+    ) -> dict[str, list[Path]]:
+        """Status -> paths, for every record of one kind in one environment."""
         stems = self._list(directory, pattern).keys() | self._overlay(table, env_hash).keys()
-        return sum(
-            self._delete(table, env_hash, stem, directory / f"{stem}.json")
-            for stem in sorted(stems)
-        )
+        done: dict[str, list[Path]] = {}
+        for stem in sorted(stems):
+            path = directory / f"{stem}.json"
+            done.setdefault(self._delete(table, env_hash, stem, path), []).append(path)
+        return done
 
     def _env_bytes(self, env: dict[str, Any], env_hash: str) -> bytes:
         return _file_bytes(
@@ -654,7 +932,7 @@ class Store:
     # ----------------------------------------------------------------- entries
 
     def read_entry(self, env: Mapping[str, Any], key: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The record last written for (env, key), or None on any kind of miss (rule 5)."""
+        """The record last written for (env, key), or None on any kind of miss (rule 6)."""
         env_hash, key_hash = _hash(env, "env"), _hash(key, "key")
         with self._state.guard:
             slot = (env_hash, key_hash)
@@ -701,9 +979,8 @@ class Store:
     def delete_entry(self, env: Mapping[str, Any], key: Mapping[str, Any]) -> bool:
         """Forget one key, damaged file included; True if there was something to forget."""
         env_hash, key_hash = _hash(env, "env"), _hash(key, "key")
-        return self._delete(
-            self._state.entries, env_hash, key_hash, self._entry_path(env_hash, key_hash)
-        )
+        path = self._entry_path(env_hash, key_hash)
+        return self._delete(self._state.entries, env_hash, key_hash, path) in ("removed", "hidden")
 
     def iter_entries(
         self, env: Mapping[str, Any] | None = None
@@ -757,22 +1034,27 @@ class Store:
                 found.append(obj["env"])
         return found
 
-    def clear(self, env: Mapping[str, Any] | None = None) -> int:
-        """Delete the entries and blacklist of ``env`` (or of all); returns entries removed.
+    def clear(self, env: Mapping[str, Any] | None = None) -> ClearResult:
+        """Delete the entries and blacklist of ``env`` (or of all); says what was removed.
 
         ``env.json`` and lock files stay: another process may hold a lock right now.
         """
         env_hashes = [_hash(env, "env")] if env is not None else self._env_hashes()
-        removed = 0
+        entries = blacklist = 0
+        not_removed: list[str] = []
         for env_hash in env_hashes:
             env_dir = self._schema_dir / env_hash
-            removed += self._delete_all(
-                self._state.entries, env_hash, env_dir / "entries", _ENTRY_FILE
-            )
-            self._delete_all(
-                self._state.blacklist, env_hash, env_dir / "blacklist", _BLACKLIST_FILE
-            )
-        return removed
+            for table, folder, pattern in (
+                (self._state.entries, "entries", _ENTRY_FILE),
+                (self._state.blacklist, "blacklist", _BLACKLIST_FILE),
+            ):
+                done = self._delete_all(table, env_hash, env_dir / folder, pattern)
+                if folder == "entries":
+                    entries += len(done.get("removed", []))
+                else:
+                    blacklist += len(done.get("removed", []))
+                not_removed += [str(p) for p in done.get("hidden", []) + done.get("left", [])]
+        return ClearResult(entries, blacklist, tuple(not_removed))
 
     # ----------------------------------------------------------------- locks
 
@@ -787,6 +1069,7 @@ class Store:
         if self.memory_only:
             return None
         try:
+            self._check_dirs(path.parent.parent)  # before mkdir, which follows symlinks
             path.parent.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             # No environment directory means no entries either: one memory-only warning
@@ -794,7 +1077,9 @@ class Store:
             self._degrade(exc)
             return None
         try:
+            self._check_dirs(path.parent)
             path.parent.mkdir(exist_ok=True)
+            _check_lock_file(path)
             lock = filelock.FileLock(str(path))
             lock.acquire(timeout=timeout)
         except filelock.Timeout:  # an OSError too, so it must go first
@@ -830,11 +1115,12 @@ class Store:
 
     def add_to_blacklist(
         self, env: Mapping[str, Any], backend: str, record: Mapping[str, Any]
-    ) -> None:
+    ) -> bool:
         """Record that ``backend`` is unusable in ``env``, replacing its previous record.
 
         ``record`` needs string ``reason`` and ``kind``; ``backend`` and ``when`` (now, UTC)
-        are filled in when missing.  Raises ``ValueError`` otherwise.
+        are filled in when missing.  Raises ``ValueError`` otherwise.  Returns whether the
+        record reached the disk, as ``write_entry`` does.
         """
         env = _as_dict(env, "env")
         record = _blacklist_record(backend, record)
@@ -849,7 +1135,7 @@ class Store:
                 "record": record,
             }
         )
-        self._persist(
+        return self._persist(
             self._state.blacklist,
             env_hash,
             name,
@@ -859,24 +1145,47 @@ class Store:
         )
 
     def remove_from_blacklist(self, env: Mapping[str, Any], backend: str | None = None) -> int:
-        """Lift one backend's ban, or all (damaged files too) when None; returns files removed."""
+        """Lift one backend's ban, or all (damaged files too) when None; returns how many.
+
+        A memory-only root (rule 7) can only hide a record from this process; that counts.
+        """
         env_hash = _hash(env, "env")
         if backend is None:
             directory = self._schema_dir / env_hash / "blacklist"
-            return self._delete_all(self._state.blacklist, env_hash, directory, _BLACKLIST_FILE)
+            done = self._delete_all(self._state.blacklist, env_hash, directory, _BLACKLIST_FILE)
+            return len(done.get("removed", [])) + len(done.get("hidden", []))
         name = _backend_file_name(backend)
         path = self._blacklist_path(env_hash, name)
-        return int(self._delete(self._state.blacklist, env_hash, name, path))
+        return int(
+            self._delete(self._state.blacklist, env_hash, name, path) in ("removed", "hidden")
+        )
 
     # ----------------------------------------------------------------- archives
 
     def export_archive(
-        self, path: str | os.PathLike[str], env: Mapping[str, Any] | None = None
-    ) -> int:
-        """Write every entry and blacklist record (of ``env`` or all) to one JSON file.
+        self,
+        path: str | os.PathLike[str],
+        env: Mapping[str, Any] | None = None,
+        *,
+        overwrite: bool = False,
+    ) -> ExportResult:
+        """Write every entry and blacklist record (of ``env`` or all) to one new JSON file.
 
-        Returns the number of entries.  Failing to write raises: the user asked for a file.
+        Refuses (``IsADirectoryError``) a directory, and (``FileExistsError``) any existing
+        name unless ``overwrite``, which replaces the name (a symlink itself, not its target).
+        The file appears whole or not at all.  Failing to write raises: the user asked for it.
         """
+        target = Path(os.fsdecode(path))
+        if os.path.isdir(target):
+            raise IsADirectoryError(
+                errno.EISDIR, "is a directory; export writes one file: name a file", str(target)
+            )
+        if not overwrite and os.path.lexists(target):
+            raise FileExistsError(
+                errno.EEXIST,
+                "already exists; pass overwrite=True (--force) to replace it",
+                str(target),
+            )
         env_hashes = [_hash(env, "env")] if env is not None else self._env_hashes()
         entries = [{"env": e, "key": k, "record": r} for e, k, r in self.iter_entries(env)]
         blacklist = [
@@ -890,28 +1199,81 @@ class Store:
             "entries": entries,
             "blacklist": blacklist,
         }
-        _atomic_write(Path(os.fsdecode(path)), _file_bytes(archive))
-        return len(entries)
+        _atomic_write(target, _file_bytes(archive), replace=overwrite)
+        return ExportResult(len(entries), len(blacklist))
 
-    def import_archive(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> int:
-        """Merge an archive into this store; returns the number of entries written.
+    def import_archive(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        protected_backends: Collection[str] = frozenset(),
+        check_entry: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None,
+    ) -> ImportResult:
+        """Merge an archive into this store and say, record by record, what happened.
 
-        Existing entries and blacklist records win unless ``overwrite``.  A damaged archive
-        raises ``ValueError`` before anything is written; a missing one raises ``OSError``.
-        If the store turns memory-only midway, the rest is imported into memory (check
-        ``memory_only`` afterwards).
+        Existing entries and blacklist records win unless ``overwrite``.  Blacklist records
+        for ``protected_backends`` (the caller's built-in fallback: an archive must not be
+        able to take it away) are refused and named in the result.  A damaged archive, or
+        one that is not a regular file of at most 256 MiB, raises ``ValueError`` before
+        anything is written; one that cannot be opened raises ``OSError``.  If the store
+        turns memory-only midway, the rest is kept in memory only (counted apart).
+        ``check_entry(key, record)`` returns why an entry must not be imported (the caller
+        knows what a record means; this module does not), or None.
         """
-        path = Path(os.fsdecode(path))
-        entries, blacklist = _parse_archive(path, path.read_bytes())
-        imported = 0
+        if isinstance(protected_backends, str):
+            raise TypeError("protected_backends must be a collection of backend names, not a str")
+        protected = frozenset(protected_backends)
+        entries, blacklist = read_archive(path)
+        invalid: list[str] = []
+        if check_entry is not None:
+            checked = []
+            for i, (env, key, record) in enumerate(entries):
+                problem = check_entry(key, record)
+                if problem is None:
+                    checked.append((env, key, record))
+                else:
+                    invalid.append(f"entries[{i}]: {problem}")
+            entries = checked
+        counts = dict.fromkeys(
+            ("written", "in_memory", "present", "bl_written", "bl_in_memory", "bl_present"), 0
+        )
+        refused: list[str] = []
         for env, key, record in entries:
-            if overwrite or self.read_entry(env, key) is None:
-                self.write_entry(env, key, record)
-                imported += 1
+            if not overwrite and self.read_entry(env, key) is not None:
+                counts["present"] += 1
+            else:
+                counts["written" if self.write_entry(env, key, record) else "in_memory"] += 1
         for env, backend, record in blacklist:
-            if overwrite or backend not in self.blacklist(env):
-                self.add_to_blacklist(env, backend, record)
-        return imported
+            if backend in protected:
+                refused.append(backend)
+            elif not overwrite and backend in self.blacklist(env):
+                counts["bl_present"] += 1
+            else:
+                written = self.add_to_blacklist(env, backend, record)
+                counts["bl_written" if written else "bl_in_memory"] += 1
+        return ImportResult(
+            entries_written=counts["written"],
+            entries_in_memory=counts["in_memory"],
+            entries_present=counts["present"],
+            blacklist_written=counts["bl_written"],
+            blacklist_in_memory=counts["bl_in_memory"],
+            blacklist_present=counts["bl_present"],
+            blacklist_protected=tuple(refused),
+            entries_invalid=tuple(invalid),
+        )
+
+
+def read_archive(
+    path: str | os.PathLike[str],
+) -> tuple[list[tuple[dict, dict, dict]], list[tuple[dict, str, dict]]]:
+    """The (env, key, record) entries and (env, backend, record) blacklist of an archive.
+
+    Checked as ``import_archive`` checks it (a regular file, strict JSON, every field's type);
+    raises ``ValueError`` for one that is not an archive and ``OSError`` when it cannot be read.
+    """
+    path = Path(os.fsdecode(path))
+    return _parse_archive(path, _read_archive(path))
 
 
 def _parse_archive(

@@ -10,10 +10,13 @@ Design rules:
   its size), because in serving the weights of a layer are not in L2 when its GEMM starts.
 * Candidates are interleaved round by round (the order rotating), so clock and thermal drift
   hit all of them alike. The statistic is the median; the spread is the 10th-90th percentile.
-* Ranking: the fastest median wins unless another candidate is within the noise (the larger
-  half-spread of the two, at least 2%); then the lower ``preference`` wins. The margin to the
-  runner-up is recorded. A fixed tie-break means ranks and restarts pick the same backend
-  when the measurement cannot tell them apart.
+* Ranking: the fastest median wins unless another candidate is within the tie window of it;
+  then the lower ``preference`` wins, so ranks and restarts pick the same backend when the
+  measurement cannot tell them apart. The window is the *fastest* candidate's half-spread
+  (p10-p90), at least 2% and at most ``MAX_TIE_TOLERANCE`` (5%): a slow candidate's own noise
+  never widens it, so no candidate slower than the fastest by more than the cap can win,
+  however noisy. When the fastest's spread exceeds the cap the ranking says ``too_noisy``.
+  The margin to the runner-up is recorded.
 * On the CPU the same statistics come from ``time.perf_counter``.
 * A time budget bounds each key: rounds stop once it is spent and the minimum is met.
 """
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 MIN_TIE_TOLERANCE = 0.02
+MAX_TIE_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,18 @@ class Timing:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Timing:
+    def from_json(cls, data: Any) -> Timing:
+        """Rebuild from JSON read from outside: finite non-negative times, positive counts."""
+        from fp4select.probe import is_int, is_number, need
+
+        need(isinstance(data, Mapping), f"a timing must be an object, got {type(data).__name__}")
+        names = {"median_us", "p10_us", "p90_us", "samples", "calls_per_sample", "method"}
+        need(set(data) == names, f"a timing has the fields {sorted(names)}")
+        for name in ("median_us", "p10_us", "p90_us"):
+            need(is_number(data[name]), f"timing.{name} must be a finite number: {data[name]!r}")
+        for name in ("samples", "calls_per_sample"):
+            need(is_int(data[name], 1), f"timing.{name} must be a positive int: {data[name]!r}")
+        need(isinstance(data["method"], str), "timing.method must be a string")
         return cls(**data)
 
 
@@ -217,27 +232,37 @@ class Ranking:
     order: list[str]
     margin: float | None  # runner-up median / winner median - 1; None with one candidate
     tie_broken_by_preference: bool
+    tie_window: float = MIN_TIE_TOLERANCE  # relative to the fastest median
+    too_noisy: bool = False  # the fastest's own spread was wider than MAX_TIE_TOLERANCE
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def tie_window(fastest: Timing) -> float:
+    """How far behind the fastest median a candidate may be and still count as tied with it."""
+    return min(MAX_TIE_TOLERANCE, max(MIN_TIE_TOLERANCE, fastest.half_spread))
+
+
 def rank(timings: Mapping[str, Timing], preference: Mapping[str, int]) -> Ranking:
-    """The fastest candidate, unless a preferred one is inside the noise of it."""
+    """The fastest candidate, unless a preferred one is inside the tie window of it."""
     if not timings:
         raise ValueError("rank() needs at least one timing")
     by_speed = sorted(timings, key=lambda n: (timings[n].median_us, preference.get(n, 100), n))
     fastest = by_speed[0]
     best = timings[fastest]
-    tied = [
-        n
-        for n in by_speed
-        if timings[n].median_us
-        <= best.median_us * (1 + max(MIN_TIE_TOLERANCE, best.half_spread, timings[n].half_spread))
-    ]
+    window = tie_window(best)
+    tied = [n for n in by_speed if timings[n].median_us <= best.median_us * (1 + window)]
     winner = min(tied, key=lambda n: (preference.get(n, 100), n))
     order = [winner] + [n for n in by_speed if n != winner]
     margin = None
     if len(order) > 1:
         margin = timings[order[1]].median_us / timings[winner].median_us - 1
-    return Ranking(winner, order, margin, winner != fastest)
+    return Ranking(
+        winner,
+        order,
+        margin,
+        winner != fastest,
+        tie_window=window,
+        too_noisy=best.half_spread > MAX_TIE_TOLERANCE,
+    )

@@ -227,6 +227,35 @@ def make_inputs(
     )
 
 
+def prefix_inputs(inputs: ProbeInputs, m: int, problem: Problem) -> ProbeInputs:
+    """The first ``m`` rows of ``inputs`` as a problem of its own, sharing their memory.
+
+    A batch-invariant kernel must give these rows the same bits at M=m as it gave them
+    inside the larger batch. The swizzled scale layouts tile rows (128 or 8 at a time) with
+    whole tiles stored one after another, so the first tiles of the buffer are the scales of
+    a smaller batch (rows past ``m`` in the last tile are padding the kernel must ignore).
+    """
+    if not 1 <= m <= inputs.m:
+        raise ValueError(f"m must be in 1..{inputs.m}, got {m}")
+    tile = 8 if problem.a_sf_layout == "8x4" else 128
+    cols = inputs.a_descale.shape[-1]
+    rows = -(-m // tile) * tile
+    alpha = inputs.alpha
+    if alpha is not None and alpha.numel() == inputs.m and inputs.m > 1:
+        alpha = alpha[:m]
+    return ProbeInputs(
+        m=m,
+        a=inputs.a[:m],
+        b=inputs.b,
+        a_descale=inputs.a_descale.reshape(-1)[: rows * cols].view(rows, cols),
+        b_descale=inputs.b_descale,
+        alpha=alpha,
+        ref=inputs.ref[:m],
+        tol=inputs.tol[:m],
+        aggregate_bound=inputs.aggregate_bound,
+    )
+
+
 def _expand(sf: torch.Tensor, problem: Problem, bs: int) -> torch.Tensor:
     return formats.decode_scales(sf, problem.use_nvfp4).double().repeat_interleave(bs, dim=1)
 

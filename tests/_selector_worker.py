@@ -12,12 +12,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fake_backends
+import injected_timing
 
 import fp4select
 from fp4select.keys import Problem
 from fp4select.timing import TimingOptions
 from fp4select.validate import check, make_inputs
 
+injected_timing.install_from_environment()
 cache, m, names = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 fp4select.configure(
     cache_dir=cache, isolation="inprocess", timing=TimingOptions(budget_s=0.05, min_rounds=3)

@@ -68,6 +68,40 @@ def churn(store: Any, args: dict) -> None:
             raise SystemExit("read after write missed")
 
 
+def _cap_memory(args: dict) -> None:
+    # A regression that reads /dev/zero must fail fast with MemoryError, not fill the machine.
+    if args.get("max_memory"):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (args["max_memory"], args["max_memory"]))
+
+
+def read(store: Any, args: dict) -> None:
+    # Every lookup a caller can make; the CacheWarnings come back as data.
+    _cap_memory(args)
+    env, key = args["env"], args["key"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = {
+            "entry": store.read_entry(env, key),
+            "entries": len(list(store.iter_entries(env))),
+            "blacklist": sorted(store.blacklist(env)),
+            "environments": len(store.environments()),
+        }
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    print(json.dumps(result))
+
+
+def import_archive(store: Any, args: dict) -> None:
+    _cap_memory(args)
+    try:
+        store.import_archive(args["archive"])
+    except (OSError, ValueError) as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    else:
+        print(json.dumps({"error": None}))
+
+
 def main() -> None:
     mode, root, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     warnings.simplefilter("error", CacheWarning)
@@ -75,7 +109,15 @@ def main() -> None:
     if "ready" in args:
         Path(args["ready"], str(os.getpid())).touch()
     wait_for(args.get("go"))
-    {"tune": tune, "blacklist": blacklist, "hold": hold, "churn": churn}[mode](store, args)
+    modes = {
+        "tune": tune,
+        "blacklist": blacklist,
+        "hold": hold,
+        "churn": churn,
+        "read": read,
+        "import": import_archive,
+    }
+    modes[mode](store, args)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import injected_timing
 import pytest
 
 import fp4select
 from fp4select import backends as registry
+from fp4select import timing
 from fp4select.timing import TimingOptions
 
 FAST_TIMING = TimingOptions(budget_s=0.02, min_rounds=3, max_rounds=20, target_sample_s=1e-4)
@@ -32,3 +34,17 @@ def _forget_registrations():
     yield
     for name in set(registry._registered) - before:
         registry.unregister_backend(name)
+
+
+@pytest.fixture
+def injected_timings(monkeypatch):
+    """Deterministic medians by backend name (see injected_timing.py); returns a setter."""
+
+    def use(medians=None, default=25.0):
+        fake = injected_timing.fake_time_interleaved(
+            medians or injected_timing.DEFAULT_MEDIANS, default
+        )
+        monkeypatch.setattr(timing, "time_interleaved", fake)
+
+    use()
+    return use

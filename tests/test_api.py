@@ -13,6 +13,7 @@ from fp4select.keys import Problem
 from fp4select.validate import make_inputs
 
 flashinfer = pytest.importorskip("flashinfer")
+pytestmark = pytest.mark.flashinfer
 
 
 def test_signature_is_flashinfers_plus_keyword_only_extras():
@@ -165,11 +166,13 @@ try:
     print("not checked")
 except TypeError as exc:
     print("checked:", exc)
+print("bound", fp4select.stats()["bound_signatures"])
 """
 
 
 @pytest.mark.parametrize("mode", ["", "always"])
-def test_check_always_rechecks_a_signature_that_passed_once(tmp_path, mode):
+def test_a_bad_call_after_a_good_one_is_refused_in_both_check_modes(tmp_path, mode):
+    """FP4SELECT_CHECK=always re-checks every call; the default binds, and still refuses."""
     import os
     import subprocess
     import sys
@@ -183,10 +186,111 @@ def test_check_always_rechecks_a_signature_that_passed_once(tmp_path, mode):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    if mode == "always":
-        assert "checked: alpha must be a float32 tensor" in proc.stdout
-    else:
-        assert "not checked" in proc.stdout  # the warm path trusts a signature it has seen
+    assert "checked: alpha must be a float32 tensor" in proc.stdout
+    assert f"bound {0 if mode == 'always' else 1}" in proc.stdout
+
+
+# Bad calls that keep every shape of a good call the same: the first call refuses each; a
+# warm signature must refuse each as well, with the same error, before any kernel runs.
+SAME_SHAPE_BAD = [
+    ("alpha float64", lambda g: {"alpha": g["alpha"].double()}, TypeError, "alpha must be a f"),
+    ("a_descale None", lambda g: {"a_descale": None}, TypeError, "a_descale must be a torch"),
+    ("b_descale None", lambda g: {"b_descale": None}, TypeError, "b_descale must be a torch"),
+    ("a int8", lambda g: {"a": g["a"].view(torch.int8)}, TypeError, "a must hold packed FP4"),
+    (
+        "a_descale float16",
+        lambda g: {"a_descale": torch.zeros(g["a_descale"].shape, dtype=torch.float16)},
+        TypeError,
+        "a_descale must be",
+    ),
+    ("flag as int", lambda g: {"use_8x4_sf_layout": 0}, TypeError, "use_8x4_sf_layout must be"),
+    ("pdl as int", lambda g: {"enable_pdl": 1}, TypeError, "enable_pdl must be a bool"),
+    ("block as float", lambda g: {"block_size": 16.0}, TypeError, "block_size must be an int"),
+    (
+        "b_descale on meta",
+        lambda g: {"b_descale": g["b_descale"].to("meta")},
+        ValueError,
+        "b_descale is on meta",
+    ),
+    (
+        "out float16",
+        lambda g: {"out": torch.empty(13, 128, dtype=torch.float16)},
+        TypeError,
+        "out must have dtype",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "error", "message"), SAME_SHAPE_BAD, ids=[b[0] for b in SAME_SHAPE_BAD]
+)
+def test_the_warm_path_refuses_what_the_first_call_refuses(
+    inprocess, good, case, change, error, message, monkeypatch
+):
+    good = dict(good, out=torch.empty(13, 128, dtype=torch.bfloat16))
+    best_mm_fp4(**good)  # binds this signature
+    with pytest.raises(error, match=message):
+        best_mm_fp4(**_with(good, **change(good)))  # cold: nothing bound for it
+    fp4select.reset()
+    best_mm_fp4(**good)
+    ran = _spy_on_bound_runners()
+    with pytest.raises(error, match=message):
+        best_mm_fp4(**_with(good, **change(good)))  # warm: the good call's runner is bound
+    assert ran == [], "a kernel ran before the bad argument was refused"
+
+
+def _spy_on_bound_runners(fail: BaseException | None = None) -> list:
+    """Replace every runner bound so far by one that records its call (and may fail)."""
+    ran: list = []
+
+    def spy(runner):
+        def run(*args):
+            ran.append(args)
+            if fail is not None:
+                raise fail
+            return runner(*args)
+
+        return run
+
+    table = fp4select.api._table
+    for signature, runner in list(table.items()):
+        table[signature] = spy(runner)
+    return ran
+
+
+def test_a_row_major_b_of_the_same_shape_is_refused():
+    """N == K/2: a row-major (K/2, N) b has b.T's shape but is another matrix."""
+    square = Problem(n=128, k=256, m_bucket=16)
+    kwargs = make_inputs(square, 13, "cpu").kwargs(square)
+    assert kwargs["b"].shape[0] == kwargs["b"].shape[1]
+    check_arguments(**kwargs)
+    with pytest.raises(ValueError, match="b must be the transposed view"):
+        check_arguments(**dict(kwargs, b=kwargs["b"].contiguous()))
+
+
+def test_a_row_major_b_is_refused_on_the_warm_path_too(inprocess):
+    square = Problem(n=128, k=256, m_bucket=16)
+    kwargs = make_inputs(square, 13, "cpu").kwargs(square)
+    best_mm_fp4(**kwargs)
+    with pytest.raises(ValueError, match="b must be the transposed view"):
+        best_mm_fp4(**dict(kwargs, b=kwargs["b"].contiguous()))
+
+
+def test_an_error_inside_the_backend_is_explained_by_the_checks(inprocess, good, monkeypatch):
+    """A bound runner that fails on arguments its signature did not cover: the checks speak."""
+    best_mm_fp4(**good)
+    ran = _spy_on_bound_runners(fail=KeyError("the kernel's own error"))
+    # Arguments that pass every check: the backend's own error comes through unchanged.
+    with pytest.raises(KeyError, match="the kernel's own error"):
+        best_mm_fp4(**good)
+    assert len(ran) == 1
+    # A device mismatch the signature does not see (a descale moved between calls of one
+    # signature is impossible: devices are in it), so plant one through the runner instead:
+    monkeypatch.setattr(
+        fp4select.api, "check_arguments", lambda *a, **k: (_ for _ in ()).throw(ValueError("x"))
+    )
+    with pytest.raises(ValueError, match="x"):
+        best_mm_fp4(**good)
 
 
 def test_flashinfer_runners_reach_flashinfers_own_checks():

@@ -38,6 +38,7 @@ def _runtime_listing():
     return [n for n in names if n != "auto"]
 
 
+@pytest.mark.flashinfer
 def test_doctor_on_this_cpu_lists_flashinfers_runtime_backends(tmp_path):
     report = json.loads(run(tmp_path, "doctor", "--json", "--device", "cpu"))
     assert report["machine"]["gpu"] is None
@@ -51,6 +52,7 @@ def test_doctor_on_this_cpu_lists_flashinfers_runtime_backends(tmp_path):
     assert rows["emulation"]["available"] is True
 
 
+@pytest.mark.flashinfer
 @pytest.mark.parametrize("cc", [90, 100, 120])
 def test_doctor_what_if_reports_flashinfers_own_support_matrix(tmp_path, cc):
     report = json.loads(run(tmp_path, "doctor", "--json", "--cc", str(cc)))
@@ -65,6 +67,7 @@ def test_doctor_what_if_reports_flashinfers_own_support_matrix(tmp_path, cc):
         assert not any(rows[n]["available"] for n in _runtime_listing())
 
 
+@pytest.mark.flashinfer
 def test_doctor_prints_a_table(tmp_path):
     text = run(tmp_path, "doctor")
     assert "emulation" in text and "flashinfer.mm_fp4 lists" in text and "cache:" in text
@@ -194,6 +197,7 @@ def test_verify_exits_1_and_names_a_backend_that_failed(tmp_path):
     assert "wrong 5" in proc.stdout and "all zero" in proc.stdout
 
 
+@pytest.mark.flashinfer
 def test_experimental_backends_compete_only_when_allowed(tmp_path, monkeypatch):
     experimental = sorted(flashinfer.mm_fp4.experimental_backends)
     if not experimental:

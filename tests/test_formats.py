@@ -651,6 +651,7 @@ def test_single_trtllm_weight_row_lights_one_output_column(n, c):
 
 @pytest.mark.parametrize("use_nvfp4", [True, False])
 @pytest.mark.parametrize(("rows", "blocks"), [(1, 1), (7, 3), (33, 5)])
+@pytest.mark.flashinfer
 def test_dequantize_matches_flashinfer_cpu_fallback(use_nvfp4, rows, blocks):
     fi = flashinfer_attr(
         "flashinfer.quantization.fp4_quantization", "_e2m1_and_ufp8sf_scale_to_float_cpu"
@@ -672,6 +673,7 @@ def test_dequantize_matches_flashinfer_cpu_fallback(use_nvfp4, rows, blocks):
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1, 1), (37, 5), (128, 4), (130, 9)])
+@pytest.mark.flashinfer
 def test_unswizzle_matches_flashinfer_128x4(rows, cols):
     fi = flashinfer_attr("flashinfer.trace.templates.gemm", "_unswizzle_sf_128x4")
     rp, cp = f.padded_sf_shape(rows, cols, "128x4")
@@ -681,6 +683,7 @@ def test_unswizzle_matches_flashinfer_128x4(rows, cols):
 
 
 @pytest.mark.parametrize("rows", [32, 128, 384])
+@pytest.mark.flashinfer
 def test_trtllm_permutation_matches_flashinfer(rows):
     fi = flashinfer_attr("flashinfer.utils", "get_shuffle_matrix_a_row_indices")
     assert torch.equal(f.trtllm_row_permutation(rows), fi(torch.empty(rows, 8), 128))

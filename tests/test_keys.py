@@ -69,6 +69,7 @@ ALTERNATES = {
     "a_sf_layout": "8x4",
     "b_layout": "trtllm",
     "alpha_kind": "per_token",
+    "batch_invariant": True,
 }
 
 
@@ -78,9 +79,34 @@ def test_every_problem_field_is_covered_by_the_test():
 
 @pytest.mark.parametrize("field", sorted(ALTERNATES))
 def test_changing_any_problem_field_changes_the_key(field):
-    changed = dataclasses.replace(BASE, **{field: ALTERNATES[field]})
-    assert changed.digest() != BASE.digest()
+    # A batch-invariant problem has one bucket for every M: compare it with its regular twin.
+    base = dataclasses.replace(BASE, m_bucket=1) if field == "batch_invariant" else BASE
+    changed = dataclasses.replace(base, **{field: ALTERNATES[field]})
+    assert changed.digest() != base.digest()
     assert Problem.from_json(changed.to_json()) == changed
+
+
+def test_keys_stored_before_batch_invariance_existed_still_match():
+    """A regular problem's key has no batch_invariant field, so older entries keep matching."""
+    assert "batch_invariant" not in BASE.to_json()
+    assert dataclasses.replace(BASE, m_bucket=1, batch_invariant=True).to_json()["batch_invariant"]
+    stored = {k: v for k, v in BASE.to_json().items()}
+    assert Problem.from_json(stored) == BASE
+
+
+def test_a_batch_invariant_problem_has_one_bucket_and_spans_every_m():
+    with pytest.raises(ValueError, match="m_bucket must be 1"):
+        Problem(n=64, k=128, m_bucket=16, batch_invariant=True)
+    problem = Problem(n=64, k=128, m_bucket=1, batch_invariant=True)
+    assert problem.m_range[0] == 1 and problem.m_range[1] >= 1 << 20
+    assert len(problem.validation_ms()) >= 3 and max(problem.validation_ms()) > 256
+    assert "batch invariant" in problem.describe()
+
+
+@pytest.mark.parametrize("field", ["use_nvfp4", "batch_invariant"])
+def test_a_flag_read_from_disk_must_be_a_bool(field):
+    with pytest.raises(ValueError, match=f"{field} must be a bool"):
+        Problem.from_json({**BASE.to_json(), field: 1})
 
 
 def test_environment_holds_every_version_that_makes_a_kernel():

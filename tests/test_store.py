@@ -27,7 +27,16 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from fp4select.store import SCHEMA_VERSION, CacheWarning, Store, default_root, digest
+from fp4select.store import (
+    SCHEMA_VERSION,
+    CacheWarning,
+    ClearResult,
+    ExportResult,
+    ImportResult,
+    Store,
+    default_root,
+    digest,
+)
 
 ENV = {"gpu": "NVIDIA B200", "sm": 100, "cuda": "12.8", "torch": "2.9.0", "flashinfer": "0.4.1"}
 OTHER_ENV = {**ENV, "gpu": "NVIDIA GB200"}
@@ -392,20 +401,21 @@ def test_clear_one_env_and_all(store: Store) -> None:
     store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
     with store.lock(ENV, KEY):
         pass
-    assert store.clear(ENV) == 2
+    assert store.clear(ENV) == ClearResult(entries=2, blacklist=1)
     assert list(store.iter_entries(ENV)) == []
     assert store.blacklist(ENV) == {}
     assert store.read_entry(OTHER_ENV, KEY) == RECORD
     assert (store.env_dir(ENV) / "env.json").exists()  # kept: it names the directory
-    assert store.clear() == 1
+    assert store.clear() == ClearResult(entries=1, blacklist=0)
     assert list(store.iter_entries()) == []
-    assert store.clear() == 0
+    assert store.clear() == ClearResult()
+    assert store.clear().as_dict() == {"entries": 0, "blacklist": 0, "not_removed": []}
 
 
 def test_clear_removes_damaged_files(store: Store) -> None:
     store.write_entry(ENV, KEY, RECORD)
     entry_path(store, ENV, KEY).write_bytes(b"garbage")
-    assert store.clear(ENV) == 1
+    assert store.clear(ENV).entries == 1
     assert not entry_path(store, ENV, KEY).exists()
 
 
@@ -499,6 +509,8 @@ def test_damaged_entry_is_a_miss_with_one_warning(store: Store, damage: str) -> 
         assert store.read_entry(ENV, KEY2) == RECORD2
         assert Store(store.root).read_entry(ENV, KEY) is None
     assert _snapshot(path) == before  # left for whoever owns it
+    if damage == "directory instead of file":
+        return  # not ours to replace: test_directory_at_an_entry_path_is_never_deleted
 
     with no_cache_warnings():
         assert store.write_entry(ENV, KEY, RECORD) is True
@@ -579,6 +591,178 @@ def test_foreign_schema_file_under_v1_is_left_alone(store: Store) -> None:
     with one_cache_warning("schema 2"):
         assert store.read_entry(ENV, KEY) is None
     assert json.loads(path.read_text()) == future
+
+
+# --------------------------------------------------------------------------- what is not ours
+
+
+def tree(root: Path) -> dict[str, bytes | str]:
+    """Everything under ``root`` (symlinks not followed), to prove nothing there changed."""
+    found: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            found[rel] = f"-> {os.readlink(p)}"
+        elif p.is_dir():
+            found[rel] = "<dir>"
+        else:
+            found[rel] = p.read_bytes()
+    return found
+
+
+def squat_directory(path: Path) -> dict[str, bytes | str]:
+    """Put someone's directory, with files in it, where fp4select keeps one of its files."""
+    if path.exists():
+        path.unlink()
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("someone's notes")
+    (path / "sub" / "deep.bin").write_bytes(b"\x00deep")
+    return tree(path)
+
+
+def test_directory_at_an_entry_path_is_never_deleted(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY2, RECORD2)
+    path = entry_path(store, ENV, KEY)
+    before = squat_directory(path)
+    with one_cache_warning(f"{path}: it is a directory"):
+        assert store.read_entry(ENV, KEY) is None
+    with one_cache_warning("memory"):  # a write cannot put the entry there: rule 6
+        assert store.write_entry(ENV, KEY, RECORD) is False
+    assert store.memory_only
+    assert tree(path) == before
+    assert temp_files(store.root) == []
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY) == RECORD  # this process still remembers it
+        assert store.read_entry(ENV, KEY2) == RECORD2
+
+
+def test_clear_leaves_a_directory_at_an_entry_path_and_says_so(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    store.write_entry(ENV, KEY2, RECORD2)
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    store.add_to_blacklist(ENV, "cutlass", {"reason": "r", "kind": "crash"})
+    path = entry_path(store, ENV, KEY)
+    listed = store.env_dir(ENV) / "blacklist" / "cudnn.json"
+    before, before_listed = squat_directory(path), squat_directory(listed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = store.clear()
+    assert result == ClearResult(entries=1, blacklist=1, not_removed=(str(path), str(listed)))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    for squatted in (path, listed):
+        assert any(f"not removing {squatted}: it is a directory" in m for m in messages)
+    assert tree(path) == before and tree(listed) == before_listed
+    assert not store.memory_only  # nothing failed: the store just does not own these
+    with no_cache_warnings():
+        assert store.delete_entry(ENV, KEY) is False
+        assert store.remove_from_blacklist(ENV, "cudnn") == 0
+    assert tree(path) == before and tree(listed) == before_listed
+    assert not entry_path(store, ENV, KEY2).exists()
+
+
+def test_symlink_at_an_entry_path_is_not_followed(store: Store, tmp_path: Path) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    path = entry_path(store, ENV, KEY)
+    elsewhere = tmp_path / "elsewhere.json"
+    shutil.copyfile(path, elsewhere)  # a valid entry for this very key, outside the cache
+    original = elsewhere.read_bytes()
+    path.unlink()
+    path.symlink_to(elsewhere)
+    with one_cache_warning(f"{path}: it is a symbolic link"):
+        assert store.read_entry(ENV, KEY) is None
+    with no_cache_warnings():
+        assert list(store.iter_entries(ENV)) == []
+        assert store.write_entry(ENV, KEY, RECORD2) is True  # replaces the link, not its target
+    assert not path.is_symlink()
+    assert store.read_entry(ENV, KEY) == RECORD2
+    path.unlink()
+    path.symlink_to(elsewhere)
+    assert store.delete_entry(ENV, KEY) is True  # the name goes; what it points at stays
+    assert not os.path.lexists(path)
+    assert elsewhere.read_bytes() == original
+
+
+@pytest.mark.parametrize("which", ["entries", "environment", "schema"])
+def test_symlinked_directory_inside_the_cache_is_not_followed(tmp_path: Path, which: str) -> None:
+    store = Store(tmp_path / "cache")
+    store.write_entry(ENV, KEY, RECORD)
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    directory = {
+        "entries": store.env_dir(ENV) / "entries",
+        "environment": store.env_dir(ENV),
+        "schema": store.root / f"v{SCHEMA_VERSION}",
+    }[which]
+    elsewhere = tmp_path / "elsewhere"
+    directory.rename(elsewhere)
+    directory.symlink_to(elsewhere, target_is_directory=True)
+    before = tree(elsewhere)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store.read_entry(ENV, KEY) is None
+        assert list(store.iter_entries()) == []
+        if which != "entries":
+            assert store.blacklist(ENV) == {}
+    messages = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert messages and all("symbolic link" in m for m in messages), messages
+    with pytest.warns(CacheWarning, match="memory"):
+        assert store.write_entry(ENV, KEY2, RECORD2) is False
+    with no_cache_warnings():
+        assert store.read_entry(ENV, KEY2) == RECORD2
+    assert tree(elsewhere) == before  # nothing written, replaced or deleted out there
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")  # a listing blocked by the link may warn once more
+        store.clear()
+    assert tree(elsewhere) == before
+
+
+SPECIAL_TARGETS = {
+    "entry": lambda store: entry_path(store, ENV, KEY),
+    "blacklist": lambda store: store.env_dir(ENV) / "blacklist" / "cudnn.json",
+    "env": lambda store: store.env_dir(ENV) / "env.json",
+}
+
+
+@pytest.mark.parametrize("thing", ["fifo", "symlink to /dev/zero"])
+@pytest.mark.parametrize("where", list(SPECIAL_TARGETS))
+def test_fifo_or_device_in_the_cache_is_a_miss_at_once(
+    store: Store, where: str, thing: str
+) -> None:
+    # In a child with a deadline and a memory cap: before the fix a FIFO hung every lookup and
+    # /dev/zero was read until MemoryError, and neither may take the test run down with it.
+    if not hasattr(os, "mkfifo") or not Path("/dev/zero").exists():
+        pytest.skip("needs mkfifo and /dev/zero")
+    store.write_entry(ENV, KEY, RECORD)
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    path = SPECIAL_TARGETS[where](store)
+    path.unlink()
+    if thing == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    (out,) = finish([spawn("read", store.root, env=ENV, key=KEY, max_memory=1 << 29)], 60)
+    result = json.loads(out)
+    assert len(result["warnings"]) == 1, result["warnings"]
+    expected = "a FIFO" if thing == "fifo" else "a symbolic link"
+    assert f"{path}: it is {expected}" in result["warnings"][0]
+    assert result["entry"] == (None if where == "entry" else RECORD)
+    assert result["blacklist"] == ([] if where == "blacklist" else ["cudnn"])
+    assert result["environments"] == (0 if where == "env" else 1)
+    assert os.path.lexists(path)  # reported, not removed
+
+
+def test_oversized_file_in_the_cache_is_a_miss(store: Store) -> None:
+    store.write_entry(ENV, KEY, RECORD)
+    path = entry_path(store, ENV, KEY)
+    obj = json.loads(path.read_bytes())
+    obj["padding"] = " " * (1 << 20)  # valid, matching, and larger than fp4select ever writes
+    path.write_text(json.dumps(obj))
+    with one_cache_warning("larger than 1048576 bytes"):
+        assert store.read_entry(ENV, KEY) is None
+    with pytest.raises(ValueError, match="the limit is 1048576"):
+        store.write_entry(ENV, KEY2, {"padding": " " * (1 << 20)})
+    assert not entry_path(store, ENV, KEY2).exists()
 
 
 # --------------------------------------------------------------------------- failing disk
@@ -687,7 +871,8 @@ def test_memory_only_overlay_semantics(store: Store, monkeypatch: pytest.MonkeyP
         assert store.remove_from_blacklist(ENV, "cudnn") == 1
         assert store.blacklist(ENV) == {}
         store.add_to_blacklist(ENV, "cutlass", {"reason": "r", "kind": "hang"})
-        assert store.clear() == 2
+        # KEY was written again in memory over the file that stays on disk: not removed.
+        assert store.clear() == ClearResult(entries=1, blacklist=1, not_removed=(str(on_disk),))
         assert list(store.iter_entries()) == []
         assert store.blacklist(ENV) == {}
         assert store.read_entry(ENV, KEY) is None
@@ -845,6 +1030,50 @@ def test_concurrent_writers_never_expose_partial_files(store: Store, tmp_path: P
     assert temp_files(store.root) == []
 
 
+@pytest.mark.parametrize("planted", ["lock file", "hard link", "locks directory"])
+def test_symlink_planted_at_a_lock_path_leaves_its_target_intact(
+    store: Store, tmp_path: Path, planted: str
+) -> None:
+    # filelock below 3.20.1 opened the lock file with O_TRUNC through a symlink, and below
+    # 4.2.1 truncates it through a hard link once locked.
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / f"{digest(KEY)}.lock").write_text("someone's data\n")
+    lock_path = store.env_dir(ENV) / "locks" / f"{digest(KEY)}.lock"
+    lock_path.parent.mkdir(parents=True)
+    if planted == "lock file":
+        lock_path.symlink_to(precious / f"{digest(KEY)}.lock")
+    elif planted == "hard link":
+        os.link(precious / f"{digest(KEY)}.lock", lock_path)
+    else:
+        lock_path.parent.rmdir()
+        lock_path.parent.symlink_to(precious, target_is_directory=True)
+    before = tree(precious)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with store.lock(ENV, KEY, timeout=5):
+            assert store.write_entry(ENV, KEY, RECORD) is True
+    assert tree(precious) == before  # the target's content first: that is the data at stake
+    assert [str(w.message) for w in caught if "cannot lock files" in str(w.message)]
+    assert os.path.lexists(lock_path)  # not ours to delete either
+    # Still usable, still reentrant: threads of this process are serialized as before.
+    with no_cache_warnings(), store.lock(ENV, KEY, timeout=0), store.lock(ENV, KEY, timeout=0):
+        assert store.read_entry(ENV, KEY) == RECORD
+
+
+def test_pyproject_requires_a_filelock_that_does_not_follow_symlinks() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text("utf-8"))["project"]["dependencies"]
+    (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "filelock"]
+    # 3.20.1: UnixFileLock opens with O_NOFOLLOW; 3.20.3: SoftFileLock too (CVE-2026-22701).
+    assert not spec.contains("3.20.2") and spec.contains("3.20.3")
+    assert spec.contains(Version(filelock.__version__))
+
+
 # --------------------------------------------------------------------------- blacklist
 
 
@@ -863,12 +1092,13 @@ def test_blacklist_round_trip(store: Store) -> None:
     assert when.utcoffset() == timedelta(0)
     assert abs(datetime.now(timezone.utc) - when) < timedelta(minutes=1)
     assert store.blacklist(OTHER_ENV) == {}
-    store.add_to_blacklist(ENV, "trtllm", {"reason": "again", "kind": "error", "when": "x"})
+    when = "2026-01-02T03:04:05+00:00"
+    store.add_to_blacklist(ENV, "trtllm", {"reason": "again", "kind": "error", "when": when})
     assert store.blacklist(ENV)["trtllm"] == {
         "backend": "trtllm",
         "reason": "again",
         "kind": "error",
-        "when": "x",
+        "when": when,
     }
 
 
@@ -909,6 +1139,9 @@ def test_blacklist_names_that_are_not_file_names(store: Store) -> None:
         ("cudnn", {"reason": "r", "kind": "crash", "backend": "cutlass"}, "cutlass"),
         ("cudnn", {"reason": "r", "kind": "crash", "key": [1]}, "key"),
         ("cudnn", {"reason": "r", "kind": "crash", "when": 5}, "when"),
+        ("cudnn", {"reason": "r", "kind": "crash", "when": "yesterday"}, "ISO 8601"),
+        ("cudnn", {"reason": "r", "kind": "crash", "scope": 1}, "scope"),
+        ("cudnn", {"reason": "r", "kind": "crash", "scope": "key"}, "needs a 'key'"),
     ],
 )
 def test_add_to_blacklist_rejects_bad_records(
@@ -930,13 +1163,13 @@ def test_archive_round_trip_between_roots(tmp_path: Path) -> None:
     a.add_to_blacklist(OTHER_ENV, "cudnn", {"reason": "r", "kind": "crash", "key": KEY})
     archive = tmp_path / "x" / "cache.json"
     archive.parent.mkdir()
-    assert a.export_archive(archive) == 3
+    assert a.export_archive(archive) == ExportResult(entries=3, blacklist=1)
     obj = json.loads(archive.read_text())
     assert (obj["schema"], obj["kind"]) == (SCHEMA_VERSION, "fp4select.archive")
     assert len(obj["entries"]) == 3
     assert len(obj["blacklist"]) == 1
 
-    assert b.import_archive(archive) == 3
+    assert b.import_archive(archive) == ImportResult(entries_written=3, blacklist_written=1)
     assert sorted(map(canon, b.iter_entries())) == sorted(map(canon, a.iter_entries()))
     assert b.blacklist(OTHER_ENV) == a.blacklist(OTHER_ENV)
     assert b.blacklist(ENV) == {}
@@ -949,7 +1182,7 @@ def test_export_one_environment(tmp_path: Path) -> None:
     a.write_entry(OTHER_ENV, KEY, RECORD2)
     a.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
     a.add_to_blacklist(OTHER_ENV, "cutlass", {"reason": "r", "kind": "crash"})
-    assert a.export_archive(tmp_path / "env.json", env=ENV) == 1
+    assert a.export_archive(tmp_path / "env.json", env=ENV) == ExportResult(1, 1)
     obj = json.loads((tmp_path / "env.json").read_text())
     assert [e["env"] for e in obj["entries"]] == [ENV]
     assert [(e["env"], e["backend"]) for e in obj["blacklist"]] == [(ENV, "cudnn")]
@@ -963,11 +1196,15 @@ def test_import_keeps_existing_unless_overwrite(tmp_path: Path) -> None:
     a.export_archive(tmp_path / "a.json")
     b.write_entry(ENV, KEY, RECORD2)
     b.add_to_blacklist(ENV, "cudnn", {"reason": "from b", "kind": "crash"})
-    assert b.import_archive(tmp_path / "a.json") == 1
+    assert b.import_archive(tmp_path / "a.json") == ImportResult(
+        entries_written=1, entries_present=1, blacklist_present=1
+    )
     assert b.read_entry(ENV, KEY) == RECORD2
     assert b.read_entry(ENV, KEY2) == RECORD
     assert b.blacklist(ENV)["cudnn"]["reason"] == "from b"
-    assert b.import_archive(tmp_path / "a.json", overwrite=True) == 2
+    assert b.import_archive(tmp_path / "a.json", overwrite=True) == ImportResult(
+        entries_written=2, blacklist_written=1
+    )
     assert b.read_entry(ENV, KEY) == RECORD
     assert b.blacklist(ENV)["cudnn"]["reason"] == "from a"
 
@@ -999,7 +1236,32 @@ BAD_ARCHIVES = {
         _archive(entries=[{"env": ENV, "key": KEY, "record": "fast"}]),
         "entries[0].record",
     ),
-    "nan in env": (_archive().replace(b'"sm": 100', b'"sm": NaN'), "entries[0].env"),
+    "nan in env": (_archive().replace(b'"sm": 100', b'"sm": NaN'), "NaN, which strict JSON"),
+    "infinity in a record": (
+        _archive().replace(b'"us": 12.5', b'"us": Infinity'),
+        "Infinity, which strict JSON",
+    ),
+    "-infinity in a key": (
+        _archive().replace(b'"m": 128', b'"m": -Infinity'),
+        "-Infinity, which strict JSON",
+    ),
+    "overflowing float": (_archive().replace(b'"us": 12.5', b'"us": 1e999'), "1e999"),
+    "blacklist record with a bad when": (
+        _archive(
+            blacklist=[
+                {"env": ENV, "backend": "x", "record": {"reason": "r", "kind": "c", "when": 3}}
+            ]
+        ),
+        "'when' must be an ISO 8601 string",
+    ),
+    "blacklist record with a bad key": (
+        _archive(
+            blacklist=[
+                {"env": ENV, "backend": "x", "record": {"reason": "r", "kind": "c", "key": "k"}}
+            ]
+        ),
+        "'key' must be a mapping",
+    ),
     "blacklist without reason": (
         _archive(blacklist=[{"env": ENV, "backend": "cudnn", "record": {"kind": "c"}}]),
         "blacklist[0]: blacklist record for 'cudnn' needs a string 'reason'",
@@ -1035,3 +1297,169 @@ def test_export_failure_raises(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         store.export_archive(tmp_path / "missing-dir" / "a.json")
     assert not store.memory_only
+
+
+# --------------------------------------------------------------------------- export never destroys
+
+
+def seeded(tmp_path: Path) -> Store:
+    store = Store(tmp_path / "cache")
+    store.write_entry(ENV, KEY, RECORD)
+    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
+    return store
+
+
+def assert_archive(path: Path, entries: int = 1) -> None:
+    obj = json.loads(path.read_bytes())
+    assert (obj["kind"], len(obj["entries"])) == ("fp4select.archive", entries)
+
+
+def test_export_refuses_a_directory_and_touches_nothing(tmp_path: Path) -> None:
+    store = seeded(tmp_path)
+    target = tmp_path / "out"
+    before = squat_directory(target)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        store.export_archive(target)
+    with pytest.raises(IsADirectoryError):
+        store.export_archive(target, overwrite=True)
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    with pytest.raises(IsADirectoryError):
+        store.export_archive(link, overwrite=True)
+    assert tree(target) == before and link.is_symlink()
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", [".", ""])
+def test_export_to_the_working_directory_empties_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    store = seeded(tmp_path)
+    work = tmp_path / "work"
+    before = squat_directory(work)
+    monkeypatch.chdir(work)
+    with pytest.raises(IsADirectoryError):
+        store.export_archive(name, overwrite=True)
+    assert tree(work) == before
+
+
+def test_export_refuses_an_existing_file_unless_overwrite(tmp_path: Path) -> None:
+    store = seeded(tmp_path)
+    target = tmp_path / "decisions.json"
+    target.write_text("someone's file")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        store.export_archive(target)
+    assert target.read_text() == "someone's file"
+    assert store.export_archive(target, overwrite=True) == ExportResult(1, 1)
+    assert_archive(target)
+    assert temp_files(tmp_path) == []
+
+
+def test_export_onto_a_symlink_never_writes_through_it(tmp_path: Path) -> None:
+    store = seeded(tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    for pointing_at in (victim, tmp_path / "nowhere"):
+        link = tmp_path / "link.json"
+        link.symlink_to(pointing_at)
+        with pytest.raises(FileExistsError):  # a dangling link is still a name in use
+            store.export_archive(link)
+        store.export_archive(link, overwrite=True)  # replaces the link itself
+        assert not link.is_symlink()
+        assert_archive(link)
+        link.unlink()
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_exclusive_write_never_replaces_a_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
+) -> None:
+    # The check in export_archive can race a file created just after it; the write cannot.
+    from fp4select import store as store_module
+
+    if not hard_links:  # a file system without them takes the O_EXCL path
+        monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(PermissionError()))
+    taken = tmp_path / "taken"
+    taken.write_text("first")
+    with pytest.raises(FileExistsError):
+        store_module._atomic_write(taken, b"second", replace=False)
+    assert taken.read_text() == "first"
+    store_module._atomic_write(tmp_path / "free", b"new", replace=False)
+    assert (tmp_path / "free").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["free", "taken"]
+
+
+# --------------------------------------------------------------------------- import is checked
+
+
+def test_import_refuses_to_blacklist_protected_backends(tmp_path: Path) -> None:
+    archive = tmp_path / "a.json"
+    blacklist = [
+        {"env": ENV, "backend": name, "record": {"reason": "r", "kind": "hang"}}
+        for name in ("emulation", "cutlass")
+    ]
+    archive.write_bytes(_archive(blacklist=blacklist))
+    store = Store(tmp_path / "cache")
+    with pytest.raises(TypeError, match="protected_backends"):
+        store.import_archive(archive, protected_backends="emulation")
+    result = store.import_archive(archive, protected_backends=frozenset({"emulation"}))
+    assert result == ImportResult(
+        entries_written=1, blacklist_written=1, blacklist_protected=("emulation",)
+    )
+    assert list(store.blacklist(ENV)) == ["cutlass"]
+    assert result.as_dict()["blacklist_protected"] == ["emulation"]
+    again = store.import_archive(archive, protected_backends={"emulation"}, overwrite=False)
+    assert again == ImportResult(
+        entries_present=1, blacklist_present=1, blacklist_protected=("emulation",)
+    )
+
+
+def test_import_into_a_failing_disk_counts_what_stayed_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    archive = tmp_path / "a.json"
+    archive.write_bytes(_archive())
+    store = Store(tmp_path / "cache")
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
+    with one_cache_warning("memory"):
+        result = store.import_archive(archive)
+    assert result == ImportResult(entries_in_memory=1, blacklist_in_memory=1)
+
+
+@pytest.mark.parametrize("what", ["directory", "too large"])
+def test_import_reads_only_a_regular_file_of_bounded_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    from fp4select import store as store_module
+
+    archive = tmp_path / "a.json"
+    if what == "directory":
+        archive.mkdir()
+        match = "it is a directory, not a regular file"
+    else:
+        archive.write_bytes(_archive())
+        monkeypatch.setattr(store_module, "_MAX_ARCHIVE_BYTES", 100)
+        match = "larger than 100 bytes"
+    with pytest.raises(ValueError, match=match):
+        Store(tmp_path / "cache").import_archive(archive)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("thing", ["fifo", "/dev/zero"])
+def test_import_of_a_fifo_or_device_fails_at_once(tmp_path: Path, thing: str) -> None:
+    if not hasattr(os, "mkfifo") or not Path("/dev/zero").exists():
+        pytest.skip("needs mkfifo and /dev/zero")
+    archive = tmp_path / "a.json"
+    if thing == "fifo":
+        os.mkfifo(archive)
+    else:
+        archive = Path("/dev/zero")
+    (out,) = finish(
+        [spawn("import", tmp_path / "cache", archive=str(archive), max_memory=1 << 29)], 60
+    )
+    result = json.loads(out)
+    assert result["error"] == "ValueError"
+    assert "not a regular file" in result["message"]
+    assert not (tmp_path / "cache").exists()

@@ -6,8 +6,18 @@ import time
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from fp4select.timing import TimingOptions, summarize, time_interleaved
+from fp4select.timing import (
+    MAX_TIE_TOLERANCE,
+    MIN_TIE_TOLERANCE,
+    Timing,
+    TimingOptions,
+    rank,
+    summarize,
+    time_interleaved,
+)
 
 CPU = torch.device("cpu")
 
@@ -36,12 +46,13 @@ def test_the_budget_stops_rounds_once_the_minimum_is_met():
     assert elapsed < 1.0
 
 
-def test_a_slower_candidate_measures_slower():
-    calls = {"fast": [lambda: time.sleep(0.0005)], "slow": [lambda: time.sleep(0.002)]}
+def test_a_sample_measures_at_least_the_time_the_call_takes():
+    """A sleep's duration is a floor, whatever the load: the timer may not report less."""
+    calls = {"sleepy": [lambda: time.sleep(0.002)]}
     timings, _ = time_interleaved(
-        calls, CPU, TimingOptions(budget_s=0.1, min_rounds=5, target_sample_s=0)
+        calls, CPU, TimingOptions(budget_s=0.0, min_rounds=3, max_rounds=3, target_sample_s=0)
     )
-    assert timings["slow"].median_us > 2 * timings["fast"].median_us
+    assert timings["sleepy"].p10_us >= 2000
 
 
 def test_rotating_input_sets_are_all_used():
@@ -57,3 +68,49 @@ def test_summary_statistics():
     t = summarize([5.0, 1.0, 3.0, 2.0, 4.0], 7, "test")
     assert t.median_us == 3.0 and t.p10_us == pytest.approx(1.4) and t.p90_us == pytest.approx(4.6)
     assert t.calls_per_sample == 7 and t.half_spread == pytest.approx((4.6 - 1.4) / 6)
+
+
+def _timing(median, p10, p90):
+    return Timing(median, p10, p90, 10, 1, "test")
+
+
+def test_a_slow_noisy_candidate_never_wins_on_preference():
+    """The audit's case: 77x slower but noisy, and preferred; it won with margin -98.7%."""
+    fast = _timing(10.0, 9.9, 10.1)
+    slow_noisy = _timing(770.0, 10.0, 2000.0)
+    ranking = rank({"fast": fast, "preferred": slow_noisy}, {"fast": 50, "preferred": 1})
+    assert ranking.winner == "fast" and ranking.margin == pytest.approx(76.0)
+    assert not ranking.tie_broken_by_preference
+
+
+def test_a_noisy_fastest_is_reported_and_its_window_capped():
+    noisy = _timing(10.0, 5.0, 15.0)  # half-spread 50%
+    ranking = rank(
+        {"noisy": noisy, "preferred": _timing(10.6, 10.5, 10.7)}, {"noisy": 50, "preferred": 1}
+    )
+    assert ranking.too_noisy and ranking.tie_window == MAX_TIE_TOLERANCE
+    assert ranking.winner == "noisy"  # 6% behind: outside the capped window
+
+
+medians = st.floats(min_value=0.01, max_value=1e6, allow_nan=False)
+spreads = st.floats(min_value=0.0, max_value=5.0, allow_nan=False)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from("abcdefgh"),
+        st.tuples(medians, spreads, spreads, st.integers(0, 1000)),
+        min_size=1,
+    )
+)
+def test_the_winner_is_never_slower_than_the_cap_allows(candidates):
+    timings = {
+        n: _timing(m, m * max(0.0, 1 - lo), m * (1 + hi))
+        for n, (m, lo, hi, _) in candidates.items()
+    }
+    preference = {n: p for n, (_, _, _, p) in candidates.items()}
+    ranking = rank(timings, preference)
+    fastest = min(t.median_us for t in timings.values())
+    assert timings[ranking.winner].median_us <= (1 + MAX_TIE_TOLERANCE) * fastest
+    assert MIN_TIE_TOLERANCE <= ranking.tie_window <= MAX_TIE_TOLERANCE
+    assert ranking.order[0] == ranking.winner and sorted(ranking.order) == sorted(timings)

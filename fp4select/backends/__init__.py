@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4select.backends import emulation
+from fp4select.backends import emulation, flashinfer_invariant
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import (
     Backend,
@@ -183,6 +183,8 @@ def discover(*, include_flashinfer: bool = True) -> Registry:
         if why:
             registry.source_errors["flashinfer"] = why
         for b in found:
+            registry.backends[b.name] = b
+        for b in flashinfer_invariant.backends():
             registry.backends[b.name] = b
     registry.backends[emulation.NAME] = emulation.BACKEND
     eps, errors = _load_entry_points()

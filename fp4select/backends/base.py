@@ -28,6 +28,9 @@ from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 Runner = Callable[..., torch.Tensor]
 ALL_FORMATS = frozenset({"nvfp4", "mxfp4"})
+# "regular": the rows of the output may depend on M (per-bucket kernels, split-K by M).
+# "batch_invariant": row i of the output is the same bits whatever M and the other rows are.
+MODES = ("regular", "batch_invariant")
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,17 @@ class Capabilities:
     k_multiple: int = 1
     max_m: int | None = None
     devices: frozenset[str] = frozenset({"cuda"})
+    modes: frozenset[str] = frozenset({"regular"})
 
     def rejects(self, problem: Problem, device_type: str) -> str | None:
         """Why this problem is outside the declaration, or None when it is inside."""
+        mode = "batch_invariant" if problem.batch_invariant else "regular"
+        if mode not in self.modes:
+            return (
+                "is not batch invariant (its rows may depend on M)"
+                if problem.batch_invariant
+                else "runs only in batch-invariant mode"
+            )
         if device_type not in self.devices:
             return f"runs on {sorted(self.devices)} only, not {device_type}"
         if problem.format not in self.formats:
@@ -62,6 +73,8 @@ class Capabilities:
             return f"needs N % {self.n_multiple} == 0, got N={problem.n}"
         if problem.k % self.k_multiple:
             return f"needs K % {self.k_multiple} == 0, got K={problem.k}"
+        if self.max_m is not None and problem.batch_invariant:
+            return f"needs M <= {self.max_m}; a batch-invariant decision serves every M"
         if self.max_m is not None and problem.m_range[0] > self.max_m:
             return f"needs M <= {self.max_m}, bucket starts at {problem.m_range[0]}"
         return None
@@ -80,6 +93,11 @@ class Capabilities:
         unknown = set(self.alpha_kinds) - set(ALPHA_KINDS)
         if unknown:
             raise ValueError(f"alpha_kinds must be drawn from {ALPHA_KINDS}, got {sorted(unknown)}")
+        unknown = set(self.modes) - set(MODES)
+        if unknown or not self.modes:
+            raise ValueError(
+                f"modes must be a non-empty subset of {MODES}, got {sorted(self.modes)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,12 @@ It is what fp4select dispatches to where no native FP4 kernel runs (Hopper, Ada,
 the only backend that takes every format, scale layout, b layout and alpha kind. It decodes
 both operands to float32 and multiplies with the device's ordinary matrix unit; it never
 synchronises with the host, so it is safe inside CUDA graph capture.
+
+Batch invariance: one matrix product over all M rows lets the library pick its algorithm (and
+its reduction order) by M, so row i may change with the batch size. For batch-invariant
+problems the rows are multiplied in fixed chunks of ``INVARIANT_ROWS``, the last one padded
+with zeros: every product then has one shape, so one algorithm and one reduction order, and a
+row's bits cannot depend on M or on its neighbours.
 """
 
 from __future__ import annotations
@@ -12,11 +18,12 @@ import functools
 
 import torch
 
-from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
+from fp4select.backends.base import ALL_FORMATS, MODES, Backend, Capabilities, Runner
 from fp4select.formats import reference_mm_fp4
 from fp4select.keys import A_SF_LAYOUTS, ALPHA_KINDS, B_LAYOUTS, OUT_DTYPES, Problem
 
 NAME = "emulation"
+INVARIANT_ROWS = 16
 
 
 def _run(*args: object, b_layout: str) -> torch.Tensor:
@@ -24,8 +31,28 @@ def _run(*args: object, b_layout: str) -> torch.Tensor:
     return reference_mm_fp4(*args[:10], b_layout=b_layout)  # type: ignore[arg-type]
 
 
+def _chunked_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``a @ w.T`` as products of one fixed shape (INVARIANT_ROWS rows), so rows never mix."""
+    m = a.shape[0]
+    padded = -(-m // INVARIANT_ROWS) * INVARIANT_ROWS
+    if padded != m:
+        a = torch.cat([a, a.new_zeros(padded - m, a.shape[1])])
+    wt = w.T
+    chunks = [a[i : i + INVARIANT_ROWS] @ wt for i in range(0, padded, INVARIANT_ROWS)]
+    return torch.cat(chunks)[:m]
+
+
+def _run_invariant(*args: object, b_layout: str) -> torch.Tensor:
+    return reference_mm_fp4(
+        *args[:10],  # type: ignore[arg-type]
+        b_layout=b_layout,
+        matmul=_chunked_matmul,
+    )
+
+
 def bind(problem: Problem) -> Runner:
-    return functools.partial(_run, b_layout=problem.b_layout)
+    run = _run_invariant if problem.batch_invariant else _run
+    return functools.partial(run, b_layout=problem.b_layout)
 
 
 BACKEND = Backend(
@@ -38,6 +65,7 @@ BACKEND = Backend(
         out_dtypes=frozenset(OUT_DTYPES),
         alpha_kinds=frozenset(ALPHA_KINDS),
         devices=frozenset({"cpu", "cuda"}),
+        modes=frozenset(MODES),
     ),
     # Last in every near-tie: a native kernel that is as fast is always the better choice.
     preference=1000,

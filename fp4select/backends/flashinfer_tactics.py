@@ -344,6 +344,8 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
         return {"op": OP, "tactic": None, "reason": why}
     if mode == "default":
         return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}=default"}
+    if getattr(problem, "batch_invariant", False):
+        return {"op": OP, "tactic": None, "reason": "batch-invariant problems are not tuned here"}
     api, why = tuner_api()
     if api is None:
         return {"op": OP, "tactic": None, "reason": why}

@@ -1,0 +1,106 @@
+"""flashinfer's batch-invariant FP4 class (``mm_fp4(..., batch_invariant=True)``) as a backend.
+
+Design rules:
+
+* It exists only where the installed flashinfer's ``mm_fp4`` takes ``batch_invariant`` (0.7.4
+  and later): that is read from the signature at runtime, never from a version number.
+* It competes only for batch-invariant problems (``modes={"batch_invariant"}``), where
+  invariance, not speed, is the point: it is the first choice wherever it runs, and emulation's
+  chunked product serves everywhere else. Its declaration mirrors flashinfer's limits for the
+  class: ``backend="auto"``, the 128x4 layout, a plain weight, no per-token alpha, bf16/fp16.
+* The architectures come from flashinfer (``MM_FP4_ARCHS``) when it exposes them; where it
+  does not, the probe finds out (flashinfer raises ``BatchInvariantUnsupportedError``, a
+  ValueError, which is "unsupported", never a fault).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from fp4select.backends import flashinfer as flashinfer_backends
+from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
+from fp4select.keys import Problem
+
+NAME = "flashinfer-batch-invariant"
+
+
+def takes_batch_invariant(mm_fp4: Any) -> bool:
+    try:
+        return "batch_invariant" in inspect.signature(mm_fp4).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def supported_ccs() -> list[int] | None:
+    """Compute capabilities of flashinfer's FP4 batch-invariant class, or None if it won't say."""
+    try:
+        api = importlib.import_module("flashinfer.gemm.batch_invariant.api")
+        return sorted(major * 10 + minor for major, minor in api.MM_FP4_ARCHS)
+    except Exception:
+        return None
+
+
+def available(env: Mapping[str, Any]) -> str | None:
+    mm_fp4, why = flashinfer_backends.load()
+    if mm_fp4 is None:
+        return why
+    if not takes_batch_invariant(mm_fp4):
+        return "this flashinfer's mm_fp4 has no batch_invariant mode (added in 0.7.4)"
+    if env.get("device") != "cuda":
+        return "flashinfer's batch-invariant class needs a CUDA GPU"
+    ccs = supported_ccs()
+    if ccs is not None and env.get("cc") not in ccs:
+        where = ", ".join(f"SM{c}" for c in ccs)
+        return f"flashinfer's FP4 batch-invariant class runs on {where}, not SM{env.get('cc')}"
+    return None
+
+
+def bind(problem: Problem) -> Runner:
+    mm_fp4, why = flashinfer_backends.load()
+    if mm_fp4 is None:
+        raise RuntimeError(why)
+
+    def run(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4, nvfp4, pdl):
+        return mm_fp4(
+            a,
+            b,
+            a_descale,
+            b_descale,
+            alpha,
+            out_dtype,
+            out,
+            block_size,
+            use_8x4,
+            "auto",
+            nvfp4,
+            pdl,
+            batch_invariant=True,
+        )
+
+    return run
+
+
+def backends() -> list[Backend]:
+    """The class as a backend, where the installed flashinfer has the mode at all."""
+    mm_fp4, _ = flashinfer_backends.load()
+    if mm_fp4 is None or not takes_batch_invariant(mm_fp4):
+        return []
+    return [
+        Backend(
+            name=NAME,
+            bind=bind,
+            available=available,
+            caps=Capabilities(
+                formats=ALL_FORMATS,
+                alpha_kinds=frozenset({"none", "scalar"}),
+                modes=frozenset({"batch_invariant"}),
+            ),
+            preference=5,
+            family=flashinfer_backends.FAMILY,
+            unsupported_errors=flashinfer_backends.unsupported_errors(),
+            description="flashinfer's batch-invariant NVFP4/MXFP4 class (batch_invariant=True)",
+        )
+    ]
