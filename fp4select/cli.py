@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -509,11 +509,29 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for name, v in record["verdicts"].items():
         t = record["timings"].get(name)
         time_s = f"{t['median_us']:.2f} [{t['p10_us']:.2f}-{t['p90_us']:.2f}]" if t else "-"
-        rows.append([name, v["status"], time_s, (v.get("reason") or "")[:100]])
-    print(_table(rows, ["backend", "verdict", "median us [p10-p90]", "reason"]))
+        tactic, why_untuned = tactic_summary(v)
+        reason = v.get("reason") or why_untuned
+        rows.append([name, v["status"], time_s, tactic, reason[:100]])
+    print(_table(rows, ["backend", "verdict", "median us [p10-p90]", "tactic", "reason"]))
     if record.get("method"):
         print(f"timing:  {record['method']}")
     return 0 if record.get("winner") else 1
+
+
+def tactic_summary(verdict: Mapping[str, Any]) -> tuple[str, str]:
+    """(the tactic cell, why it is untuned) for a verdict's JSON: the tactic the backend was
+    validated, timed and is served at, with its time at flashinfer's default tactic."""
+    detail = verdict.get("detail") or {}
+    record = detail.get("tactic")
+    if not isinstance(record, Mapping):
+        return "-", ""
+    if record.get("tactic") is None:
+        return "default", f"untuned: {record.get('reason') or '?'}"
+    cell = json.dumps(record["tactic"])
+    default = detail.get("default_timing")
+    if isinstance(default, Mapping) and default.get("median_us") is not None:
+        cell += f" (default {default['median_us']:.2f} us)"
+    return cell, ""
 
 
 # -- blacklist / archive / clear ---------------------------------------------------------------
@@ -686,8 +704,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for decision in decisions:
         for name, verdict in decision.verdicts.items():
             row = summary.setdefault(
-                name, {"statuses": {}, "worst_ratio": 0.0, "wins": 0, "first_failure": ""}
+                name,
+                {"statuses": {}, "worst_ratio": 0.0, "wins": 0, "first_failure": "", "tactics": []},
             )
+            record = verdict.detail.get("tactic")
+            if verdict.passed and isinstance(record, Mapping):  # tuned vs default, per problem
+                tuned = decision.timings.get(name)
+                default = verdict.detail.get("default_timing") or {}
+                row["tactics"].append(
+                    {
+                        "problem": decision.problem.describe(),
+                        "tactic": record.get("tactic"),
+                        "untuned_reason": record.get("reason"),
+                        "tuned_us": tuned.median_us if tuned else None,
+                        "default_us": default.get("median_us"),
+                    }
+                )
             row["statuses"][verdict.status] = row["statuses"].get(verdict.status, 0) + 1
             if verdict.worst_ratio is not None:
                 row["worst_ratio"] = max(row["worst_ratio"], verdict.worst_ratio)
@@ -717,11 +749,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 r["wins"],
                 ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())),
                 f"{r['worst_ratio']:.2f}",
+                _tactics_cell(r["tactics"]),
                 r["first_failure"],
             ]
             for name, r in summary.items()
         ]
-        print(_table(rows, ["backend", "wins", "verdicts", "worst/bound", "first failure"]))
+        print(
+            _table(
+                rows,
+                [
+                    "backend",
+                    "wins",
+                    "verdicts",
+                    "worst/bound",
+                    "tuned (default/tuned)",
+                    "first failure",
+                ],
+            )
+        )
         print(
             f"{len(problems)} problems on {environment_for(device).get('gpu') or 'cpu'}; "
             + (
@@ -731,6 +776,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
         )
     return 1 if failed or report["undecided"] else 0
+
+
+def _tactics_cell(tactics: Sequence[Mapping[str, Any]]) -> str:
+    """How many problems ran at a tuned tactic, and the range of default/tuned time ratios."""
+    if not tactics:
+        return "-"
+    tuned = [t for t in tactics if t["tactic"] is not None]
+    ratios = [t["default_us"] / t["tuned_us"] for t in tuned if t["default_us"] and t["tuned_us"]]
+    cell = f"{len(tuned)}/{len(tactics)}"
+    if ratios:
+        cell += f" ({min(ratios):.2f}x-{max(ratios):.2f}x)"
+    return cell
 
 
 def cmd_clear(args: argparse.Namespace) -> int:

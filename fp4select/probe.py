@@ -14,6 +14,10 @@ Design rules:
   caller-supplied ``out`` poisoned with NaN, so a backend that ignores ``out=`` or leaves
   elements unwritten fails. A repeat run records whether the backend is bit-for-bit
   deterministic (recorded, not required: split-K kernels may legitimately differ).
+* A backend with a ``tune`` hook (flashinfer's, through its autotuner) is tuned first, at the
+  bucket's top M; it is then validated and timed at the tactic it chose, which its verdict
+  records, so what is served is what was checked. Its default tactic is timed beside it, for
+  the record only (``detail["default_timing"]``), never as a candidate.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ PASSED = "passed"
 # Statuses that condemn a backend for the whole environment (the process died or its CUDA
 # context broke); the rest are about one key only.
 FATAL_STATUSES = frozenset({"crash", "hang", "cuda-error"})
+# Timing key of a tuned backend's run at its default tactic (moved into its verdict's detail).
+DEFAULT_SUFFIX = "@default"
 STATUSES = FATAL_STATUSES | {
     PASSED,
     "wrong",
@@ -214,6 +220,22 @@ class _Inputs:
 def validate_backend(
     backend: Backend, problem: Problem, inputs: _Inputs, device: torch.device, report: Report
 ) -> Verdict:
+    """The verdict; with the tactic it was reached at in ``detail`` (wrong ones included)."""
+    tactic: dict[str, Any] = {}
+    verdict = _validate(backend, problem, inputs, device, report, tactic)
+    if tactic:
+        verdict.detail["tactic"] = tactic
+    return verdict
+
+
+def _validate(
+    backend: Backend,
+    problem: Problem,
+    inputs: _Inputs,
+    device: torch.device,
+    report: Report,
+    tactic: dict[str, Any],
+) -> Verdict:
     out_dtype = problem.torch_out_dtype
     ms = problem.validation_ms()
     worst = 0.0
@@ -221,6 +243,13 @@ def validate_backend(
     try:
         report({"event": "run", "backend": backend.name, "phase": "bind", "m": None})
         runner = backend.runner(problem)
+        if backend.tune is not None:  # tune first: the tactic that is validated is the one timed
+            m = problem.timing_m()
+            report({"event": "run", "backend": backend.name, "phase": "tune", "m": m})
+            tactic.update(backend.tune(runner, problem, inputs[m].args(problem)) or {})
+            _sync(device)
+            if tactic:
+                runner = backend.runner(problem, tactic)
         last = None
         for m in ms:
             report({"event": "run", "backend": backend.name, "phase": "validate", "m": m})
@@ -283,8 +312,13 @@ def time_backends(
     device: torch.device,
     options: ProbeOptions,
     report: Report,
+    tactics: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, timing.Timing], str]:
-    """Time at the bucket's largest M (the heaviest the decision must serve)."""
+    """Time at the bucket's largest M (the heaviest the decision must serve).
+
+    A backend with a tuned tactic (``tactics[name]``) is timed at it, and at its ``default``
+    tactic too, under the key ``name + DEFAULT_SUFFIX``, so the record shows what tuning bought.
+    """
     m = problem.timing_m()
     report({"event": "run", "backend": None, "phase": "inputs", "m": m})
     first = validate.make_inputs(problem, m, device, options.seed + 1, with_reference=False)
@@ -294,13 +328,20 @@ def time_backends(
         for i in range(1, sets)
     ]
     calls = {}
+    owner = {}  # timing key -> backend, so that a death while timing blames the backend
     for backend in backends:
         report({"event": "run", "backend": backend.name, "phase": "bind", "m": m})
-        runner = backend.runner(problem)
-        calls[backend.name] = [functools.partial(runner, *s.args(problem)) for s in input_sets]
+        tactic = (tactics or {}).get(backend.name)
+        variants = {backend.name: backend.runner(problem, tactic)}
+        if tactic and tactic.get("tactic") not in (None, tactic.get("default", tactic["tactic"])):
+            default = {**tactic, "tactic": tactic["default"]}
+            variants[backend.name + DEFAULT_SUFFIX] = backend.runner(problem, default)
+        for key, runner in variants.items():
+            owner[key] = backend.name
+            calls[key] = [functools.partial(runner, *s.args(problem)) for s in input_sets]
 
     def on_start(name: str) -> None:
-        report({"event": "run", "backend": name, "phase": "time", "m": m})
+        report({"event": "run", "backend": owner[name], "phase": "time", "m": m})
 
     return timing.time_interleaved(calls, device, options.timing, on_start)
 
@@ -332,8 +373,14 @@ def probe(
     if len(passed) == 1 and not options.validate_only:
         result.method = "not timed: one correct candidate"
     elif passed and not options.validate_only and not result.aborted:
+        tactics = {b.name: result.verdicts[b.name].detail.get("tactic") for b in passed}
         try:
-            result.timings, result.method = time_backends(passed, problem, device, options, report)
+            result.timings, result.method = time_backends(
+                passed, problem, device, options, report, tactics
+            )
+            for key in [k for k in result.timings if k.endswith(DEFAULT_SUFFIX)]:
+                name = key[: -len(DEFAULT_SUFFIX)]
+                result.verdicts[name].detail["default_timing"] = result.timings.pop(key).to_json()
         except Exception as exc:
             # Timing broke: we cannot tell which candidate did it from here, so no one wins on
             # speed; the selector falls back to preference order among the validated.

@@ -126,6 +126,12 @@ class Decision:
             "source": self.source,
         }
 
+    def tactic(self, name: str | None) -> dict[str, Any] | None:
+        """The tactic record ``name`` was validated and timed at (served with it), if any."""
+        verdict = self.verdicts.get(name) if name else None
+        record = verdict.detail.get("tactic") if verdict is not None else None
+        return record if isinstance(record, dict) else None
+
     @classmethod
     def from_json(cls, data: Any, source: str) -> Decision:
         """Rebuild from a store record or an import, checking every field before it is used.
@@ -470,7 +476,7 @@ class Selector:
             raise NoCorrectBackendError(
                 f"backend {decision.winner!r} chosen earlier is not registered here"
             )
-        return backend.dispatcher(decision.problem)
+        return backend.dispatcher(decision.problem, decision.tactic(decision.winner))
 
     def fallback(self, problem: Problem, device: torch.device) -> tuple[Runner, str]:
         """A runner that needs no probing, for a miss while a CUDA graph is being captured.
@@ -525,7 +531,7 @@ class Selector:
         self.counters.add("explicit")
         decision = self.lookup(problem, device)
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
-            return backend.dispatcher(problem)
+            return backend.dispatcher(problem, decision.tactic(name))
         if self.isolation == "inprocess" or backend.family == "builtin":
             return backend.runner(problem)  # unproven here: keep the backend's own checks on
         options = ProbeOptions(timing=self.timing, validate_only=True)
@@ -537,7 +543,7 @@ class Selector:
             raise NoCorrectBackendError(
                 f"backend {name!r} failed its check on {problem.describe()} ({why})"
             )
-        return backend.dispatcher(problem)
+        return backend.dispatcher(problem, verdict.detail.get("tactic"))  # the tactic it passed at
 
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""

@@ -121,6 +121,11 @@ class Backend:
     description: str = ""
     dispatch_bind: Callable[[Problem], Runner] | None = None
     unsupported_errors: tuple[type[BaseException], ...] = ()
+    # Optional tactic hooks (flashinfer's autotuner, see flashinfer_tactics): ``tune(runner,
+    # problem, args)`` returns a JSON record of the tactic chosen at M = the bucket's top;
+    # ``pin(runner, record)`` returns a runner that runs at the recorded tactic.
+    tune: Callable[[Runner, Problem, tuple[Any, ...]], Mapping[str, Any]] | None = None
+    pin: Callable[[Runner, Mapping[str, Any]], Runner] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name == "auto":
@@ -130,15 +135,24 @@ class Backend:
         if (self.run is None) == (self.bind is None):
             raise ValueError(f"backend {self.name!r}: give exactly one of run= or bind=")
 
-    def runner(self, problem: Problem) -> Runner:
-        """The runner used while probing (with whatever checks the backend has)."""
-        return self.bind(problem) if self.bind is not None else self.run  # type: ignore[misc,return-value]
+    def runner(self, problem: Problem, tactic: Mapping[str, Any] | None = None) -> Runner:
+        """The runner used while probing (with whatever checks the backend has).
 
-    def dispatcher(self, problem: Problem) -> Runner:
+        ``tactic`` (a record from ``tune``) pins the runner to that tactic.
+        """
+        runner = self.bind(problem) if self.bind is not None else self.run
+        return self._pinned(runner, tactic)  # type: ignore[arg-type]
+
+    def dispatcher(self, problem: Problem, tactic: Mapping[str, Any] | None = None) -> Runner:
         """The runner bound for the warm path, once this backend is proven on the problem."""
         if self.dispatch_bind is not None:
-            return self.dispatch_bind(problem)
-        return self.runner(problem)
+            return self._pinned(self.dispatch_bind(problem), tactic)
+        return self.runner(problem, tactic)
+
+    def _pinned(self, runner: Runner, tactic: Mapping[str, Any] | None) -> Runner:
+        if tactic is None or self.pin is None:
+            return runner
+        return self.pin(runner, tactic)
 
     def is_unsupported(self, exc: BaseException) -> bool:
         """Whether an exception from the runner means "not my problem" rather than a fault."""
@@ -170,6 +184,8 @@ class Backend:
             "description": self.description,
             "dispatch_bind": _reference(self.dispatch_bind),
             "unsupported_errors": [_reference(e) for e in self.unsupported_errors],
+            "tune": _reference(self.tune),
+            "pin": _reference(self.pin),
         }
 
     @classmethod
@@ -186,6 +202,8 @@ class Backend:
             description=data.get("description", ""),
             dispatch_bind=_resolve(data.get("dispatch_bind")),
             unsupported_errors=tuple(_resolve(e) for e in data.get("unsupported_errors", [])),
+            tune=_resolve(data.get("tune")),
+            pin=_resolve(data.get("pin")),
         )
 
 

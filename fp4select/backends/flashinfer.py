@@ -15,6 +15,8 @@ Design rules:
   failures.
 * Dispatch after validation calls mm_fp4 with ``skip_check=True``: the checks already ran on
   this problem while probing.
+* Each backend is tuned under flashinfer's own autotuner before it is validated and timed, and
+  is served at the tactic it was timed at (``flashinfer_tactics`` says how and why).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from fp4select.backends import flashinfer_tactics
 from fp4select.backends.base import Backend, Capabilities, Runner
 from fp4select.keys import Problem
 
@@ -220,6 +223,8 @@ def backends() -> tuple[list[Backend], str | None]:
                 family=FAMILY,
                 experimental=name in experimental,
                 unsupported_errors=unsupported_errors(),
+                tune=flashinfer_tactics.tune,
+                pin=flashinfer_tactics.pinned,
                 description=""
                 if name in KNOWN
                 else "new in this flashinfer; checked by its own checks",
