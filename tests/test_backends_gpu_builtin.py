@@ -24,9 +24,10 @@ def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
     gpu = [c.name for c in triton_fp4.CONFIGS] + ["torch-dequant", "torch-scaled-mm"]
     assert names[: 1 + len(gpu)] == ["emulation", *gpu]
     backends = discover(include_flashinfer=False).backends
-    assert {backends[n].family for n in gpu} == {"native", "builtin"}
-    assert backends["torch-dequant"].family == "builtin"
-    assert backends["torch-scaled-mm"].family == "native"
+    # All run GPU code of ours (Triton kernels, a decode pass): unproven, they are probed in
+    # the sandbox like any plugin; only emulation is the trusted built-in fallback.
+    assert {backends[n].family for n in gpu} == {"native"}
+    assert backends["emulation"].family == "builtin"
     # Each is importable by name, so the sandbox child can rebuild it.
     for n in gpu:
         assert backends[n].to_json()["bind"].startswith("fp4select.backends.")
