@@ -56,6 +56,7 @@ def download_wheels() -> None:
 def copy_flashinfer_modules() -> int:
     import flashinfer
     import flashinfer.fused_moe.utils
+    import flashinfer.gemm.batch_invariant.api  # the batch-invariant class's architectures
     import flashinfer.quantization.fp4_quantization
     import flashinfer.trace.templates.gemm
     from flashinfer.gemm import gemm_base  # noqa: F401

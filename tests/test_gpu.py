@@ -164,3 +164,23 @@ def test_doctor_reports_this_gpu(tmp_path):
     assert report["machine"]["gpu"] == props.name
     assert report["machine"]["cc"] == props.major * 10 + props.minor
     assert report["machine"]["sm_count"] == props.multi_processor_count
+
+
+def test_batch_invariant_rows_keep_their_bits_on_the_gpu(cuda_inprocess):
+    """cuBLAS picks its algorithm by shape; the invariant path must not let M change a row."""
+    from fp4select.validate import prefix_inputs
+
+    problem = Problem(n=2048, k=4096, m_bucket=1, batch_invariant=True)
+    big = make_inputs(problem, 300, "cuda")
+    full = fp4select.best_mm_fp4(**big.kwargs(problem), batch_invariant=True)
+    assert check(full, big, torch.bfloat16).ok
+    for m in (1, 7, 16, 17, 129, 255):
+        part = prefix_inputs(big, m, problem)
+        rows = fp4select.best_mm_fp4(**part.kwargs(problem), batch_invariant=True)
+        assert torch.equal(rows, full[:m]), m
+    record = fp4select.explain(problem=problem, device="cuda")
+    assert record["verdicts"][record["winner"]]["status"] == "passed"
+    cc = torch.cuda.get_device_capability()
+    if cc[0] * 10 + cc[1] < 100 and "flashinfer-batch-invariant" in record["verdicts"]:
+        assert record["verdicts"]["flashinfer-batch-invariant"]["status"] == "unavailable"
+    assert fp4select.stats()["tunings"] == 1

@@ -8,9 +8,10 @@ Design rules:
   invariance, not speed, is the point: it is the first choice wherever it runs, and emulation's
   chunked product serves everywhere else. Its declaration mirrors flashinfer's limits for the
   class: ``backend="auto"``, the 128x4 layout, a plain weight, no per-token alpha, bf16/fp16.
-* The architectures come from flashinfer (``MM_FP4_ARCHS``) when it exposes them; where it
-  does not, the probe finds out (flashinfer raises ``BatchInvariantUnsupportedError``, a
-  ValueError, which is "unsupported", never a fault).
+* The architectures come from flashinfer (``MM_FP4_ARCHS``). Where it does not expose them the
+  class is unavailable, with the reason: emulation serves batch-invariant problems anywhere,
+  so not knowing costs speed, never correctness. A problem the class turns down at run time
+  (``BatchInvariantUnsupportedError``, a ValueError) is "unsupported", never a fault.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ def takes_batch_invariant(mm_fp4: Any) -> bool:
         return False
 
 
-def supported_ccs() -> list[int] | None:
-    """Compute capabilities of flashinfer's FP4 batch-invariant class, or None if it won't say."""
+def supported_ccs() -> tuple[list[int] | None, str]:
+    """Compute capabilities of flashinfer's FP4 batch-invariant class, or (None, why not)."""
     try:
         api = importlib.import_module("flashinfer.gemm.batch_invariant.api")
-        return sorted(major * 10 + minor for major, minor in api.MM_FP4_ARCHS)
-    except Exception:
-        return None
+        return sorted(major * 10 + minor for major, minor in api.MM_FP4_ARCHS), ""
+    except Exception as exc:  # moved, renamed, or a partial install
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def available(env: Mapping[str, Any]) -> str | None:
@@ -51,8 +52,12 @@ def available(env: Mapping[str, Any]) -> str | None:
         return "this flashinfer's mm_fp4 has no batch_invariant mode (added in 0.7.4)"
     if env.get("device") != "cuda":
         return "flashinfer's batch-invariant class needs a CUDA GPU"
-    ccs = supported_ccs()
-    if ccs is not None and env.get("cc") not in ccs:
+    ccs, why = supported_ccs()
+    if ccs is None:
+        # Unknown is unavailable: emulation serves batch-invariant problems everywhere, so
+        # guessing costs nothing but speed, and a wrong guess would probe a kernel blind.
+        return f"cannot tell where flashinfer's batch-invariant class runs ({why})"
+    if env.get("cc") not in ccs:
         where = ", ".join(f"SM{c}" for c in ccs)
         return f"flashinfer's FP4 batch-invariant class runs on {where}, not SM{env.get('cc')}"
     return None
