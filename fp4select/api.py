@@ -2,15 +2,21 @@
 
 Design rules:
 
-* The warm path is one tuple of cheap attributes, one dict lookup and one call of a bound
-  runner: no device sync, no host-device copy, no logging, so it is safe inside CUDA graph
-  capture and costs about a microsecond.
+* The warm path is one tuple, one dict lookup, three weak-reference checks and one call of a
+  bound runner: no device sync, no host-device copy, no logging, so it is safe inside CUDA
+  graph capture and costs about a microsecond.
 * Arguments are checked in full the first time a call signature is seen, before any kernel
-  runs. The signature holds everything those checks looked at that a later call could change
-  without changing shapes (dtypes, devices, b's strides, the scale and alpha shapes, flags by
-  identity), so a call the first call would refuse never finds a bound runner: the same bad
+  runs. A signature is every property those checks read that a later call could change with
+  the same shapes: dtypes, devices, b's strides, the scale and alpha shapes, the flags by
+  identity. So a call the first call would refuse never finds a bound runner: the same bad
   call gets the same ``TypeError``/``ValueError`` naming the argument, first or thousandth.
-  A call that fails inside the backend is checked in full before its error propagates.
+* Reading all of that costs microseconds, so the warm path reads it for the activation side
+  only (new tensors every call) and takes the weight, its scales and alpha by identity (the
+  same objects every call of a layer), verified through weak references. Calls with new
+  weight-side objects (a fresh ``b.t()`` view, say) are matched on the full signature instead.
+  A weight whose metadata is changed in place (``t_()``, ``resize_()``) after its first call is
+  not noticed: pass a new tensor instead.
+* A call that fails inside the backend is checked in full before its error propagates.
   ``FP4SELECT_CHECK=always`` re-checks every call.
 * A miss while a CUDA graph is being captured never tunes (tuning syncs and allocates): a
   fallback serves the capture, and the key is tuned on the next eager call or by
@@ -19,6 +25,7 @@ Design rules:
 
 import os
 import threading
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -36,9 +43,23 @@ _FP4_DTYPES = tuple(
 _SF_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _DTYPE_NAMES = {v: k for k, v in OUT_DTYPES.items()}
 
-_table: dict[tuple, Any] = {}
-_lookup = _table.get  # one global load on the warm path instead of two
+# Two levels. _bound: a call's activation metadata plus the *identity* of its weight, weight
+# scales and alpha (the same objects every call in an engine's layer), verified through weak
+# references: a hit costs a fraction of reading those tensors' metadata. _checked: the full
+# metadata of every tensor, for calls whose weight-side objects are new (vLLM passes a fresh
+# b.t() view each call); a miss there runs the full checks.
+_bound: dict[tuple, tuple[Any, Any, Any, Any]] = {}
+_lookup = _bound.get  # one global load on the warm path instead of two
+_checked: dict[tuple, Any] = {}
 _table_lock = threading.Lock()
+_BOUND_LIMIT = 1 << 16  # fresh weight objects every call would otherwise grow it forever
+
+
+def _no_object() -> None:
+    """Stands for a weak reference to None (alpha=None)."""
+    return None
+
+
 _selector: Selector | None = None
 _always_check = os.environ.get(CHECK_ENV, "").strip().lower() == "always"
 
@@ -65,14 +86,16 @@ def configure(
         if _selector is not None:
             _selector.close()
         _selector = Selector(Store(cache_dir), isolation=isolation, timing=timing)
-        _table.clear()
+        _checked.clear()
+        _bound.clear()
     return _selector
 
 
 def reset() -> None:
     """Forget every bound runner in this process (the disk store is untouched)."""
     with _table_lock:
-        _table.clear()
+        _checked.clear()
+        _bound.clear()
 
 
 def clear_blacklist(backend: str | None = None, device: torch.device | str | None = None) -> int:
@@ -94,7 +117,7 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
 
 def stats() -> dict[str, int]:
     counters = selector().counters.as_dict()
-    counters["bound_signatures"] = len(_table)
+    counters["bound_signatures"] = len(_checked)
     return counters
 
 
@@ -129,24 +152,20 @@ def best_mm_fp4(
     else emulation's fixed-shape chunked product); it needs ``backend="auto"``.
     """
     try:
-        # Everything the first call checks that could change silently between calls. Flags
-        # and block_size enter by identity: True, False, 16 and 32 are singletons, so a 1 or
-        # a 16.0 never matches a valid call's key and is checked (and refused) every time.
-        signature = (
+        # What the first call checked that could change between calls without the weight-side
+        # objects changing: the activation's metadata, out's, and the flags. Flags and
+        # block_size enter by identity: True, False, 16 and 32 are singletons, so a 1 or a 16.0
+        # never matches a valid call's key and is checked (and refused) every time.
+        key = (
             a.shape,
             a.dtype,
             a.device,
-            b.shape,
-            b.dtype,
-            b.stride(),
-            b.device,
             a_descale.shape,
             a_descale.dtype,
             a_descale.device,
-            b_descale.shape,
-            b_descale.dtype,
-            b_descale.device,
-            None if alpha is None else (alpha.shape, alpha.dtype, alpha.device),
+            id(b),
+            id(b_descale),
+            id(alpha),
             None if out is None else (out.shape, out.dtype, out.device),
             out_dtype,
             id(block_size),
@@ -158,13 +177,15 @@ def best_mm_fp4(
             b_layout,
             id(allow_blacklisted),
         )
-        runner = _lookup(signature)
+        bound = _lookup(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments
-        signature, runner = None, None
-    if runner is None:  # with FP4SELECT_CHECK=always nothing is bound, so every call checks
+        key, bound = None, None
+    if bound is not None and bound[1]() is b and bound[2]() is b_descale and bound[3]() is alpha:
+        runner = bound[0]
+    else:  # new weight-side objects, or a first call: full metadata, checks on a miss
         args = (a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout)
         flags = (backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant)
-        runner = _miss(signature, args, *flags)
+        runner = _runner_for(key, args, flags)
     try:
         return runner(
             a,
@@ -194,10 +215,79 @@ def best_mm_fp4(
 best_mm_fp4.__fp4select__ = True  # type: ignore[attr-defined]
 
 
+def _signature(args: tuple, flags: tuple) -> tuple | None:
+    """Every property the checks read that a later call could change with the same shapes."""
+    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4 = args
+    backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant = flags
+    try:
+        return (
+            a.shape,
+            a.dtype,
+            a.device,
+            b.shape,
+            b.dtype,
+            b.stride(),
+            b.device,
+            a_descale.shape,
+            a_descale.dtype,
+            a_descale.device,
+            b_descale.shape,
+            b_descale.dtype,
+            b_descale.device,
+            None if alpha is None else (alpha.shape, alpha.dtype, alpha.device),
+            None if out is None else (out.shape, out.dtype, out.device),
+            out_dtype,
+            id(block_size),
+            id(use_8x4),
+            backend,
+            id(use_nvfp4),
+            id(enable_pdl),
+            id(batch_invariant),
+            b_layout,
+            id(allow_blacklisted),
+        )
+    except (AttributeError, TypeError):
+        return None
+
+
+def _weak(obj: Any) -> Any:
+    if obj is None:
+        return _no_object
+    return weakref.ref(obj)
+
+
+def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
+    """The runner for a call the identity table did not answer; binds it for the next call."""
+    signature = _signature(args, flags)
+    runner = None if signature is None else _checked.get(signature)
+    if runner is None:
+        runner, bindable = _miss(args, *flags)
+        if not bindable or signature is None or _always_check:
+            return runner
+        with _table_lock:
+            _checked[signature] = runner
+    if key is not None and not _always_check:
+        try:
+            refs = (_weak(args[1]), _weak(args[3]), _weak(args[4]))
+        except TypeError:  # an object that takes no weak reference: metadata only, every call
+            return runner
+        with _table_lock:
+            if len(_bound) >= _BOUND_LIMIT:
+                _bound.clear()
+            _bound[key] = (runner, *refs)
+    return runner
+
+
 def _miss(
-    signature, args, backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant
-):
-    """Check the arguments, find or make the decision, bind it for this signature."""
+    args: tuple,
+    backend: str,
+    use_nvfp4: bool,
+    enable_pdl: bool,
+    b_layout: str,
+    allow_blacklisted: bool,
+    batch_invariant: bool,
+) -> tuple[Any, bool]:
+    """Check the arguments, find or make the decision: (runner, whether it may be bound)."""
     problem = check_arguments(
         *args, backend, use_nvfp4, enable_pdl, b_layout, batch_invariant, allow_blacklisted
     )
@@ -206,19 +296,14 @@ def _miss(
     sel = selector()
     device = a.device
     if backend != "auto":
-        runner = sel.explicit(backend, problem, device, allow_blacklisted)
-    else:
-        decision = sel.lookup(problem, device)
-        if decision is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            runner, _ = sel.fallback(problem, device)
-            return runner  # not cached: the next eager call tunes this key properly
-        if decision is None:
-            decision = sel.decide(problem, device)
-        runner = sel.bind(decision, device)
-    if signature is not None and not _always_check:
-        with _table_lock:
-            _table[signature] = runner
-    return runner
+        return sel.explicit(backend, problem, device, allow_blacklisted), True
+    decision = sel.lookup(problem, device)
+    if decision is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        runner, _ = sel.fallback(problem, device)
+        return runner, False  # not bound: the next eager call tunes this key properly
+    if decision is None:
+        decision = sel.decide(problem, device)
+    return sel.bind(decision, device), True
 
 
 def _need_tensor(name: str, value: Any) -> torch.Tensor:

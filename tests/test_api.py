@@ -252,9 +252,11 @@ def _spy_on_bound_runners(fail: BaseException | None = None) -> list:
 
         return run
 
-    table = fp4select.api._table
-    for signature, runner in list(table.items()):
-        table[signature] = spy(runner)
+    api = fp4select.api
+    for signature, runner in list(api._checked.items()):
+        api._checked[signature] = spy(runner)
+    for key, (runner, *refs) in list(api._bound.items()):
+        api._bound[key] = (spy(runner), *refs)
     return ran
 
 
@@ -307,3 +309,36 @@ def test_flashinfer_runners_reach_flashinfers_own_checks():
             assert not isinstance(caught.value, TypeError), (backend.name, caught.value)
             frames = [str(entry.path) for entry in caught.traceback]
             assert any("flashinfer" in f and "fp4select" not in f for f in frames), backend.name
+
+
+def test_a_new_view_of_the_same_weight_is_served_without_checking_again(inprocess, monkeypatch):
+    """vLLM passes a fresh weight.T every call: the full signature matches it, no re-check."""
+    problem = Problem(n=128, k=256, m_bucket=16)
+    inputs = make_inputs(problem, 13, "cpu")
+    weight = inputs.b.T  # the (N, K/2) row-major weight
+    kwargs = inputs.kwargs(problem)
+    best_mm_fp4(**dict(kwargs, b=weight.T))
+    checked = []
+    real = fp4select.api.check_arguments
+    monkeypatch.setattr(
+        fp4select.api, "check_arguments", lambda *a, **k: checked.append(1) or real(*a, **k)
+    )
+    for _ in range(3):
+        out = best_mm_fp4(**dict(kwargs, b=weight.T))
+    assert checked == [] and fp4select.stats()["bound_signatures"] == 1
+    from fp4select.validate import check
+
+    assert check(out, inputs, torch.bfloat16).ok
+
+
+def test_a_weight_that_is_freed_and_replaced_is_not_mistaken_for_it(inprocess):
+    """Identity is checked through a weak reference: a new tensor at a reused id is new."""
+    problem = Problem(n=128, k=256, m_bucket=16)
+    kwargs = make_inputs(problem, 13, "cpu").kwargs(problem)
+    best_mm_fp4(**dict(kwargs, b=kwargs["b"].T.clone().T))  # a temporary weight, then freed
+    import gc
+
+    gc.collect()
+    with pytest.raises(ValueError, match="b must be the transposed view"):
+        for _ in range(50):  # a row-major b may land at the freed weight's id: still refused
+            best_mm_fp4(**dict(kwargs, b=kwargs["b"].contiguous()))
