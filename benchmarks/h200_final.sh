@@ -27,6 +27,14 @@ root=$PWD
     echo "== warm path, the tree before this session (same machine, same run)"
     (cd .devold/benchmarks && PYTHONPATH=/tmp/site:$PWD/.devold timeout 60 python3 bench_warm_path.py --device cuda --batches 100 --calls 1000)
     cp .devold/benchmarks/results/warm_path_cuda.json "$OUT/warm_path_cuda_before.json"
+  elif [ "$MODE" = warm ]; then
+    echo "== warm path: before this session / this tree, alternating (same machine, same run)"
+    for tree in .devold . .devold .; do
+      (cd "$root/$tree/benchmarks" && PYTHONPATH=/tmp/site:$root/$tree timeout 50 python3 bench_warm_path.py --device cuda --batches 100 --calls 1000 | tail -2)
+      cp "$root/$tree/benchmarks/results/warm_path_cuda.json" "$OUT/warm_path_cuda_$([ $tree = . ] && echo after || echo before).json"
+    done
+    echo "== GPU tests"
+    timeout 150 python3 -m pytest tests/test_gpu.py -p no:cacheprovider -rs -q
   elif [ "$MODE" = again ]; then
     echo "== warm path: before this session, then this tree (same machine, same run)"
     for tree in .devold .; do
