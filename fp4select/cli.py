@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,9 +29,25 @@ from fp4select.keys import (
 )
 
 
+class UsageError(Exception):
+    """A mistake in what the user typed: one line on stderr, exit status 2."""
+
+
 def _device(arg: str | None) -> torch.device:
     if arg:
-        return torch.device(arg)
+        try:
+            device = torch.device(arg)
+        except RuntimeError:
+            raise UsageError(
+                f"--device {arg!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {arg}: this torch sees no CUDA device")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise UsageError(f"--device {arg}: there are {torch.cuda.device_count()} CUDA devices")
+        if device.type not in ("cpu", "cuda"):
+            raise UsageError(f"--device {arg}: fp4select runs on cpu or cuda devices")
+        return device
     return (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -215,6 +232,21 @@ def _parse_shape(text: str) -> tuple[int, int]:
     return n, k
 
 
+def _compute_capability(text: str) -> int:
+    from fp4select.backends.flashinfer import KNOWN_CCS
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value not in KNOWN_CCS:
+        raise argparse.ArgumentTypeError(
+            f"must be a compute capability flashinfer knows ({', '.join(map(str, KNOWN_CCS))}), "
+            f"got {text!r}"
+        )
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -255,6 +287,34 @@ class _WarmUsageError(Exception):
     """Bad warm input: printed as ``warm: <message>``, exit status 2."""
 
 
+def _shapes_file(path: str) -> list[tuple[int, int]]:
+    """``{"shapes": [[N, K], ...]}``, a bare list, or objects with n and k; checked."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise _WarmUsageError(f"--shapes-file {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise _WarmUsageError(f"--shapes-file {path}: not JSON ({exc})") from None
+    items = data.get("shapes") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise _WarmUsageError(f'--shapes-file {path}: expected {{"shapes": [[N, K], ...]}}')
+    shapes = []
+    for i, item in enumerate(items):
+        pair = (item.get("n"), item.get("k")) if isinstance(item, dict) else item
+        if (
+            not isinstance(pair, (list, tuple))
+            or len(pair) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pair)
+        ):
+            raise _WarmUsageError(
+                f"--shapes-file {path}: shapes[{i}] must be [N, K] with positive integers, "
+                f"got {item!r}"
+            )
+        shapes.append((pair[0], pair[1]))
+    return shapes
+
+
 def _warm_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Every key warm will tune, from --shape, --shapes-file, --model and --from-record.
 
@@ -267,15 +327,15 @@ def _warm_plan(args: argparse.Namespace) -> dict[str, Any]:
     plan: dict[str, Any] = {"model": None, "record": None}
     shapes = list(args.shape or [])
     for path in args.shapes_file or []:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        for item in data.get("shapes", data) if isinstance(data, dict) else data:
-            shapes.append(
-                (int(item[0]), int(item[1]))
-                if isinstance(item, list)
-                else (int(item["n"]), int(item["k"]))
-            )
+        shapes += _shapes_file(path)
     fmt = args.format or "nvfp4"
+    block = 16 if fmt == "nvfp4" else 32
+    for n, k in shapes:
+        if k % block:
+            raise _WarmUsageError(
+                f"shape {n},{k}: K must be a multiple of {block} for {fmt} (one block scale "
+                f"per {block} values of K)"
+            )
     problems: list[Problem] = []
     if args.model:
         try:
@@ -402,6 +462,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
                     "winner": decision.winner,
                     "source": decision.source,
                     "seconds": round(decision.tuning_seconds, 3),
+                    "why_none": "" if decision.winner else _why_none(decision),
                 }
             )
             if not args.json and progress is problems and not args.quiet:
@@ -439,7 +500,18 @@ def cmd_warm(args: argparse.Namespace) -> int:
         )
         if exported is not None:
             print(f"exported {exported} entries to {args.export}")
+        for r in results:
+            if r["winner"] is None and r.get("why_none"):
+                print(f"NONE for {r['problem']}: {r['why_none']}")
     return 1 if failures else 0
+
+
+def _why_none(decision: Any) -> str:
+    """Why no backend serves a key, in one line: each candidate's verdict, shortest first."""
+    reasons = sorted(
+        (f"{name} {v.status}: {v.reason}" for name, v in decision.verdicts.items()), key=len
+    )
+    return "; ".join(r[:120] for r in reasons[:4]) or "no backend is registered"
 
 
 # -- show / explain -------------------------------------------------------------------------------
@@ -576,6 +648,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from fp4select.api import selector
 
     env = None if args.all else environment_for(_device(args.device))
+    folder = os.path.dirname(os.path.abspath(args.path))
+    if not os.path.isdir(folder):
+        print(f"export failed: {folder}: no such directory", file=sys.stderr)
+        return 1
     try:
         result = selector().store.export_archive(args.path, env, overwrite=args.force)
     except OSError as exc:  # a directory, an existing file without --force, a failing disk
@@ -833,7 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
         "print the machine, versions and every backend with why it can or cannot run",
     )
     p.add_argument(
-        "--cc", type=int, help="ask about another compute capability (e.g. 100 for B200)"
+        "--cc",
+        type=_compute_capability,
+        help="ask about another compute capability (e.g. 100 for B200, 120 for RTX PRO 6000)",
     )
     p = command("warm", cmd_warm, "tune and store decisions for a model's shapes before serving")
     p.add_argument(
@@ -869,7 +947,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="print the layers and keys; tune nothing")
     p.add_argument(
-        "--max-m", type=int, default=8192, help="largest batch (tokens) to cover (default 8192)"
+        "--max-m",
+        type=_positive_int,
+        default=8192,
+        help="largest batch (tokens) to cover (default 8192)",
     )
     p.add_argument("--quiet", action="store_true")
     _problem_options(p)
@@ -881,9 +962,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_explain,
         "show the decision for one problem: verdicts, timings, winner, margin",
     )
-    p.add_argument("--n", type=int, required=True)
-    p.add_argument("--k", type=int, required=True)
-    p.add_argument("--m", type=int, required=True)
+    p.add_argument("--n", type=_positive_int, required=True, help="output features (N)")
+    p.add_argument("--k", type=_positive_int, required=True, help="input features (K)")
+    p.add_argument("--m", type=_positive_int, required=True, help="tokens in the batch (M)")
     p.add_argument("--tune", action="store_true", help="tune now if there is no decision")
     _problem_options(p)
     p = command(
@@ -924,8 +1005,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    """Run one command. User mistakes print one line and exit 2; failures the user can act on
+    (a missing file, a full disk) one line and exit 1; a closed pipe (``| head``) ends quietly.
+    Anything else is a bug in fp4select and keeps its traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except UsageError as exc:
+        print(f"fp4select {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader is gone: stop writing, and keep Python from complaining at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fp4select {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
