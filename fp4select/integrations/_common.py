@@ -28,6 +28,7 @@ Design rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -306,6 +307,22 @@ class LinearShape:
     out_dtype: str  # "bfloat16" or "float16"
     b_layout: str  # "plain" or "trtllm"
     small_m_8x4: bool = False  # vLLM sends 8x4 activation scales to trtllm at M <= 32
+
+
+def then_tune(original: Callable[..., Any], tune: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``original`` (an engine's load step), then ``tune(self)``; a failure to tune is logged,
+    never raised: the server starts, and the shapes are tuned on first use instead."""
+
+    @functools.wraps(original)
+    def run_then_tune(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        try:
+            tune(self)
+        except Exception:
+            log.exception("fp4select: tuning at load failed; shapes will be tuned on first use")
+        return result
+
+    return run_then_tune
 
 
 def warm_enabled() -> bool:

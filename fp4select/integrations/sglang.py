@@ -28,7 +28,6 @@ Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 import sys
@@ -132,16 +131,7 @@ def unpatch() -> list[str]:
 
 # -- tuning at load --------------------------------------------------------------------------
 def _tuning_initialize(original: Any) -> Any:
-    @functools.wraps(original)
-    def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        try:
-            tune_model_runner(self)
-        except Exception:  # never stop the server: calls tune on first use instead
-            log.exception("fp4select: tuning at load failed; shapes will be tuned on first use")
-        return result
-
-    return initialize
+    return _common.then_tune(original, lambda self: tune_model_runner(self))
 
 
 def current_layout() -> str | None:

@@ -21,7 +21,6 @@ Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 from typing import Any
@@ -128,16 +127,7 @@ def unpatch() -> list[str]:
 
 # -- tuning at load --------------------------------------------------------------------------
 def _tuning_load_model(original: Any) -> Any:
-    @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        try:
-            tune_worker(self)
-        except Exception:  # never stop the server: calls tune on first use instead
-            log.exception("fp4select: tuning at load failed; shapes will be tuned on first use")
-        return result
-
-    return load_model
+    return _common.then_tune(original, lambda self: tune_worker(self))
 
 
 def _kernel_backend(module: torch.nn.Module) -> str | None:
