@@ -23,9 +23,11 @@ Design rules:
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import socket
+import stat
 import threading
 import warnings
 from collections.abc import Mapping
@@ -63,10 +65,20 @@ def record_line(problem: Problem) -> bytes:
     return (json.dumps(line, sort_keys=True, separators=(",", ":")) + "\n").encode("ascii")
 
 
+def _open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+    """A descriptor for ``path`` only if it is a regular file: a FIFO would block the caller's
+    first GEMM (or the CLI) forever, and a device would be read or written without end."""
+    fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", os.fsdecode(path))
+    return fd
+
+
 def _foreign(path: str) -> str | None:
     """Why ``path`` must not be appended to, or None when it is empty or a record file."""
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(_open_regular(path, os.O_RDONLY), "rb") as fh:
             first = fh.readline(_MAX_LINE)
     except FileNotFoundError:
         return None
@@ -109,7 +121,7 @@ def note(problem: Problem) -> None:
             return
         _state["seen"].add(problem)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
                 data = record_line(problem)
                 if os.write(fd, data) != len(data):  # a short write to a regular file: disk full
@@ -140,7 +152,7 @@ def read_record(path: str | os.PathLike[str]) -> dict[Problem, int]:
     """
     counts: dict[Problem, int] = {}
     skipped: list[int] = []
-    with open(Path(os.fsdecode(path)), "rb") as fh:
+    with os.fdopen(_open_regular(Path(os.fsdecode(path)), os.O_RDONLY), "rb") as fh:
         for number, line in enumerate(fh, start=1):
             if not line.strip():
                 continue

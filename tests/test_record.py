@@ -196,3 +196,27 @@ def test_best_mm_fp4_records_first_calls_and_warm_tunes_exactly_those(tmp_path):
     out = json.loads(proc.stdout)
     assert sorted(r["problem"] for r in out["results"]) == sorted(p.describe() for p in counts)
     assert out["stats"]["tunings"] == 2
+
+
+def test_a_fifo_at_the_record_path_never_blocks_a_call(tmp_path, monkeypatch):
+    """The first GEMM of a process must not wait for a reader that never comes."""
+    import threading
+
+    fifo = tmp_path / "record.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv(record.RECORD_ENV, str(fifo))
+    caught: list = []
+
+    def call():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            record.note(Problem(n=64, k=128, m_bucket=4))
+        caught.extend(seen)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "note() blocked on a FIFO"
+    assert any("not a regular file" in str(w.message) for w in caught)
+    with pytest.raises(OSError, match="not a regular file"):
+        record.read_record(fifo)
