@@ -160,7 +160,10 @@ def _availability(name: str, modules: tuple[str, ...]):
     return available
 
 
-def _binder(name: str, *, skip_check: bool):
+def _binder(name: str, *, skip_check: bool, **extra: Any):
+    """A bind function whose runners call ``mm_fp4`` with ``backend=name`` (and ``extra``
+    keywords, e.g. ``batch_invariant=True``) in mm_fp4's own positional order."""
+
     def bind(problem: Problem) -> Runner:
         mm_fp4, why = load()
         if mm_fp4 is None:
@@ -181,6 +184,7 @@ def _binder(name: str, *, skip_check: bool):
                 nvfp4,
                 pdl,
                 skip_check=skip_check,
+                **extra,
             )
 
         return run

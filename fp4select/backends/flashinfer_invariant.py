@@ -22,8 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp4select.backends import flashinfer as flashinfer_backends
-from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
-from fp4select.keys import Problem
+from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities
 
 NAME = "flashinfer-batch-invariant"
 
@@ -63,29 +62,8 @@ def available(env: Mapping[str, Any]) -> str | None:
     return None
 
 
-def bind(problem: Problem) -> Runner:
-    mm_fp4, why = flashinfer_backends.load()
-    if mm_fp4 is None:
-        raise RuntimeError(why)
-
-    def run(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4, nvfp4, pdl):
-        return mm_fp4(
-            a,
-            b,
-            a_descale,
-            b_descale,
-            alpha,
-            out_dtype,
-            out,
-            block_size,
-            use_8x4,
-            "auto",
-            nvfp4,
-            pdl,
-            batch_invariant=True,
-        )
-
-    return run
+# flashinfer's own checks stay on: the class turns down what it cannot do, as "unsupported".
+bind = flashinfer_backends._binder("auto", skip_check=False, batch_invariant=True)
 
 
 def backends() -> list[Backend]:
