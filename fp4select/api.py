@@ -2,20 +2,25 @@
 
 Design rules:
 
-* The warm path is one tuple, one dict lookup, three weak-reference checks and one call of a
-  bound runner: no device sync, no host-device copy, no logging, so it is safe inside CUDA
-  graph capture and costs about a microsecond.
+* The warm path hashes one small tuple, looks it up once, runs one C++ metadata guard and
+  calls a bound runner: no device sync, no host-device copy, no logging, so it is safe inside
+  CUDA graph capture (benchmarks/bench_warm_path.py measures what it adds).
 * Arguments are checked in full the first time a call signature is seen, before any kernel
   runs. A signature is every property those checks read that a later call could change with
-  the same shapes: dtypes, devices, b's strides, the scale and alpha shapes, the flags by
-  identity. So a call the first call would refuse never finds a bound runner: the same bad
-  call gets the same ``TypeError``/``ValueError`` naming the argument, first or thousandth.
-* Reading all of that costs microseconds, so the warm path reads it for the activation side
-  only (new tensors every call) and takes the weight, its scales and alpha by identity (the
-  same objects every call of a layer), verified through weak references. Calls with new
-  weight-side objects (a fresh ``b.t()`` view, say) are matched on the full signature instead.
-  A weight whose metadata is changed in place (``t_()``, ``resize_()``) after its first call is
-  not noticed: pass a new tensor instead.
+  the same shapes: dtypes, devices, a's contiguity, b's strides, the scale sizes, alpha, the
+  flags by identity. So a call the first call would refuse never finds a bound runner: the
+  same bad call gets the same ``TypeError``/``ValueError`` naming the argument, first or
+  thousandth.
+* The key is what separates one bound runner from another (the shapes of a and b, a's
+  device index, which optional tensors are given, the flags); everything else the checks read
+  of every tensor (dtype, device, exact sizes and strides) is verified by a guard made from
+  the call that bound the entry (fp4select.tensor_guard: one C++ call where PyTorch offers
+  it). So nothing is taken by identity: engines that pass fresh views of the weight every
+  call (vLLM: ``b.t()``, ``b_descale.t()``) are served as fast, and a weight whose metadata is
+  changed in place is noticed.
+* The flags are matched by identity (``True``, ``False``, 16 and 32 are singletons), so a 1 or
+  a 16.0 never matches a valid call's key and is checked (and refused) every time. The common
+  all-default flags cost six ``is`` tests.
 * A call that fails inside the backend is checked in full before its error propagates.
   ``FP4SELECT_CHECK=always`` re-checks every call.
 * A miss while a CUDA graph is being captured never tunes (tuning syncs and allocates): a
@@ -25,12 +30,12 @@ Design rules:
 
 import os
 import threading
-import weakref
 from typing import Any, Literal
 
 import torch
 
 from fp4select import record as _record
+from fp4select import tensor_guard
 from fp4select.keys import B_LAYOUTS, INVARIANT_BUCKET, OUT_DTYPES, Problem, m_bucket
 from fp4select.selector import Decision, Selector
 from fp4select.store import Store
@@ -43,21 +48,18 @@ _FP4_DTYPES = tuple(
 _SF_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _DTYPE_NAMES = {v: k for k, v in OUT_DTYPES.items()}
 
-# Two levels. _bound: a call's activation metadata plus the *identity* of its weight, weight
-# scales and alpha (the same objects every call in an engine's layer), verified through weak
-# references: a hit costs a fraction of reading those tensors' metadata. _checked: the full
-# metadata of every tensor, for calls whose weight-side objects are new (vLLM passes a fresh
-# b.t() view each call); a miss there runs the full checks.
-_bound: dict[tuple, tuple[Any, Any, Any, Any]] = {}
+# Two tables. _bound: the warm key (see best_mm_fp4) to (guard, runner); a call whose tensors
+# fail the guard takes the slow path. _checked: the full metadata of every tensor to the
+# runner; a miss there runs the full checks. Both grow with the problems seen, not the calls.
+_bound: dict[tuple, Any] = {}
 _lookup = _bound.get  # one global load on the warm path instead of two
 _checked: dict[tuple, Any] = {}
 _table_lock = threading.Lock()
-_BOUND_LIMIT = 1 << 16  # fresh weight objects every call would otherwise grow it forever
-
-
-def _no_object() -> None:
-    """Stands for a weak reference to None (alpha=None)."""
-    return None
+_B16 = 16  # small ints are singletons in CPython: `block_size is _B16` refuses 16.0 and True
+# What the guard checks in place of alpha=None and out=None: two distinct objects, because
+# PyTorch's guard refuses a call that passes one tensor twice.
+_NO_ALPHA = torch.empty(0)
+_NO_OUT = torch.empty(0)
 
 
 _selector: Selector | None = None
@@ -86,16 +88,19 @@ def configure(
         if _selector is not None:
             _selector.close()
         _selector = Selector(Store(cache_dir), isolation=isolation, timing=timing)
-        _checked.clear()
-        _bound.clear()
+        _forget_all()
     return _selector
 
 
 def reset() -> None:
     """Forget every bound runner in this process (the disk store is untouched)."""
     with _table_lock:
-        _checked.clear()
-        _bound.clear()
+        _forget_all()
+
+
+def _forget_all() -> None:
+    _checked.clear()
+    _bound.clear()
 
 
 def clear_blacklist(backend: str | None = None, device: torch.device | str | None = None) -> int:
@@ -153,36 +158,51 @@ def best_mm_fp4(
     """
     try:
         # What the first call checked that could change between calls without the weight-side
-        # objects changing: the activation's metadata, out's, and the flags. Flags and
-        # block_size enter by identity: True, False, 16 and 32 are singletons, so a 1 or a 16.0
-        # never matches a valid call's key and is checked (and refused) every time.
+        # objects changing: the activation's metadata, its scales', out's, and the flags.
+        if (
+            use_8x4_sf_layout is False
+            and use_nvfp4 is True
+            and enable_pdl is True
+            and batch_invariant is False
+            and allow_blacklisted is False
+            and block_size is _B16
+        ):
+            flags: Any = True
+        else:
+            flags = (
+                id(block_size),
+                id(use_8x4_sf_layout),
+                id(use_nvfp4),
+                id(enable_pdl),
+                id(batch_invariant),
+                id(allow_blacklisted),
+            )
         key = (
             a.shape,
-            a.dtype,
-            a.device,
-            a_descale.shape,
-            a_descale.dtype,
-            a_descale.device,
-            id(b),
-            id(b_descale),
-            id(alpha),
-            None if out is None else (out.shape, out.dtype, out.device),
+            b.shape,
+            a.get_device(),
+            alpha is None,
+            out is None,
             out_dtype,
-            id(block_size),
-            id(use_8x4_sf_layout),
             backend,
-            id(use_nvfp4),
-            id(enable_pdl),
-            id(batch_invariant),
             b_layout,
-            id(allow_blacklisted),
+            flags,
         )
-        bound = _lookup(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable arguments
-        key, bound = None, None
-    if bound is not None and bound[1]() is b and bound[2]() is b_descale and bound[3]() is alpha:
-        runner = bound[0]
-    else:  # new weight-side objects, or a first call: full metadata, checks on a miss
+        entry = _lookup(key)
+        if entry is not None and entry[0](
+            a,
+            b,
+            a_descale,
+            b_descale,
+            _NO_ALPHA if alpha is None else alpha,
+            _NO_OUT if out is None else out,
+        ):
+            runner = entry[1]
+        else:
+            runner = None
+    except Exception:  # not tensors, unhashable arguments, a guard refusing a non-tensor
+        key, runner = None, None
+    if runner is None:  # a first call, or tensors the bound entry's guard refused
         args = (a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout)
         flags = (backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant)
         runner = _runner_for(key, args, flags)
@@ -224,6 +244,7 @@ def _signature(args: tuple, flags: tuple) -> tuple | None:
             a.shape,
             a.dtype,
             a.device,
+            a.is_contiguous(),
             b.shape,
             b.dtype,
             b.stride(),
@@ -250,14 +271,21 @@ def _signature(args: tuple, flags: tuple) -> tuple | None:
         return None
 
 
-def _weak(obj: Any) -> Any:
-    if obj is None:
-        return _no_object
-    return weakref.ref(obj)
+def _guarded(args: tuple) -> tuple:
+    """The tensors the warm path's guard checks, in its order."""
+    a, b, a_descale, b_descale, alpha, _, out = args[:7]
+    return (
+        a,
+        b,
+        a_descale,
+        b_descale,
+        _NO_ALPHA if alpha is None else alpha,
+        _NO_OUT if out is None else out,
+    )
 
 
 def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
-    """The runner for a call the identity table did not answer; binds it for the next call."""
+    """The runner for a call the warm table did not answer; binds it for the next call."""
     signature = _signature(args, flags)
     runner = None if signature is None else _checked.get(signature)
     if runner is None:
@@ -267,14 +295,9 @@ def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
         with _table_lock:
             _checked[signature] = runner
     if key is not None and not _always_check:
-        try:
-            refs = (_weak(args[1]), _weak(args[3]), _weak(args[4]))
-        except TypeError:  # an object that takes no weak reference: metadata only, every call
-            return runner
+        entry = (tensor_guard.guard(*_guarded(args)), runner)
         with _table_lock:
-            if len(_bound) >= _BOUND_LIMIT:
-                _bound.clear()
-            _bound[key] = (runner, *refs)
+            _bound[key] = entry
     return runner
 
 

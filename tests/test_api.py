@@ -198,6 +198,18 @@ SAME_SHAPE_BAD = [
     ("b_descale None", lambda g: {"b_descale": None}, TypeError, "b_descale must be a torch"),
     ("a int8", lambda g: {"a": g["a"].view(torch.int8)}, TypeError, "a must hold packed FP4"),
     (
+        "a column-major",
+        lambda g: {"a": g["a"].t().contiguous().t()},
+        ValueError,
+        "a must be row-major contiguous",
+    ),
+    (
+        "a_descale too small",
+        lambda g: {"a_descale": g["a_descale"].reshape(-1)[: g["a_descale"].numel() // 2]},
+        ValueError,
+        "a_descale has",
+    ),
+    (
         "a_descale float16",
         lambda g: {"a_descale": torch.zeros(g["a_descale"].shape, dtype=torch.float16)},
         TypeError,
@@ -206,6 +218,13 @@ SAME_SHAPE_BAD = [
     ("flag as int", lambda g: {"use_8x4_sf_layout": 0}, TypeError, "use_8x4_sf_layout must be"),
     ("pdl as int", lambda g: {"enable_pdl": 1}, TypeError, "enable_pdl must be a bool"),
     ("block as float", lambda g: {"block_size": 16.0}, TypeError, "block_size must be an int"),
+    ("a on meta", lambda g: {"a": g["a"].to("meta")}, ValueError, "is on cpu but a is on meta"),
+    (
+        "a_descale on meta",
+        lambda g: {"a_descale": g["a_descale"].to("meta")},
+        ValueError,
+        "a_descale is on meta",
+    ),
     (
         "b_descale on meta",
         lambda g: {"b_descale": g["b_descale"].to("meta")},
@@ -255,8 +274,8 @@ def _spy_on_bound_runners(fail: BaseException | None = None) -> list:
     api = fp4select.api
     for signature, runner in list(api._checked.items()):
         api._checked[signature] = spy(runner)
-    for key, (runner, *refs) in list(api._bound.items()):
-        api._bound[key] = (spy(runner), *refs)
+    for key, (guard, runner) in list(api._bound.items()):
+        api._bound[key] = (guard, spy(runner))
     return ran
 
 
@@ -342,3 +361,58 @@ def test_a_weight_that_is_freed_and_replaced_is_not_mistaken_for_it(inprocess):
     with pytest.raises(ValueError, match="b must be the transposed view"):
         for _ in range(50):  # a row-major b may land at the freed weight's id: still refused
             best_mm_fp4(**dict(kwargs, b=kwargs["b"].contiguous()))
+
+
+def test_a_weight_changed_in_place_is_checked_again(inprocess):
+    """Nothing is taken by identity: the guard sees b's new strides on the warm path."""
+    square = Problem(n=128, k=256, m_bucket=16)
+    kwargs = make_inputs(square, 13, "cpu").kwargs(square)
+    b = kwargs["b"].T.clone().T  # its own storage, the transposed (1, K/2) strides
+    best_mm_fp4(**dict(kwargs, b=b))
+    ran = _spy_on_bound_runners()
+    b.t_()  # in place: now row-major-looking strides on the same object
+    b.t_()
+    best_mm_fp4(**dict(kwargs, b=b))  # unchanged after two transposes: served
+    assert len(ran) == 1
+    b.set_(b.contiguous())  # same object, same shape, row-major now: another matrix
+    with pytest.raises(ValueError, match="b must be the transposed view"):
+        best_mm_fp4(**dict(kwargs, b=b))
+    assert len(ran) == 1
+
+
+def _engine_call(kwargs, weight, weight_scale, **changes):
+    """As vLLM calls mm_fp4: fresh views of the weight and its scales on every call."""
+    return best_mm_fp4(**dict(kwargs, b=weight.t(), b_descale=weight_scale.t(), **changes))
+
+
+def test_fresh_views_of_a_weight_are_served_without_the_full_signature(inprocess, monkeypatch):
+    problem = Problem(n=128, k=256, m_bucket=16)
+    inputs = make_inputs(problem, 13, "cpu")
+    kwargs = inputs.kwargs(problem)
+    weight, weight_scale = kwargs["b"].t().clone(), kwargs["b_descale"].t().clone()
+    first = _engine_call(kwargs, weight, weight_scale)
+    assert len(fp4select.api._bound) == 1
+    read = []
+    real = fp4select.api._signature
+    monkeypatch.setattr(fp4select.api, "_signature", lambda *a: read.append(1) or real(*a))
+    for _ in range(3):
+        assert torch.equal(_engine_call(kwargs, weight, weight_scale), first)
+    assert read == [] and len(fp4select.api._bound) == 1
+
+
+@pytest.mark.parametrize(
+    ("case", "view", "error", "message"),
+    [
+        ("row-major view", lambda w: w.view(w.shape[1], w.shape[0]), ValueError, "transposed"),
+        ("int8 view", lambda w: w.view(torch.int8).t(), TypeError, "b must hold packed FP4"),
+    ],
+)
+def test_another_view_of_a_bound_weight_is_checked_again(inprocess, case, view, error, message):
+    square = Problem(n=128, k=256, m_bucket=16)
+    kwargs = make_inputs(square, 13, "cpu").kwargs(square)
+    weight, weight_scale = kwargs["b"].t().clone(), kwargs["b_descale"].t().clone()
+    _engine_call(kwargs, weight, weight_scale)
+    ran = _spy_on_bound_runners()
+    with pytest.raises(error, match=message):
+        best_mm_fp4(**dict(kwargs, b=view(weight), b_descale=weight_scale.t()))
+    assert ran == []
