@@ -1,8 +1,12 @@
-"""Diagnose the warm path on a GPU: does a repeated call take the identity path? What does each
-part of the key cost there? (Prints a few lines; used once on the H200.)"""
+"""Diagnose the warm path on this machine: does a repeated call take the identity path, and what
+does each property the warm key reads cost on this device's tensors? (Prints a few lines.)
+
+    python benchmarks/diag_warm_path.py --device cuda
+"""
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 import timeit
 
@@ -14,23 +18,44 @@ from fp4select.keys import Problem
 from fp4select.timing import TimingOptions
 from fp4select.validate import make_inputs
 
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-with tempfile.TemporaryDirectory() as cache:
-    fp4select.configure(cache_dir=cache, isolation="inprocess", timing=TimingOptions(budget_s=0.1))
-    p = Problem(n=256, k=512, m_bucket=8)
-    kw = make_inputs(p, 8, device).kwargs(p)
-    a, b, ad, bd, al = (kw[k] for k in ("a", "b", "a_descale", "b_descale", "alpha"))
-    fp4select.best_mm_fp4(a, b, ad, bd, al)
-    slow = []
-    real = api._runner_for
-    api._runner_for = lambda *x: slow.append(x[0]) or real(*x)
-    for _ in range(5):
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(parser.parse_args().device)
+    with tempfile.TemporaryDirectory() as cache:
+        fp4select.configure(
+            cache_dir=cache, isolation="inprocess", timing=TimingOptions(budget_s=0.1)
+        )
+        p = Problem(n=256, k=512, m_bucket=8)
+        kw = make_inputs(p, 8, device).kwargs(p)
+        a, b, ad, bd, al = (kw[k] for k in ("a", "b", "a_descale", "b_descale", "alpha"))
         fp4select.best_mm_fp4(a, b, ad, bd, al)
-    print("slow-path calls of 5:", len(slow), "bound entries:", len(api._bound))
-    if slow:
-        print("a key that missed:", slow[0])
-        print("bound keys:", list(api._bound))
-    g = {"a": a, "ad": ad, "b": b, "al": al, "id": id}
-    for stmt in ("a.shape", "a.dtype", "a.device", "ad.shape", "ad.device", "id(b)", "al.dtype"):
-        t = min(timeit.repeat(stmt, globals=g, number=100000, repeat=5)) / 100000 * 1e9
-        print(f"{stmt:10s} {t:6.0f} ns")
+        slow = []
+        real = api._runner_for
+        api._runner_for = lambda *x: slow.append(x[0]) or real(*x)
+        for _ in range(5):
+            fp4select.best_mm_fp4(a, b, ad, bd, al)
+        api._runner_for = real
+        print(f"slow-path calls of 5: {len(slow)}; identity entries {len(api._bound)}")
+        w = b.t()
+        g = {"a": a, "ad": ad, "b": b, "w": w, "id": id}
+        for stmt in (
+            "a.shape",
+            "a.size()",
+            "a.dtype",
+            "a.device",
+            "a.is_contiguous()",
+            "ad.numel()",
+            "id(b)",
+            "b._base",
+            "b.stride()",
+            "w.t()",
+            "(a.shape, a.dtype, a.device, a.is_contiguous(), ad.numel(), ad.dtype, ad.device)",
+        ):
+            t = min(timeit.repeat(stmt, globals=g, number=20000, repeat=7)) / 20000 * 1e9
+            print(f"{t:7.0f} ns  {stmt}")
+
+
+if __name__ == "__main__":
+    main()
