@@ -61,7 +61,7 @@ def print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))

@@ -27,20 +27,20 @@ def cmd_show(args: argparse.Namespace) -> int:
     from fp4select.probe import MalformedRecord
     from fp4select.selector import Decision
 
-    rows = []
+    keyed: list[tuple[tuple[Any, ...], list[Any]]] = []  # (sort key, row): by N, K, M
     for item in items:
         e = item["env"]
         gpu = e.get("gpu") if isinstance(e.get("gpu"), str) else "cpu"
         try:  # a record is data from disk: checked field by field before it is printed
             decision = Decision.from_json(item["record"], source="disk")
         except MalformedRecord as exc:
-            rows.append(((1 << 62,), [gpu, str(item["key"])[:60], "INVALID", "-", f"{exc}"[:60]]))
+            keyed.append(((1 << 62,), [gpu, str(item["key"])[:60], "INVALID", "-", f"{exc}"[:60]]))
             continue
         margin = (decision.ranking or {}).get("margin")
         p = decision.problem
         row = [gpu, p.describe(), decision.winner, "-" if margin is None else f"{margin:+.1%}"]
-        rows.append(((p.n, p.k, p.m_bucket, p.describe()), [*row, decision.created]))
-    rows = [row for _, row in sorted(rows, key=lambda r: r[0])]
+        keyed.append(((p.n, p.k, p.m_bucket, p.describe()), [*row, decision.created]))
+    rows = [row for _, row in sorted(keyed, key=lambda r: r[0])]
     print(table(rows, ["gpu", "problem", "winner", "margin", "created"]) if rows else "no entries")
     return 0
 
