@@ -55,6 +55,6 @@ def quantiles(values: list[float]) -> dict[str, float]:
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
-    from fp4select.cli import _table
+    from fp4select.cli._common import table as _table
 
     return _table([[str(c) for c in r] for r in rows], header)

@@ -19,7 +19,7 @@ import torch
 from _common import table, write
 
 import fp4select
-from fp4select.cli import _buckets
+from fp4select.cli.plan import buckets
 from fp4select.keys import Problem
 from fp4select.timing import TimingOptions
 
@@ -42,7 +42,7 @@ def main() -> None:
     device = torch.device(args.device)
     timing = TimingOptions(budget_s=args.budget_s)
     shapes = PRESETS[args.preset]
-    problems = [Problem(n=n, k=k, m_bucket=b) for n, k in shapes for b in _buckets(args.max_m)]
+    problems = [Problem(n=n, k=k, m_bucket=b) for n, k in shapes for b in buckets(args.max_m)]
 
     with tempfile.TemporaryDirectory() as cache:
         sel = fp4select.configure(cache_dir=cache, isolation=args.isolation, timing=timing)

@@ -168,7 +168,7 @@ def test_flashinfers_class_is_called_with_its_flag_and_auto(monkeypatch):
 
 def test_doctor_reports_a_parameter_flashinfer_has_and_we_do_not(monkeypatch):
     from fp4select.backends import flashinfer as fi
-    from fp4select.cli import doctor_report, signature_report
+    from fp4select.reports import doctor_report, signature_report
 
     assert signature_report(flashinfer.mm_fp4)["matches"] is True
     real = flashinfer.mm_fp4

@@ -456,6 +456,7 @@ def test_check_is_satisfied_by_every_tactic_of_the_fake():
 # -- what explain and verify print -------------------------------------------------------------
 def test_explain_shows_the_tactic_and_the_default_time_beside_the_tuned_one(inprocess, capsys):
     from fp4select import cli
+    from fp4select.cli.tune import tactic_summary
 
     fp4select.register_backend(tb.BACKEND)
     assert cli.main(["explain", "--n", "64", "--k", "128", "--m", "9", "--tune"]) == 0
@@ -466,16 +467,17 @@ def test_explain_shows_the_tactic_and_the_default_time_beside_the_tuned_one(inpr
     assert "passed" in row and "1 (default " in row and " us)" in row
     record = fp4select.explain(problem=PROBLEM, device="cpu", tune=False)
     verdict = record["verdicts"][tb.NAME]
-    assert cli.tactic_summary(verdict)[0].startswith("1 (default ")
+    assert tactic_summary(verdict)[0].startswith("1 (default ")
     untuned = {"detail": {"tactic": {"tactic": None, "reason": "no tuning_buckets"}}}
-    assert cli.tactic_summary(untuned) == ("default", "untuned: no tuning_buckets")
-    assert cli.tactic_summary({"detail": {}}) == ("-", "")
+    assert tactic_summary(untuned) == ("default", "untuned: no tuning_buckets")
+    assert tactic_summary({"detail": {}}) == ("-", "")
 
 
 def test_verify_reports_per_backend_the_tactics_and_default_versus_tuned_time(
     cache_dir, monkeypatch, capsys
 ):
     from fp4select import cli
+    from fp4select.cli.checks import tactics_cell
 
     monkeypatch.setenv("FP4SELECT_ISOLATION", "inprocess")
     monkeypatch.setenv("FP4SELECT_TIME_BUDGET_S", "0.02")
@@ -489,6 +491,6 @@ def test_verify_reports_per_backend_the_tactics_and_default_versus_tuned_time(
     timed = [r for r in rows if r["tuned_us"] is not None]
     assert timed and all(r["default_us"] > 0 for r in timed)
     assert report["backends"]["emulation"]["tactics"] == []  # no tactics: nothing claimed
-    assert cli._tactics_cell(rows).startswith(f"{len(rows)}/{len(rows)} (")
-    assert cli._tactics_cell([{"tactic": None, "tuned_us": 2.0, "default_us": 2.0}]) == "0/1"
-    assert cli._tactics_cell([]) == "-"
+    assert tactics_cell(rows).startswith(f"{len(rows)}/{len(rows)} (")
+    assert tactics_cell([{"tactic": None, "tuned_us": 2.0, "default_us": 2.0}]) == "0/1"
+    assert tactics_cell([]) == "-"

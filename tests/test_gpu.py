@@ -139,7 +139,7 @@ def test_a_real_cuda_fault_kills_only_the_sandbox_child(tmp_path):
         y = torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda")
         torch.cuda.synchronize()
         assert torch.isfinite(y).all()
-        pids = [w.pid for w in sel.prober()._workers.values()]
+        pids = [w.pid for w in sel.prober()._pool.workers.values()]
         sel.close()  # the worker exits and, with it, every byte of GPU memory it held
         for pid in pids:
             stat = Path(f"/proc/{pid}/stat")

@@ -331,7 +331,7 @@ def test_backend_that_cannot_cross_is_an_error_and_spawns_nothing():
         verdict = result.verdicts["closure"]
         assert verdict.status == "error" and "cannot be imported" in verdict.reason
         assert verdict.status not in FATAL_STATUSES
-        assert prober._workers == {}
+        assert prober._pool.workers == {}
     finally:
         prober.close()
 
@@ -346,7 +346,7 @@ def test_blacklisted_by_a_hang_refused_then_overridden(sandboxed):
     out, inputs = call(backend="good", allow_blacklisted=True)
     assert check(out, inputs, PROBLEM.torch_out_dtype).ok
     # Proven in a child before it ran here.
-    assert "cpu" in sandboxed.selector.prober()._workers
+    assert "cpu" in sandboxed.selector.prober()._pool.workers
 
 
 # ------------------------------------------------------------------------------ the worker
@@ -376,13 +376,13 @@ def test_worker_is_reused_across_keys_and_retired_when_idle(monkeypatch):
     try:
         options = ProbeOptions(timing=TIMING, validate_only=True)
         first = prober.probe(PROBLEM, [emulation], "cpu", options)
-        pid = prober._workers["cpu"].pid
+        pid = prober._pool.workers["cpu"].pid
         other = Problem(n=48, k=64, m_bucket=16)
         second = prober.probe(other, [emulation], "cpu", options)
         assert first.verdicts["emulation"].passed and second.verdicts["emulation"].passed
-        assert prober._workers["cpu"].pid == pid
+        assert prober._pool.workers["cpu"].pid == pid
         assert _wait_gone(pid, 5.0)
-        assert "cpu" not in prober._workers
+        assert "cpu" not in prober._pool.workers
     finally:
         prober.close()
 
@@ -390,7 +390,7 @@ def test_worker_is_reused_across_keys_and_retired_when_idle(monkeypatch):
 def test_close_ends_the_worker():
     prober = SandboxProber()
     seconds = prober.start("cpu")
-    pid = prober._workers["cpu"].pid
+    pid = prober._pool.workers["cpu"].pid
     assert 0 < seconds < 60 and not _gone(pid)
     prober.close()
     assert _gone(pid)
@@ -416,7 +416,7 @@ def test_a_busy_worker_exits_when_its_parent_dies(tmp_path):
                          daemon=True).start()
         while fb.count({str(tmp_path)!r}, "hang") == 0:
             time.sleep(0.05)
-        print(prober._workers["cpu"].pid, flush=True)
+        print(prober._pool.workers["cpu"].pid, flush=True)
         os._exit(0)  # no atexit, no close(): as if killed
         """
     )
@@ -467,12 +467,12 @@ def test_a_worker_killed_while_idle_is_replaced_without_blame():
     prober = SandboxProber()
     try:
         assert prober.probe(PROBLEM, [emulation], "cpu", options).verdicts["emulation"].passed
-        pid = prober._workers["cpu"].pid
+        pid = prober._pool.workers["cpu"].pid
         os.kill(pid, signal.SIGKILL)  # the OOM killer, or an operator, between two keys
         assert _wait_gone(pid, 5.0)
         result = prober.probe(PROBLEM, [emulation], "cpu", options)
         assert result.verdicts["emulation"].passed
-        assert prober._workers["cpu"].pid != pid
+        assert prober._pool.workers["cpu"].pid != pid
     finally:
         prober.close()
 
@@ -580,9 +580,9 @@ def test_a_death_that_no_candidate_reproduces_alone_blames_no_one(sandboxed):
 
 
 def _stream(*names: str, finished: tuple[str, ...] = ()):
-    from fp4select.sandbox import _Stream
+    from fp4select.sandbox_protocol import Stream
 
-    stream = _Stream("7-abc", names)
+    stream = Stream("7-abc", names)
     stream.finished.update(finished)
     return stream
 
@@ -780,13 +780,13 @@ def test_a_fork_while_another_thread_holds_the_device_lock_does_not_deadlock_the
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with prober._device_lock("cpu"):
+        with prober._pool.lock("cpu"):
             held.set()
             release.wait(120)
 
     try:
         prober.start("cpu")
-        ours = prober._workers["cpu"].pid
+        ours = prober._pool.workers["cpu"].pid
         holder = threading.Thread(target=hold)
         holder.start()
         assert held.wait(10)
@@ -794,8 +794,8 @@ def test_a_fork_while_another_thread_holds_the_device_lock_does_not_deadlock_the
         if pid == 0:  # the child: exit status 0 only if it could probe by itself
             code = 3
             try:
-                if prober._workers == {} and prober._device_lock("cpu").acquire(timeout=10):
-                    prober._device_lock("cpu").release()
+                if prober._pool.workers == {} and prober._pool.lock("cpu").acquire(timeout=10):
+                    prober._pool.lock("cpu").release()
                     result = prober.probe(PROBLEM, [emulation], "cpu", options)
                     code = 0 if result.verdicts["emulation"].passed else 4
                 prober.close()
@@ -816,9 +816,9 @@ def test_a_fork_while_another_thread_holds_the_device_lock_does_not_deadlock_the
         holder.join(10)
         assert os.waitstatus_to_exitcode(status) == 0
         # The child neither used nor ended our worker.
-        assert prober._workers["cpu"].pid == ours and not _gone(ours)
+        assert prober._pool.workers["cpu"].pid == ours and not _gone(ours)
         assert prober.probe(PROBLEM, [emulation], "cpu", options).verdicts["emulation"].passed
-        assert prober._workers["cpu"].pid == ours
+        assert prober._pool.workers["cpu"].pid == ours
     finally:
         release.set()
         prober.close()
@@ -849,7 +849,7 @@ def test_the_child_volunteers_for_the_oom_killer():
     prober = SandboxProber()
     try:
         prober.start("cpu")
-        pid = prober._workers["cpu"].pid
+        pid = prober._pool.workers["cpu"].pid
         with open(f"/proc/{pid}/oom_score_adj") as fh:
             assert int(fh.read()) == 1000
         with open("/proc/self/oom_score_adj") as fh:
@@ -892,28 +892,25 @@ def test_the_fallbacks_timeout_scales_with_the_problem():
 
 
 def test_only_the_builtin_fallback_and_our_own_steps_get_the_scaled_window():
-    from fp4select.sandbox import _Job
+    from fp4select.sandbox_attempt import Job, event_window
 
     registry = discover()
     problem = Problem(n=4096, k=4096, m_bucket=512)
-    job = _Job(problem, torch.device("cpu"), ProbeOptions(), {}, frozenset({"emulation"}), print)
-    prober = SandboxProber(timeout_s=1)
-    try:
-        window = {
-            (name, phase): prober._window(job, {"backend": name, "phase": phase, "m": 512})
-            for name in ("emulation", None, "plugin")
-            for phase in ("validate", "time")
-        }
-    finally:
-        prober.close()
+    emulation = frozenset({"emulation"})
+    job = Job(problem, torch.device("cpu"), ProbeOptions(), {}, emulation, print, 1.0, 0.5)
+    window = {
+        (name, phase): event_window(job, {"backend": name, "phase": phase, "m": 512})
+        for name in ("emulation", None, "plugin")
+        for phase in ("validate", "time")
+    }
     assert (
         window["emulation", "time"]
         == window[None, "time"]
         == scaled_timeout_s(problem, "cpu", 1, 512)
     )
     assert window["plugin", "time"] == 1
-    linger = prober._window(job, {"backend": "plugin", "phase": "linger", "m": None})
-    assert linger == 1 + prober.linger_s  # a deliberate wait is not a hang
+    linger = event_window(job, {"backend": "plugin", "phase": "linger", "m": None})
+    assert linger == 1 + 0.5  # a deliberate wait is not a hang
     assert 1 < window["plugin", "validate"] < window["emulation", "validate"]  # the reference
     assert registry.backends["emulation"].family == "builtin"
 

@@ -1,0 +1,207 @@
+"""The commands that tune or read one decision at a time: ``warm`` and ``explain``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from fp4select.cli._common import parse_device, print_json, progress_bar, table
+from fp4select.cli.plan import WarmUsageError, warm_devices, warm_plan
+from fp4select.keys import Problem, environment_for, m_bucket
+
+__all__ = ["cmd_explain", "cmd_warm", "tactic_summary"]
+
+
+def print_plan(plan: dict[str, Any], as_json: bool) -> None:
+    model, record, problems = plan["model"], plan["record"], plan["problems"]
+    if as_json:
+        print_json(
+            {
+                "model": model.to_json() if model else None,
+                "record": [{"problem": p.to_json(), "count": c} for p, c in record.items()]
+                if record is not None
+                else None,
+                "problems": [p.to_json() for p in problems],
+            }
+        )
+        return
+    if model is not None:
+        print(f"{model.architecture} at tp={model.tp}: {model.format} layers per rank")
+        rows = [[x.name, x.n, x.k, x.count, x.split] for x in model.layers]
+        print(table(rows, ["layer", "N", "K", "count", "split"]) if rows else "no FP4 layers")
+        for line in model.notes:
+            print(f"note: {line}")
+    if record is not None:
+        rows = [[p.describe(), c] for p, c in record.items()]
+        print(table(rows, ["recorded problem", "seen"]) if rows else "the record is empty")
+    print(f"{len(problems)} problem keys to tune")
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    import time
+
+    from fp4select.api import selector
+    from fp4select.multi_gpu import DeviceError, warm_parallel
+
+    try:
+        plan = warm_plan(args)
+        devices = None if args.dry_run else warm_devices(args)
+    except (WarmUsageError, DeviceError) as exc:
+        print(f"warm: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print_plan(plan, args.json)
+        return 0
+    problems = plan["problems"]
+    if not problems:
+        print("warm: no FP4 problem keys to tune (see --dry-run for why)", file=sys.stderr)
+        return 1
+    sel = selector()
+    started = time.perf_counter()
+    if devices is not None:
+        show = not (args.quiet or args.json)
+
+        def progress(row: dict[str, Any]) -> None:
+            if show:
+                print(f"{row['problem']}: {row['winner']} ({row['source']}) on {row['device']}")
+
+        results, counters = warm_parallel(
+            problems,
+            devices,
+            store_root=sel.store.root,
+            isolation=sel.isolation,
+            timing=sel.timing,
+            progress=progress,
+        )
+        device = devices[0]
+    else:
+        device = parse_device(args.device)
+        quiet = args.quiet or args.json
+        bar = progress_bar(len(problems), "fp4select warm", "key", off=quiet)
+        results = []
+        try:
+            for problem in problems:
+                decision = sel.decide(problem, device)
+                results.append(
+                    {
+                        "problem": problem.describe(),
+                        "winner": decision.winner,
+                        "source": decision.source,
+                        "seconds": round(decision.tuning_seconds, 3),
+                        "why_none": "" if decision.winner else why_none(decision),
+                    }
+                )
+                if bar is not None:
+                    bar.update(1)
+                elif not quiet:  # no tqdm (it comes with flashinfer): plain lines
+                    print(f"{problem.describe()}: {decision.winner} ({decision.source})")
+        finally:
+            if bar is not None:
+                bar.close()
+        counters = sel.counters.as_dict()
+    wall = time.perf_counter() - started
+    failures = sum(1 for r in results if r["winner"] is None)
+    exported = None
+    if args.export:
+        try:
+            exported = sel.store.export_archive(args.export, environment_for(device)).entries
+        except (OSError, ValueError) as exc:
+            print(f"warm: --export {args.export} failed: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print_json(
+            {
+                "results": results,
+                "stats": counters,
+                "devices": [str(d) for d in devices] if devices else [str(device)],
+                "wall_seconds": round(wall, 3),
+                "exported": exported,
+            }
+        )
+    else:
+        rows = [
+            [r["problem"], r["winner"] or "NONE", r["source"], r.get("seconds", "-")]
+            + ([r.get("device") or "-"] if devices else [])
+            for r in results
+        ]
+        header = ["problem", "winner", "source", "tuning s"] + (["device"] if devices else [])
+        print(table(rows, header))
+        print(
+            f"{len(results)} keys in {wall:.1f} s" + (f" on {len(devices)} GPUs" if devices else "")
+        )
+        if exported is not None:
+            print(f"exported {exported} entries to {args.export}")
+        for r in results:
+            if r["winner"] is None and r.get("why_none"):
+                print(f"NONE for {r['problem']}: {r['why_none']}")
+    return 1 if failures else 0
+
+
+def why_none(decision: Any) -> str:
+    """Why no backend serves a key, in one line: each candidate's verdict, shortest first."""
+    reasons = sorted(
+        (f"{name} {v.status}: {v.reason}" for name, v in decision.verdicts.items()), key=len
+    )
+    return "; ".join(r[:120] for r in reasons[:4]) or "no backend is registered"
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from fp4select.api import explain
+
+    problem = Problem(
+        n=args.n,
+        k=args.k,
+        m_bucket=m_bucket(args.m),
+        out_dtype=args.out_dtype,
+        block_size=16 if args.format == "nvfp4" else 32,
+        use_nvfp4=args.format == "nvfp4",
+        a_sf_layout=args.a_sf_layout,
+        b_layout=args.b_layout,
+        alpha_kind=args.alpha,
+    )
+    record = explain(problem=problem, device=parse_device(args.device), tune=args.tune)
+    if args.json:
+        print_json(record)
+        return 0 if record.get("winner") else 1
+    print(f"problem: {problem.describe()}")
+    print(f"source:  {record['source']}")
+    if record.get("winner") is None and record["source"] == "none":
+        print("no decision yet (run with --tune, or `fp4select warm`)")
+        return 1
+    ranking = record.get("ranking") or {}
+    margin = ranking.get("margin")
+    print(
+        f"winner:  {record['winner']}"
+        + ("" if margin is None else f"  (runner-up {margin:+.1%} slower)")
+        + ("  [near-tie: preference order]" if ranking.get("tie_broken_by_preference") else "")
+    )
+    rows = []
+    for name, v in record["verdicts"].items():
+        t = record["timings"].get(name)
+        time_s = f"{t['median_us']:.2f} [{t['p10_us']:.2f}-{t['p90_us']:.2f}]" if t else "-"
+        tactic, why_untuned = tactic_summary(v)
+        reason = v.get("reason") or why_untuned
+        rows.append([name, v["status"], time_s, tactic, reason[:100]])
+    print(table(rows, ["backend", "verdict", "median us [p10-p90]", "tactic", "reason"]))
+    if record.get("method"):
+        print(f"timing:  {record['method']}")
+    return 0 if record.get("winner") else 1
+
+
+def tactic_summary(verdict: Mapping[str, Any]) -> tuple[str, str]:
+    """(the tactic cell, why it is untuned) for a verdict's JSON: the tactic the backend was
+    validated, timed and is served at, with its time at flashinfer's default tactic."""
+    detail = verdict.get("detail") or {}
+    record = detail.get("tactic")
+    if not isinstance(record, Mapping):
+        return "-", ""
+    if record.get("tactic") is None:
+        return "default", f"untuned: {record.get('reason') or '?'}"
+    cell = json.dumps(record["tactic"])
+    default = detail.get("default_timing")
+    if isinstance(default, Mapping) and default.get("median_us") is not None:
+        cell += f" (default {default['median_us']:.2f} us)"
+    return cell, ""

@@ -1,0 +1,269 @@
+"""Reports as data: what ``doctor`` and ``verify`` find, for the CLI to print and scripts to read.
+
+Design rules: a report function returns data (a dict or a dataclass whose ``to_json()`` is the
+``--json`` output) and prints nothing; the command line only formats it. A report reads the
+same store, registry and selector the library uses: nothing is re-implemented here. ``verify``
+tunes in its own selector over a scratch cache, so it never changes the caller's decisions or
+the process-wide selector.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import torch
+
+from fp4select._version import __version__
+from fp4select.keys import Problem, environment_for, m_bucket
+
+__all__ = [
+    "DEFAULT_VERIFY_SHAPES",
+    "VERIFY_BUCKETS",
+    "VERIFY_KINDS",
+    "BackendSummary",
+    "TacticRow",
+    "VerifyReport",
+    "doctor_report",
+    "signature_report",
+    "verify_problems",
+    "verify_report",
+]
+
+
+# -- doctor ------------------------------------------------------------------------------------
+def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[str, Any]:
+    """Everything doctor prints, as data (tests and --json read this).
+
+    ``what_if_cc`` asks the installed flashinfer about another GPU generation (say 100 for
+    B200) from any machine, the CPU included: the answers are flashinfer's own.
+    """
+    from fp4select.api import selector
+    from fp4select.backends import discover
+    from fp4select.backends import flashinfer as fi
+
+    env = environment_for(device)
+    if what_if_cc is not None:
+        env = dict(env, device="cuda", cc=what_if_cc, gpu=f"what-if SM{what_if_cc}", sm_count=None)
+    sel = selector()
+    registry = discover()
+    mm_fp4, why = fi.load()
+    listed = fi.listed_names(mm_fp4) if mm_fp4 is not None else []
+    rows = []
+    for name, backend in registry.backends.items():
+        reason = backend.unavailable_reason(env)
+        row = {
+            "backend": name,
+            "family": backend.family,
+            "available": reason is None,
+            "reason": reason or "",
+            "experimental": backend.experimental,
+        }
+        if backend.family == fi.FAMILY and mm_fp4 is not None:
+            ccs = fi.supported_ccs(mm_fp4, name)
+            row["flashinfer_supported_ccs"] = ccs
+        rows.append(row)
+    blacklist = sel.store.blacklist(env)
+    machine = {
+        "device": str(device),
+        "gpu": env.get("gpu"),
+        "cc": env.get("cc"),
+        "sm_count": env.get("sm_count"),
+    }
+    if device.type == "cpu":
+        machine["cuda_available"] = torch.cuda.is_available()
+    return {
+        "fp4select": __version__,
+        "machine": machine,
+        "environment": env,
+        "flashinfer": {
+            "listed_backends": listed,
+            "problem": why,
+            "signature": signature_report(mm_fp4),
+        },
+        "backends": rows,
+        "source_errors": registry.source_errors,
+        "cache": {
+            "root": str(sel.store.root),
+            "memory_only": sel.store.memory_only,
+            "isolation": sel.isolation,
+        },
+        "blacklist": blacklist,
+    }
+
+
+def signature_report(mm_fp4: Any) -> dict[str, Any]:
+    """How ``best_mm_fp4``'s parameters line up with the installed ``flashinfer.mm_fp4``'s.
+
+    A newer flashinfer may add a parameter: fp4select keeps working (it calls flashinfer
+    with the parameters both know), but a caller passing the new one gets a TypeError from
+    ``best_mm_fp4``, and this says so before it happens.
+    """
+    import inspect
+
+    from fp4select.api import best_mm_fp4
+
+    if mm_fp4 is None:
+        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+    try:
+        theirs = inspect.signature(mm_fp4).parameters
+    except (TypeError, ValueError):
+        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+    ours = inspect.signature(best_mm_fp4).parameters
+    missing = [name for name in theirs if name not in ours]
+    defaults = [
+        name
+        for name, param in theirs.items()
+        if name in ours and param.default is not inspect.Parameter.empty
+        and ours[name].default != param.default
+    ]  # fmt: skip
+    return {
+        "matches": not missing and not defaults,
+        "only_in_flashinfer": missing,
+        "different_defaults": defaults,
+    }
+
+
+# -- verify ------------------------------------------------------------------------------------
+# The problem kinds a deployment meets: plain NVFP4, trtllm-shuffled weights, MXFP4, fp16
+# output, per-token alpha. M buckets span decode to prefill, and include 3072, where one
+# release's backends returned zeros on one GPU.
+VERIFY_KINDS: tuple[dict[str, Any], ...] = (
+    {},
+    {"b_layout": "trtllm"},
+    {"use_nvfp4": False, "block_size": 32, "alpha_kind": "none"},
+    {"out_dtype": "float16"},
+    {"alpha_kind": "per_token"},
+)
+VERIFY_BUCKETS = (1, 16, 256, 3072)
+DEFAULT_VERIFY_SHAPES = ((4096, 4096),)
+# The statuses that count as a backend failing somewhere (unsupported is not a failure).
+_FAILURES = frozenset({"wrong", "error", "crash", "hang", "cuda-error", "oom"})
+
+
+def verify_problems(
+    shapes: Sequence[tuple[int, int]] = DEFAULT_VERIFY_SHAPES,
+    buckets: Sequence[int] = VERIFY_BUCKETS,
+) -> list[Problem]:
+    """Every problem ``verify`` tunes: each shape in each kind at each M."""
+    return [
+        Problem(n=n, k=k, m_bucket=m_bucket(m), **kind)
+        for n, k in shapes
+        for kind in VERIFY_KINDS
+        for m in buckets
+    ]
+
+
+class TacticRow(TypedDict):
+    """One passed problem of a backend that has tactics: the tactic served, tuned vs default."""
+
+    problem: str
+    tactic: Any  # the backend's own tactic value (JSON); None when it runs untuned
+    untuned_reason: str | None
+    tuned_us: float | None
+    default_us: float | None
+
+
+class BackendSummary(TypedDict):
+    """One backend over every problem verify tuned."""
+
+    statuses: dict[str, int]  # verdict status -> how many problems
+    worst_ratio: float  # its worst error over the validation bound, over every problem
+    wins: int  # problems it was chosen for
+    first_failure: str  # "" when it never failed
+    tactics: list[TacticRow]
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found: per backend, what held up; ``to_json()`` is the ``--json`` output."""
+
+    environment: dict[str, Any]
+    problems: int
+    undecided: list[str] = field(default_factory=list)  # problems no backend could serve
+    backends: dict[str, BackendSummary] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[str]:
+        """The backends that failed on at least one problem, in the order they were first seen."""
+        return [name for name, row in self.backends.items() if row["first_failure"]]
+
+    @property
+    def ok(self) -> bool:
+        """No backend failed anywhere and every problem has a winner (``verify`` exits 0)."""
+        return not self.failed and not self.undecided
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "environment": self.environment,
+            "problems": self.problems,
+            "undecided": list(self.undecided),
+            "backends": {name: dict(row) for name, row in self.backends.items()},
+            "failed": self.failed,
+        }
+
+    def add(self, decision: Any) -> None:
+        """Count one decision (a ``selector.Decision``) into the per-backend summary."""
+        for name, verdict in decision.verdicts.items():
+            row = self.backends.setdefault(
+                name,
+                BackendSummary(statuses={}, worst_ratio=0.0, wins=0, first_failure="", tactics=[]),
+            )
+            record = verdict.detail.get("tactic")
+            if verdict.passed and isinstance(record, Mapping):  # tuned vs default, per problem
+                tuned = decision.timings.get(name)
+                default = verdict.detail.get("default_timing") or {}
+                row["tactics"].append(
+                    TacticRow(
+                        problem=decision.problem.describe(),
+                        tactic=record.get("tactic"),
+                        untuned_reason=record.get("reason"),
+                        tuned_us=tuned.median_us if tuned else None,
+                        default_us=default.get("median_us"),
+                    )
+                )
+            row["statuses"][verdict.status] = row["statuses"].get(verdict.status, 0) + 1
+            if verdict.worst_ratio is not None:
+                row["worst_ratio"] = max(row["worst_ratio"], verdict.worst_ratio)
+            if verdict.status in _FAILURES and not row["first_failure"]:
+                row["first_failure"] = (
+                    f"{decision.problem.describe()}: {verdict.status} {verdict.reason}"[:160]
+                )
+        if decision.winner is None:
+            self.undecided.append(decision.problem.describe())
+        else:
+            self.backends[decision.winner]["wins"] += 1
+
+
+def verify_report(
+    device: torch.device,
+    problems: Sequence[Problem] | None = None,
+    *,
+    cache_dir: str | None = None,
+    on_decision: Callable[[Any], None] | None = None,
+) -> VerifyReport:
+    """Tune a spread of problems (``verify_problems()`` unless given) and say, per backend,
+    what held up.
+
+    Decisions go to ``cache_dir`` when given, else to a scratch folder removed afterwards,
+    through a selector of its own (the process-wide one is not touched). ``on_decision`` hears
+    each ``Decision`` as it is made: the command line moves its progress bar with it.
+    """
+    from fp4select.selector import Selector
+    from fp4select.store import Store
+
+    problems = list(problems) if problems is not None else verify_problems()
+    report = VerifyReport(environment=environment_for(device), problems=len(problems))
+    with tempfile.TemporaryDirectory(prefix="fp4select-verify-") as scratch:
+        sel = Selector(Store(cache_dir or scratch))
+        try:
+            for problem in problems:
+                decision = sel.decide(problem, device)
+                report.add(decision)
+                if on_decision is not None:
+                    on_decision(decision)
+        finally:
+            sel.close()
+    return report
