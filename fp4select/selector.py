@@ -591,11 +591,10 @@ class Selector:
     ) -> Runner:
         """A caller-named backend: refused if blacklisted, proven before it runs in this process."""
         env = environment_for(device)
-        registry = self.registry()
-        backend = registry.get(name)
+        backend = self.backend(name)
         if backend is None:
             raise ValueError(
-                f"backend must be 'auto' or one of {sorted(registry.backends)}, got {name!r}"
+                f"backend must be 'auto' or one of {sorted(self.registry().backends)}, got {name!r}"
             )
         entry = self.store.blacklist(env).get(name)
         if entry and not allow_blacklisted and _blacklist_applies(entry, problem):

@@ -128,7 +128,7 @@ FIRST_CALL = """
     from fp4select.validate import check, make_inputs
     problem = Problem(n=128, k=256, m_bucket=16)
     inputs = make_inputs(problem, 13, "cpu")
-    out = fp4select.best_mm_fp4(**inputs.kwargs(problem))
+    out = fp4select.best_mm_fp4(**inputs.kwargs(problem), backend=BACKEND)
     result = check(out, inputs, problem.torch_out_dtype)
     print(json.dumps({"flashinfer": "flashinfer" in sys.modules, "ok": result.ok,
                       "stats": fp4select.stats()}))
@@ -136,8 +136,9 @@ FIRST_CALL = """
 
 
 @pytest.mark.slow
-def test_first_call_from_a_warm_disk_cache_never_imports_flashinfer(warm_cache):
-    proc = _python(FIRST_CALL, warm_cache)
+@pytest.mark.parametrize("backend", ["auto", "emulation"])
+def test_first_call_from_a_warm_disk_cache_never_imports_flashinfer(warm_cache, backend):
+    proc = _python(FIRST_CALL.replace("BACKEND", repr(backend)), warm_cache)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["stats"]["disk_hits"] == 1 and report["stats"]["tunings"] == 0, report
@@ -149,7 +150,7 @@ def test_first_call_from_a_warm_disk_cache_never_imports_flashinfer(warm_cache):
 def test_a_cold_cache_still_discovers_flashinfer(tmp_path):
     """A miss lists every backend, flashinfer's from the installed flashinfer."""
     pytest.importorskip("flashinfer")
-    proc = _python(FIRST_CALL, tmp_path / "cold")
+    proc = _python(FIRST_CALL.replace("BACKEND", "'auto'"), tmp_path / "cold")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["stats"]["tunings"] == 1, report
