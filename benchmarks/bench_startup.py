@@ -55,7 +55,8 @@ from fp4select.keys import Problem
 from fp4select.validate import make_inputs
 problem = Problem(n=128, k=256, m_bucket=16)
 fp4select.best_mm_fp4(**make_inputs(problem, 13, "cpu").kwargs(problem))
-print("winner", fp4select.explain(problem=problem, device="cpu", tune=False)["winner"])
+winner = fp4select.explain(problem=problem, device="cpu", tune=False)["winner"]
+print("winner", winner, "by", fp4select.__file__)
 """
 
 # What each case runs after the interpreter; argv for ``python``.
@@ -92,10 +93,15 @@ def child_env(tree: Path, cache: Path) -> dict[str, str]:
 
 
 def run_case(tree: Path, cache: Path, argv: list[str]) -> dict[str, Any]:
-    """One fresh process: its wall time, and the child's own report where it prints one."""
+    """One fresh process: its wall time, and the child's own report where it prints one.
+
+    It runs in the cache's parent folder: ``python -c`` and ``-m`` put the working directory
+    first on the path, and this checkout's fp4select must not shadow the tree under test.
+    """
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, *argv],
+        cwd=cache.parent,
         env=child_env(tree, cache),
         capture_output=True,
         text=True,
@@ -131,6 +137,7 @@ def main() -> None:
         cache = scratch_dir / "cache"
         warm = subprocess.run(
             [sys.executable, "-c", WARM],
+            cwd=scratch_dir,
             env=child_env(before, cache),
             capture_output=True,
             text=True,
@@ -198,9 +205,9 @@ def main() -> None:
                 text=True,
                 check=True,
             ).stdout.strip(),
-            "after_has_uncommitted_changes": bool(
+            "after_fp4select_has_uncommitted_changes": bool(
                 subprocess.run(
-                    ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                    ["git", "-C", str(REPO), "status", "--porcelain", "--", "fp4select"],
                     capture_output=True,
                     text=True,
                     check=True,
