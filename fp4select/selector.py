@@ -16,6 +16,11 @@ Design rules:
   stale, so it gets its chance; so does a winner that can no longer run here.
 * While a CUDA graph is being captured nothing is tuned: a proven backend of the same shape
   (another bucket) or emulation serves, and the key is remembered for ``tune_pending``.
+* A disk hit whose winner is not flashinfer's is checked and bound without importing flashinfer
+  (seconds of start-up): the stored verdicts of flashinfer's backends were judged in this same
+  environment (its fingerprint holds flashinfer's version and the GPU), so only what can change
+  inside one environment is re-read (the experimental switch, the blacklist). Where that
+  cannot settle it, the full registry is discovered, flashinfer included.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 
 from fp4select import backends as registry_mod
 from fp4select._version import __version__
-from fp4select.backends import emulation
+from fp4select.backends import emulation, flashinfer_invariant
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
@@ -240,6 +245,8 @@ class Selector:
         self._lock = threading.RLock()
         self._registry: registry_mod.Registry | None = None
         self._registry_generation = -1
+        self._light: registry_mod.Registry | None = None
+        self._light_generation = -1
 
     # -- parts -----------------------------------------------------------------------------
     def registry(self, refresh: bool = False) -> registry_mod.Registry:
@@ -249,6 +256,34 @@ class Selector:
                 self._registry = registry_mod.discover()
                 self._registry_generation = generation
             return self._registry
+
+    def light_registry(self) -> registry_mod.Registry:
+        """Every backend but flashinfer's: what a disk hit can be checked against cheaply."""
+        with self._lock:
+            generation = registry_mod.generation()
+            if self._light is None or generation != self._light_generation:
+                self._light = registry_mod.discover(include_flashinfer=False)
+                self._light_generation = generation
+            return self._light
+
+    def _full_registry_current(self) -> bool:
+        with self._lock:
+            return (
+                self._registry is not None
+                and self._registry_generation == registry_mod.generation()
+            )
+
+    def backend(self, name: str) -> Backend | None:
+        """The backend called ``name``, importing flashinfer only when it may be flashinfer's.
+
+        A name flashinfer may own (its known backends, its batch-invariant class) is always
+        looked up in the full registry: flashinfer's backend shadows a plugin of the same name.
+        """
+        if not self._full_registry_current() and name not in _FLASHINFER_NAMES:
+            backend = self.light_registry().get(name)
+            if backend is not None:
+                return backend
+        return self.registry().get(name)
 
     def prober(self) -> Any:
         """The one prober of this selector: two threads must never start two sandbox workers."""
@@ -336,6 +371,8 @@ class Selector:
             return None
         if decision.problem != problem:
             return None
+        if self._fresh_without_flashinfer(env, problem, decision):
+            return decision
         registry = self.registry()
         runnable, _ = self.candidates(problem, env, registry)
         new = {b.name for b in runnable} - set(decision.considered)
@@ -354,6 +391,44 @@ class Selector:
             )
             return None
         return decision
+
+    def _fresh_without_flashinfer(
+        self, env: Mapping[str, Any], problem: Problem, decision: Decision
+    ) -> bool:
+        """True when ``decision`` is fresh and its winner runs here, told without flashinfer.
+
+        False means "cannot tell cheaply", never "stale": the caller then runs the full check.
+        The stored verdicts of backends outside the light registry (flashinfer's, or a plugin
+        since removed) were reached in this environment, whose fingerprint holds flashinfer's
+        version, the CUDA and library versions and the GPU: only the experimental switch and
+        the blacklist can change inside it, and those are read again here.
+        """
+        if self._full_registry_current() or decision.winner in _FLASHINFER_NAMES:
+            return False  # flashinfer is loaded already, or it must be loaded to serve
+        light = self.light_registry()
+        if decision.winner not in light.backends:
+            return False
+        runnable, _ = self.candidates(problem, env, light)
+        names = {b.name for b in runnable}
+        if decision.winner not in names or names - set(decision.considered):
+            return False
+        if env.get("device") != "cuda":
+            return True  # flashinfer's kernels need a CUDA GPU: none of them can compete here
+        others = {n: v for n, v in decision.verdicts.items() if n not in light.backends}
+        if not others and env.get("flashinfer") is not None:
+            return False  # installed but listed nothing then (a failed import?): ask it now
+        blacklist = self.store.blacklist(env)
+        allowed = flashinfer_backends.experimental_allowed()
+        for name, verdict in others.items():
+            entry = blacklist.get(name)
+            if verdict.status == "blacklisted" and not (
+                entry and _blacklist_applies(entry, problem)
+            ):
+                return False  # its blacklisting was cleared since: it may compete now
+            experimental = flashinfer_backends.EXPERIMENTAL_ENV in verdict.reason
+            if verdict.status == "unavailable" and experimental and allowed:
+                return False  # experimental backends were allowed since: it may compete now
+        return True
 
     def decisions(self, env: Mapping[str, Any]) -> list[Decision]:
         """The decisions this process holds for ``env`` (what ranks compare and share)."""
@@ -471,7 +546,7 @@ class Selector:
             raise NoCorrectBackendError(
                 f"no backend is correct for {decision.problem.describe()}: {reasons}"
             )
-        backend = self.registry().get(decision.winner)
+        backend = self.backend(decision.winner)
         if backend is None:
             raise NoCorrectBackendError(
                 f"backend {decision.winner!r} chosen earlier is not registered here"
@@ -502,7 +577,7 @@ class Selector:
                 if d.env == env and d.winner and _same_shape_class(d.problem, problem)
             ]
         for d in sorted(proven, key=lambda d: abs(d.problem.m_bucket - problem.m_bucket)):
-            backend = self.registry().get(d.winner)  # type: ignore[arg-type]
+            backend = self.backend(d.winner)  # type: ignore[arg-type]
             if backend is not None:
                 return backend.dispatcher(problem), d.winner  # type: ignore[return-value]
         if self.isolation == "inprocess":
@@ -516,11 +591,10 @@ class Selector:
     ) -> Runner:
         """A caller-named backend: refused if blacklisted, proven before it runs in this process."""
         env = environment_for(device)
-        registry = self.registry()
-        backend = registry.get(name)
+        backend = self.backend(name)
         if backend is None:
             raise ValueError(
-                f"backend must be 'auto' or one of {sorted(registry.backends)}, got {name!r}"
+                f"backend must be 'auto' or one of {sorted(self.registry().backends)}, got {name!r}"
             )
         entry = self.store.blacklist(env).get(name)
         if entry and not allow_blacklisted and _blacklist_applies(entry, problem):
@@ -554,6 +628,11 @@ class Selector:
                     return done
                 problem, device = self.pending.pop()
             done.append(self.decide(problem, torch.device(device)))
+
+
+# Names flashinfer's backends take (as of the newest tested release). A backend of one of these
+# names is looked up with flashinfer loaded, since flashinfer's shadows a plugin's of that name.
+_FLASHINFER_NAMES = frozenset({*flashinfer_backends.KNOWN, flashinfer_invariant.NAME})
 
 
 def _same_shape_class(a: Problem, b: Problem) -> bool:
