@@ -22,7 +22,9 @@ Design rules:
   a 16.0 never matches a valid call's key and is checked (and refused) every time. The common
   all-default flags cost six ``is`` tests.
 * A call that fails inside the backend is checked in full before its error propagates.
-  ``FP4SELECT_CHECK=always`` re-checks every call.
+  The ``check="always"`` setting (``FP4SELECT_CHECK=always``, ``configure(check="always")``)
+  re-checks every call; it is read into a module global when the process-wide selector is
+  made, so the warm path pays one global load for it, not a settings lookup.
 * A miss while a CUDA graph is being captured never tunes (tuning syncs and allocates): a
   fallback serves the capture, and the key is tuned on the next eager call or by
   ``tune_pending()``.
@@ -35,13 +37,13 @@ from typing import Any, Literal
 import torch
 
 from fp4select import record as _record
+from fp4select import settings as settings_mod
 from fp4select import tensor_guard
 from fp4select.keys import B_LAYOUTS, INVARIANT_BUCKET, OUT_DTYPES, Problem, m_bucket
 from fp4select.selector import Decision, Selector
-from fp4select.store import Store
+from fp4select.settings import Settings
 from fp4select.timing import TimingOptions
 
-CHECK_ENV = "FP4SELECT_CHECK"
 _FP4_DTYPES = tuple(
     d for d in (torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None
 )
@@ -63,31 +65,67 @@ _NO_OUT = torch.empty(0)
 
 
 _selector: Selector | None = None
-_always_check = os.environ.get(CHECK_ENV, "").strip().lower() == "always"
+# The process-wide selector's ``check == "always"``: set with the selector, read per miss.
+_always_check = False
 
 
 def selector() -> Selector:
-    """The process-wide selector, created on first use from the environment variables."""
-    global _selector
+    """The process-wide selector, created on first use from the process-wide settings."""
+    global _selector, _always_check
     if _selector is None:
         with _table_lock:
             if _selector is None:
-                _selector = Selector()
+                made = Selector(settings=settings_mod.current())
+                _always_check = made.settings.check == "always"
+                _selector = made
     return _selector
 
 
 def configure(
     *,
-    cache_dir: str | os.PathLike | None = None,
+    settings: Settings | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     isolation: Literal["subprocess", "inprocess"] | None = None,
     timing: TimingOptions | None = None,
+    time_budget_s: float | None = None,
+    probe_timeout_s: float | None = None,
+    worker_idle_s: float | None = None,
+    blacklist_scope: Literal["environment", "key"] | None = None,
+    experimental: bool | None = None,
+    check: Literal["first", "always"] | None = None,
+    tactics: Literal["tune", "default"] | None = None,
+    record: str | os.PathLike[str] | None = None,
 ) -> Selector:
-    """Replace the process-wide selector (and forget bound runners); returns the new one."""
-    global _selector
+    """Replace the process-wide settings and selector (and forget bound runners).
+
+    The settings are ``settings``, or else read from the environment now, with every keyword
+    given (not None) written over them; they become ``fp4select.settings.current()`` and reach
+    the sandbox's children. ``timing`` replaces the whole ``TimingOptions`` (``time_budget_s``
+    only its budget). Returns the new selector.
+    """
+    global _selector, _always_check
+    changes = {
+        "cache_dir": cache_dir,
+        "isolation": isolation,
+        "time_budget_s": time_budget_s,
+        "probe_timeout_s": probe_timeout_s,
+        "worker_idle_s": worker_idle_s,
+        "blacklist_scope": blacklist_scope,
+        "experimental": experimental,
+        "check": check,
+        "tactics": tactics,
+        "record": record,
+    }
+    base = settings if settings is not None else Settings.from_env()
+    if not isinstance(base, Settings):
+        raise TypeError(f"settings must be a fp4select.Settings, got {type(base).__name__}")
+    chosen = base.replace(**{k: v for k, v in changes.items() if v is not None})
     with _table_lock:
         if _selector is not None:
             _selector.close()
-        _selector = Selector(Store(cache_dir), isolation=isolation, timing=timing)
+        settings_mod.use(chosen)
+        _selector = Selector(timing=timing, settings=chosen)
+        _always_check = chosen.check == "always"
         _forget_all()
     return _selector
 

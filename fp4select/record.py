@@ -34,12 +34,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fp4select import settings
 from fp4select.keys import Problem
 from fp4select.store import SCHEMA_VERSION
 
 __all__ = ["RECORD_ENV", "RecordWarning", "note", "read_record", "record_line"]
 
-RECORD_ENV = "FP4SELECT_RECORD"
+RECORD_ENV = "FP4SELECT_RECORD"  # read by fp4select.settings; named in warnings
 FORMAT_VERSION = 1
 _TAG = "fp4select_record"
 _MAX_LINE = 64 << 10
@@ -101,9 +102,10 @@ def _disable(why: str) -> None:
 def note(problem: Problem) -> None:
     """Append ``problem`` to ``$FP4SELECT_RECORD`` the first time this process meets it.
 
-    Called by the miss path of ``best_mm_fp4``; does nothing when the variable is unset.
+    Called by the miss path of ``best_mm_fp4``; does nothing when the ``record`` setting
+    (``FP4SELECT_RECORD``, or ``configure(record=...)``) is unset.
     """
-    path = os.environ.get(RECORD_ENV)
+    path = settings.current().record
     if not path:
         return
     with _lock:

@@ -10,7 +10,8 @@ Design rules:
 * A CUDA fault is sticky: the process that saw it can never use the GPU again. So every
   unproven candidate runs in a worker child; the caller's process runs a backend only after it
   was proven there. One worker per device is reused across keys; it is shut down after
-  ``FP4SELECT_WORKER_IDLE_S`` idle seconds (default 120), at ``close()`` and at exit.
+  ``worker_idle_s`` idle seconds (``FP4SELECT_WORKER_IDLE_S``, default 120), at ``close()``
+  and at exit.
 * Only plain data crosses: backends registered at runtime go as an importable
   ``module:qualname`` spec. A backend whose functions cannot be named that way gets an
   ``error`` verdict here; nothing is spawned for it.
@@ -21,7 +22,8 @@ Design rules:
   kept in the verdict detail of the backend that was running.
 * Blame needs a reproduction. The child says what it is about to run before it runs it
   (``run`` events). When it dies (``crash``), stops reporting (``hang``: no event for
-  ``FP4SELECT_PROBE_TIMEOUT_S`` seconds, default 600, since a JIT compile can take minutes) or
+  ``probe_timeout_s`` seconds, ``FP4SELECT_PROBE_TIMEOUT_S``, default 600, since a JIT compile
+  can take minutes) or
   reports a CUDA error, the backend of the last ``run`` event is only the first suspect: a fault
   can be fired late by another candidate (a thread, an asynchronous kernel). The suspect, then
   every other candidate that ran in that child, most recent first, is re-run alone in a fresh
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ from typing import Any
 
 import torch
 
+from fp4select import settings as settings_mod
 from fp4select.backends import discover
 from fp4select.backends.base import Backend, NotImportableError
 from fp4select.backends.emulation import NAME as EMULATION
@@ -64,36 +66,18 @@ from fp4select.sandbox_attempt import (
 )
 from fp4select.sandbox_process import WorkerPool
 from fp4select.sandbox_worker import PROTOCOL_FD_ENV
+from fp4select.settings import Settings
 
 __all__ = [
-    "IDLE_ENV",
-    "PROBE_TIMEOUT_ENV",
     "PROTOCOL_FD_ENV",
     "SandboxProber",
     "scaled_timeout_s",
 ]
 
-PROBE_TIMEOUT_ENV = "FP4SELECT_PROBE_TIMEOUT_S"
-IDLE_ENV = "FP4SELECT_WORKER_IDLE_S"
-DEFAULT_PROBE_TIMEOUT_S = 600.0
-DEFAULT_IDLE_S = 120.0
 # How long a candidate re-run alone is watched after its last step, for faults fired late.
 ALONE_LINGER_S = 1.0
 # Protocol failures while one backend runs before it gets an "error" verdict for the key.
 PROTOCOL_STRIKES = 2
-
-
-def _env_seconds(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or not value.strip():
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    if not seconds > 0 or not math.isfinite(seconds):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 def _is_builtin(backend: Backend) -> bool:
@@ -110,13 +94,17 @@ class SandboxProber:
         timeout_s: float | None = None,
         idle_s: float | None = None,
         linger_s: float = ALONE_LINGER_S,
+        settings: Settings | None = None,
     ) -> None:
-        self.timeout_s = timeout_s or _env_seconds(PROBE_TIMEOUT_ENV, DEFAULT_PROBE_TIMEOUT_S)
-        self.idle_s = idle_s or _env_seconds(IDLE_ENV, DEFAULT_IDLE_S)
+        # What is not given comes from ``settings`` (by default the process-wide ones), which
+        # also reach the worker children as their environment variables.
+        self.settings = settings if settings is not None else settings_mod.current()
+        self.timeout_s = timeout_s or self.settings.probe_timeout_s
+        self.idle_s = idle_s or self.settings.worker_idle_s
         if not (math.isfinite(linger_s) and linger_s >= 0):
             raise ValueError(f"linger_s must be a finite number >= 0, got {linger_s!r}")
         self.linger_s = linger_s
-        self._pool = WorkerPool(self.idle_s)
+        self._pool = WorkerPool(self.idle_s, self.settings)
         self._requests = itertools.count(1)
 
     # -- workers ----------------------------------------------------------------------------

@@ -16,7 +16,9 @@ Design rules:
   ``-P`` (Python 3.11+) and a bootstrap that drops a leading ``''`` from ``sys.path``. Its
   environment is the caller's (same ``CUDA_VISIBLE_DEVICES`` mapping) with the caller's real
   ``sys.path`` entries added to ``PYTHONPATH`` (not ``''``), so the plugins the caller imported
-  from a named directory, and test modules, are importable in the child too.
+  from a named directory, and test modules, are importable in the child too; and with the
+  pool's ``Settings`` written over the ``FP4SELECT_*`` variables, so what ``configure()`` set
+  (the experimental switch, the tactic mode) holds in the child as well.
 * The child's stderr goes to a file, not a pipe: nobody has to drain it, and a dead child's last
   words stay readable for the verdict's detail.
 """
@@ -39,6 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp4select.sandbox_protocol import MAX_LINE_BYTES, OutOfStep, parse
+from fp4select.settings import Settings
 
 __all__ = ["START_TIMEOUT_S", "Worker", "WorkerPool", "death"]
 
@@ -62,8 +65,14 @@ def child_command() -> list[str]:
     return [sys.executable, *safe_path, "-c", _BOOTSTRAP]
 
 
-def child_environment() -> dict[str, str]:
+def child_environment(settings: Settings | None = None) -> dict[str, str]:
+    """The caller's environment, ``settings`` as variables, and the caller's ``sys.path``."""
     env = dict(os.environ)
+    for name, value in (settings.to_env() if settings is not None else {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     # '' means "the working directory, whatever it is": never hand that to the child.
     paths = [os.path.abspath(p) for p in sys.path if isinstance(p, str) and p]
     paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -86,7 +95,7 @@ def death(returncode: int) -> tuple[str, dict[str, Any]]:
 class Worker:
     """One child process and the parent's end of its pipes."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, settings: Settings | None = None) -> None:
         self.device = device
         # A file, not a pipe: nobody has to drain it, and a dead child's last words stay.
         self.stderr = tempfile.TemporaryFile(prefix="fp4select-sandbox-")  # noqa: SIM115
@@ -95,7 +104,7 @@ class Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
-            env=child_environment(),
+            env=child_environment(settings),
             start_new_session=True,  # its own process group: ended with every helper in it
             bufsize=0,
         )
@@ -262,8 +271,9 @@ if hasattr(os, "register_at_fork"):
 class WorkerPool:
     """The live worker of each device key, one lock per key; see the module docstring."""
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(self, idle_s: float, settings: Settings | None = None) -> None:
         self.idle_s = idle_s
+        self.settings = settings  # written into each worker's environment
         self.workers: dict[str, Worker] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -281,7 +291,7 @@ class WorkerPool:
             self.retire(key)
             worker = None
         if worker is None:
-            worker = self.workers[key] = Worker(key)
+            worker = self.workers[key] = Worker(key, self.settings)
         return worker
 
     def retire(self, key: str) -> None:

@@ -9,8 +9,9 @@ Design rules:
   blacklisted for this environment. Every excluded one gets a verdict with the reason, so
   ``explain`` can say why a backend was never tried.
 * Verdicts that mean the process died or its CUDA context broke (crash, hang, cuda-error)
-  blacklist the backend for the whole environment (``FP4SELECT_BLACKLIST_SCOPE=key`` narrows
-  it to the key); wrong numbers, OOM and errors only reject it for this key (kept in the entry).
+  blacklist the backend for the whole environment (the setting ``blacklist_scope="key"``,
+  ``FP4SELECT_BLACKLIST_SCOPE=key``, narrows it to the key); wrong numbers, OOM and errors
+  only reject it for this key (kept in the entry).
 * An entry names the backends that competed for it. One that could compete now but did not
   then (a new plugin, an experimental backend allowed, a blacklisting cleared) makes the entry
   stale, so it gets its chance; so does a winner that can no longer run here.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import math
-import os
 import threading
 import time
 import warnings
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from fp4select import backends as registry_mod
+from fp4select import settings as settings_mod
 from fp4select._version import __version__
 from fp4select.backends import emulation, flashinfer_invariant
 from fp4select.backends import flashinfer as flashinfer_backends
@@ -54,15 +55,13 @@ from fp4select.probe import (
     is_number,
     need,
 )
+from fp4select.settings import Settings
 from fp4select.store import CacheWarning, Store, digest
 from fp4select.timing import Timing, TimingOptions, rank
 
 log = logging.getLogger("fp4select")
 
-ISOLATION_ENV = "FP4SELECT_ISOLATION"
-BLACKLIST_SCOPE_ENV = "FP4SELECT_BLACKLIST_SCOPE"
-TIME_BUDGET_ENV = "FP4SELECT_TIME_BUDGET_S"
-ISOLATIONS = ("subprocess", "inprocess")
+ISOLATIONS = settings_mod.ISOLATIONS
 # Never blacklisted beyond one key, and never by an imported archive: every supported problem
 # must keep a correct answer.
 PROTECTED_BACKENDS = frozenset({emulation.NAME})
@@ -78,23 +77,6 @@ class NoCorrectBackendError(RuntimeError):
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def default_isolation() -> str:
-    value = os.environ.get(ISOLATION_ENV, "subprocess").strip().lower()
-    if value not in ISOLATIONS:
-        raise ValueError(f"{ISOLATION_ENV} must be one of {ISOLATIONS}, got {value!r}")
-    return value
-
-
-def default_timing() -> TimingOptions:
-    budget = os.environ.get(TIME_BUDGET_ENV)
-    if budget is None:
-        return TimingOptions()
-    try:
-        return TimingOptions(budget_s=float(budget))
-    except ValueError:
-        raise ValueError(f"{TIME_BUDGET_ENV} must be a number of seconds, got {budget!r}") from None
 
 
 @dataclass
@@ -231,12 +213,15 @@ class Selector:
         isolation: str | None = None,
         timing: TimingOptions | None = None,
         lock_timeout: float = 3600.0,
+        settings: Settings | None = None,
     ) -> None:
-        self.store = store if store is not None else Store()
-        self.isolation = isolation or default_isolation()
+        # What is not given comes from ``settings``, by default the process-wide ones.
+        self.settings = settings if settings is not None else settings_mod.current()
+        self.store = store if store is not None else Store(self.settings.cache_dir)
+        self.isolation = isolation or self.settings.isolation
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
-        self.timing = timing or default_timing()
+        self.timing = timing or TimingOptions(budget_s=self.settings.time_budget_s)
         self.lock_timeout = lock_timeout
         self.counters = Counters()
         self.pending: set[tuple[Problem, str]] = set()
@@ -294,7 +279,7 @@ class Selector:
                 else:
                     from fp4select.sandbox import SandboxProber
 
-                    self._prober = SandboxProber()
+                    self._prober = SandboxProber(settings=self.settings)
             return self._prober
 
     def close(self) -> None:
@@ -519,7 +504,7 @@ class Selector:
         return self.prober().probe(problem, runnable, device, options)
 
     def _record_fatal(self, env: Mapping[str, Any], problem: Problem, result: ProbeResult) -> None:
-        scope = os.environ.get(BLACKLIST_SCOPE_ENV, "environment").strip().lower()
+        scope = self.settings.blacklist_scope
         for name, verdict in result.verdicts.items():
             if verdict.status not in FATAL_STATUSES:
                 continue

@@ -48,3 +48,13 @@ def injected_timings(monkeypatch):
 
     use()
     return use
+
+
+@pytest.fixture(autouse=True)
+def _settings_from_environment():
+    """Each test reads the process-wide settings from its own environment, on first use."""
+    from fp4select import settings
+
+    settings.use(None)
+    yield
+    settings.use(None)

@@ -27,6 +27,7 @@ from flashinfer.autotuner import AutoTuner, TunableRunner
 from packaging.version import Version
 
 import fp4select
+from fp4select import settings
 from fp4select.backends import flashinfer as fi_backends
 from fp4select.backends import flashinfer_tactics as tactics
 from fp4select.keys import M_BUCKETS, Problem, m_bucket
@@ -282,9 +283,10 @@ def test_tactics_env_turns_tuning_off_and_names_itself_when_wrong(monkeypatch, c
     assert record["tactic"] is None and record["reason"] == "FP4SELECT_TACTICS=default"
     assert tb.profiled == [] and tb.ran == []
     monkeypatch.setenv(tactics.TACTICS_ENV, "fastest")
+    settings.use(None)  # read once per process: read the environment again
     with caplog.at_level("ERROR", logger="fp4select"):
         record = tactics.tune(tb.BACKEND.runner(PROBLEM), PROBLEM, _args(16))
-    why = "FP4SELECT_TACTICS must be 'tune' or 'default', got 'fastest'"
+    why = "FP4SELECT_TACTICS must be one of ('tune', 'default'), got 'fastest'"
     assert record["tactic"] is None and record["reason"].startswith(why)
     assert why in caplog.text and tb.profiled == []
 

@@ -34,13 +34,7 @@ from fp4select.backends import discover
 from fp4select.backends.base import Backend, Capabilities
 from fp4select.keys import Problem, environment_for
 from fp4select.probe import FATAL_STATUSES, ProbeOptions
-from fp4select.sandbox import (
-    IDLE_ENV,
-    PROBE_TIMEOUT_ENV,
-    PROTOCOL_STRIKES,
-    SandboxProber,
-    scaled_timeout_s,
-)
+from fp4select.sandbox import PROTOCOL_STRIKES, SandboxProber, scaled_timeout_s
 from fp4select.timing import TimingOptions
 from fp4select.validate import check, make_inputs
 
@@ -48,6 +42,8 @@ HERE = Path(__file__).parent
 PROBLEM = Problem(n=32, k=64, m_bucket=8)  # validation at M = 5, 7, 8
 TIMING = TimingOptions(budget_s=0.05, min_rounds=2)
 HANG_TIMEOUT_S = "3"
+PROBE_TIMEOUT_ENV = "FP4SELECT_PROBE_TIMEOUT_S"
+IDLE_ENV = "FP4SELECT_WORKER_IDLE_S"
 CPU_ENV = environment_for(torch.device("cpu"))
 
 HEALTHY = ("good", "stdout_noise", "slow_good")  # plus the built-in emulation
@@ -519,7 +515,8 @@ def test_a_worker_that_cannot_start_fails_every_candidate_without_blame(monkeypa
 
 
 def test_blacklist_scope_key_condemns_the_crashing_key_only(sandboxed, monkeypatch):
-    monkeypatch.setenv("FP4SELECT_BLACKLIST_SCOPE", "key")
+    keyed = sandboxed.selector.settings.replace(blacklist_scope="key")
+    monkeypatch.setattr(sandboxed.selector, "settings", keyed)
     sandboxed.register("crash_at_one_m", "good")
     first = fp4select.explain(problem=PROBLEM, device="cpu")
     assert first["verdicts"]["crash_at_one_m"]["status"] == "crash"

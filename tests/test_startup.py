@@ -21,6 +21,7 @@ import torch
 
 import fp4select
 from fp4select import backends as registry_mod
+from fp4select import settings
 from fp4select.backends import flashinfer as fi
 from fp4select.keys import Problem, environment
 from fp4select.probe import Verdict
@@ -212,6 +213,7 @@ def on_gpu(monkeypatch):
 
     monkeypatch.setattr(selector_mod, "environment_for", lambda device: GPU_ENV)
     monkeypatch.delenv(fi.EXPERIMENTAL_ENV, raising=False)
+    settings.use(None)
 
 
 def _store_decision(
@@ -269,6 +271,7 @@ def test_an_experimental_backend_allowed_since_gets_its_chance(
     assert Selector(store, isolation="inprocess").lookup(problem, CPU) is not None
     assert loads == []
     monkeypatch.setenv(fi.EXPERIMENTAL_ENV, "1")
+    settings.use(None)  # the settings are read once per process: read the environment again
     assert Selector(store, isolation="inprocess").lookup(problem, CPU) is None  # stale: retune
     assert loads
 

@@ -25,11 +25,11 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import os
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+from fp4select import settings
 from fp4select.backends import flashinfer_tactics
 from fp4select.backends.base import Backend, Capabilities, Runner
 from fp4select.keys import Problem
@@ -37,7 +37,7 @@ from fp4select.keys import Problem
 FAMILY = "flashinfer"
 # Compute capabilities to ask flashinfer about, to say *where* a backend would run.
 KNOWN_CCS = (75, 80, 86, 87, 89, 90, 100, 103, 107, 110, 120, 121)
-EXPERIMENTAL_ENV = "FP4SELECT_EXPERIMENTAL"
+EXPERIMENTAL_ENV = "FP4SELECT_EXPERIMENTAL"  # named in reasons, which selector.py reads back
 
 _PLAIN = frozenset({"plain"})
 _128 = frozenset({"128x4"})
@@ -135,7 +135,8 @@ def supported_ccs(mm_fp4: Any, name: str) -> list[int] | None:
 
 
 def experimental_allowed() -> bool:
-    return os.environ.get(EXPERIMENTAL_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """The process-wide ``experimental`` setting (``FP4SELECT_EXPERIMENTAL``, ``configure()``)."""
+    return settings.current().experimental
 
 
 def _availability(name: str, modules: tuple[str, ...]):

@@ -59,7 +59,6 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ from typing import Any
 
 import torch
 
+from fp4select import settings as settings_mod
 from fp4select.backends.base import Runner
 from fp4select.keys import Problem
 from fp4select.timing import MIN_TIE_TOLERANCE
@@ -333,11 +333,12 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
     errors propagate (the probe classifies them); other tuning failures become a reason and the
     backend is timed at its default tactic.
     """
-    mode = os.environ.get(TACTICS_ENV, "tune").strip().lower() or "tune"
-    if mode not in ("tune", "default"):
+    try:
+        mode = settings_mod.current().tactics
+    except ValueError as exc:  # a bad variable in this process's environment
         # Raised here it would read as "unsupported" for every backend (flashinfer's checks
         # raise ValueError): say it in each record and the log instead, and tune nothing.
-        why = f"{TACTICS_ENV} must be 'tune' or 'default', got {mode!r}; not tuned"
+        why = f"{exc}; not tuned"
         if why not in _warned:
             _warned.add(why)
             log.error(why)
