@@ -163,19 +163,18 @@ def finish(
 
 
 def test_store_is_the_lowest_layer() -> None:
-    tree = ast.parse(Path(store_module_file()).read_text("utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "store.py must not import from its own package"
-            assert not (node.module or "").startswith("fp4select")
-        elif isinstance(node, ast.Import):
-            assert not any(alias.name.startswith("fp4select") for alias in node.names)
-
-
-def store_module_file() -> str:
     import fp4select.store
 
-    return fp4select.store.__file__
+    files = sorted(Path(fp4select.store.__file__).parent.glob("*.py"))
+    assert len(files) > 1
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text("utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                # Relative imports stay inside fp4select/store; level 2 would leave it.
+                assert node.level in (0, 1), f"{file.name} imports from outside the store"
+                assert not (node.module or "").startswith("fp4select"), file.name
+            elif isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("fp4select") for alias in node.names)
 
 
 def test_default_root_uses_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -1377,16 +1376,16 @@ def test_exclusive_write_never_replaces_a_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
 ) -> None:
     # The check in export_archive can race a file created just after it; the write cannot.
-    from fp4select import store as store_module
+    from fp4select.store._jsonfile import atomic_write
 
     if not hard_links:  # a file system without them takes the O_EXCL path
         monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(PermissionError()))
     taken = tmp_path / "taken"
     taken.write_text("first")
     with pytest.raises(FileExistsError):
-        store_module._atomic_write(taken, b"second", replace=False)
+        atomic_write(taken, b"second", replace=False)
     assert taken.read_text() == "first"
-    store_module._atomic_write(tmp_path / "free", b"new", replace=False)
+    atomic_write(tmp_path / "free", b"new", replace=False)
     assert (tmp_path / "free").read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["free", "taken"]
 
@@ -1432,7 +1431,7 @@ def test_import_into_a_failing_disk_counts_what_stayed_in_memory(
 def test_import_reads_only_a_regular_file_of_bounded_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
 ) -> None:
-    from fp4select import store as store_module
+    from fp4select.store import archive as archive_module
 
     archive = tmp_path / "a.json"
     if what == "directory":
@@ -1440,7 +1439,7 @@ def test_import_reads_only_a_regular_file_of_bounded_size(
         match = "it is a directory, not a regular file"
     else:
         archive.write_bytes(_archive())
-        monkeypatch.setattr(store_module, "_MAX_ARCHIVE_BYTES", 100)
+        monkeypatch.setattr(archive_module, "_MAX_ARCHIVE_BYTES", 100)
         match = "larger than 100 bytes"
     with pytest.raises(ValueError, match=match):
         Store(tmp_path / "cache").import_archive(archive)
