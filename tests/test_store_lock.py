@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import filelock
@@ -224,3 +226,150 @@ def test_pyproject_requires_a_filelock_that_does_not_follow_symlinks() -> None:
     # 3.20.1: UnixFileLock opens with O_NOFOLLOW; 3.20.3: SoftFileLock too (CVE-2026-22701).
     assert not spec.contains("3.20.2") and spec.contains("3.20.3")
     assert spec.contains(Version(filelock.__version__))
+
+
+def test_a_lock_file_planted_after_first_use_is_refused_too(store: Store, tmp_path: Path) -> None:
+    # This process keeps one FileLock per path; the lock file is checked at every outermost
+    # acquisition, not only when that FileLock was made.
+    with store.lock(ENV, KEY, timeout=5):
+        pass
+    lock_path = store.env_dir(ENV) / "locks" / f"{digest(KEY)}.lock"
+    precious = tmp_path / "precious"
+    precious.write_text("someone's data\n")
+    lock_path.unlink()
+    os.link(precious, lock_path)
+    with one_cache_warning("hard link"), store.lock(ENV, KEY, timeout=5):
+        assert store.write_entry(ENV, KEY, RECORD) is True
+    assert precious.read_text() == "someone's data\n"
+
+
+# --------------------------------------------------------------------------- fork
+
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+# The warning Python 3.12+ gives for a fork beside other threads is the very case tested here.
+fork_beside_threads = pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+
+
+def wait_child(pid: int, limit: float = 60.0) -> int:
+    """The exit code of a forked child; kills it if it hangs (a deadlock is a failure)."""
+    deadline = time.monotonic() + limit
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return -9
+        time.sleep(0.01)
+
+
+def forked(body: Callable[[], int]) -> int:
+    """Run ``body`` in a forked child and return its exit code (5: it raised)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 5
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    return wait_child(pid)
+
+
+def times_out(store: Store, key: dict, timeout: float = 0.3) -> bool:
+    try:
+        with store.lock(ENV, key, timeout=timeout):
+            return False
+    except filelock.Timeout:
+        return True
+
+
+@contextlib.contextmanager
+def held_by_another_thread(store: Store) -> Iterator[None]:
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with store.lock(ENV, KEY):
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        yield
+    finally:
+        release.set()
+        thread.join()
+
+
+@needs_fork
+@fork_beside_threads
+def test_child_forked_while_another_thread_holds_a_lock_waits_for_the_parent(
+    store: Store, tmp_path: Path
+) -> None:
+    waiting = tmp_path / "child waiting"
+
+    def child() -> int:
+        if times_out(store, KEY2, timeout=5):  # other keys are free, nothing is stuck
+            return 10
+        if times_out(store, KEY):  # the parent holds KEY: the child must wait like any process
+            waiting.touch()
+            with store.lock(ENV, KEY, timeout=30):  # and gets it once the parent lets go
+                return 0
+        return 11
+
+    with held_by_another_thread(store):
+        pid = os.fork()
+        if pid == 0:
+            code = 5
+            try:
+                code = child()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while not waiting.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert wait_child(pid) == 0
+
+
+@needs_fork
+@fork_beside_threads
+def test_memory_only_lock_held_by_another_thread_is_not_inherited(tmp_path: Path) -> None:
+    (tmp_path / "cache").write_text("a file where the cache root should be")
+    store = Store(tmp_path / "cache")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with store.lock(ENV, KEY, timeout=1):
+            pass
+    assert store.memory_only  # only the per-process lock is left
+    with held_by_another_thread(store):
+        assert times_out(store, KEY)  # threads of this process are still serialized
+        # In the child, no thread holds anything: the parent's thread is not there.
+        assert forked(lambda: 0 if not times_out(store, KEY, timeout=5) else 12) == 0
+
+
+@needs_fork
+@fork_beside_threads
+def test_child_forked_inside_a_lock_neither_holds_it_nor_releases_it(store: Store) -> None:
+    pid, code, others_waited = -1, 5, None
+    try:
+        with store.lock(ENV, KEY):
+            pid = os.fork()
+            if pid == 0:
+                # The parent holds KEY; this child must not think it does too.
+                code = 0 if times_out(store, KEY) else 13
+            else:
+                assert wait_child(pid) == 0
+                # The child left the `with` it inherited: the parent must still hold the lock.
+                result: list[bool] = []
+                thread = threading.Thread(target=lambda: result.append(times_out(store, KEY)))
+                thread.start()
+                thread.join()
+                others_waited = result == [True]
+    finally:
+        if pid == 0:
+            os._exit(code)
+    assert others_waited
+    with store.lock(ENV, KEY, timeout=0):  # and let go of it at the end
+        pass

@@ -10,9 +10,11 @@ What stays here, and why:
   is before it) hands a forked child the parent's singleton with the forking thread's hold
   count, so the child would believe it holds a lock its parent holds.  A fresh instance in
   the child opens its own descriptor and waits for the parent like any other process.
-- A lock entered in a parent and left in a forked child is not released there: on filelock
-  3.20.3, releasing unlocks the open file description the child shares with its parent, so
-  the parent would lose its lock.
+- A lock entered in a parent and left (or collected) in a forked child is not released
+  there: on filelock 3.x, releasing unlocks the open file description the child shares with
+  its parent, so the parent would lose its lock.  The child closes its duplicate descriptor
+  instead (``_forget_inherited_hold``, which reads filelock 3.x's per-thread context: the one
+  place this module touches filelock's internals, and only on versions without fork handling).
 - ``check_lock_file``: filelock >= 3.20.3 opens with ``O_NOFOLLOW``, so a planted symlink
   fails there; a planted hard link would be opened and, by filelock 4.2.0 and older,
   truncated.  So anything but a regular file with one link is refused before filelock opens
@@ -28,6 +30,7 @@ breaks mutual exclusion.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -52,8 +55,29 @@ def _after_fork_in_child() -> None:
     # Another thread may have held any of these at fork time; the child must not inherit that.
     global _GUARD
     _GUARD = threading.Lock()
+    for lock in _FILE_LOCKS.values():
+        _forget_inherited_hold(lock)
     _FILE_LOCKS.clear()
     _THREAD_LOCKS.clear()
+
+
+def _forget_inherited_hold(lock: filelock.BaseFileLock) -> None:
+    """Drop, in a forked child, the forking thread's hold on ``lock`` without unlocking it.
+
+    filelock without its own fork handling (3.x: no creator pid on the object) would release
+    it when the child collects the object (``__del__``), unlocking the open file description
+    the child shares with its parent.  Closing the child's duplicate descriptor never unlocks.
+    """
+    if hasattr(lock, "_creator_pid"):
+        return  # this filelock tracks the creating process and never unlocks from a child
+    context = getattr(lock, "_context", None)
+    fd = getattr(context, "lock_file_fd", None)
+    if context is None or not isinstance(fd, int):
+        return
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    context.lock_file_fd = None
+    context.lock_counter = 0
 
 
 if hasattr(os, "register_at_fork"):
