@@ -373,3 +373,14 @@ def test_child_forked_inside_a_lock_neither_holds_it_nor_releases_it(store: Stor
     assert others_waited
     with store.lock(ENV, KEY, timeout=0):  # and let go of it at the end
         pass
+
+
+def test_one_lock_object_can_be_entered_twice(store: Store) -> None:
+    lock = store.lock(ENV, KEY, timeout=1)
+    with lock, lock:
+        assert times_out(store, KEY2, timeout=1) is False
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(times_out(store, KEY, timeout=1)))
+    thread.start()
+    thread.join()
+    assert result == [False]  # both entries were left: another thread gets it at once

@@ -2,7 +2,8 @@
 
 ``filelock.FileLock`` does the work: an ``flock`` on ``locks/<key_hash>.lock``, reentrant
 within a thread, and, being thread-local, it serializes the threads of one process as well
-(each thread opens its own descriptor, and ``flock`` locks conflict between descriptors).
+(each thread opens its own descriptor, and ``flock`` locks conflict between descriptors;
+a waiting thread polls every 50 ms, which is nothing beside a tuning that takes seconds).
 What stays here, and why:
 
 - One ``FileLock`` per path per process, in a registry emptied in a forked child, instead of
@@ -127,8 +128,7 @@ class KeyLock(AbstractContextManager[None]):
         self._timeout = -1.0 if timeout < 0 or math.isinf(timeout) else timeout
         self._prepare = prepare
         self._what_root = what_root
-        self._held: filelock.BaseFileLock | threading.RLock | None = None
-        self._pid = 0
+        self._held: list[filelock.BaseFileLock | threading.RLock] = []  # one per nested entry
 
     def __enter__(self) -> None:
         lock = _FILE_LOCKS.get(str(self._path))
@@ -146,10 +146,9 @@ class KeyLock(AbstractContextManager[None]):
             rlock = _thread_lock(self._path)
             if not rlock.acquire(timeout=self._timeout):
                 raise filelock.Timeout(str(self._path))
-            self._held = rlock
+            self._held.append(rlock)
         else:
-            self._held = lock
-        self._pid = os.getpid()
+            self._held.append(lock)
 
     def _usable_file_lock(self) -> filelock.BaseFileLock | None:
         try:
@@ -174,8 +173,5 @@ class KeyLock(AbstractContextManager[None]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        held, self._held = self._held, None
-        assert held is not None, "lock released without being acquired"
-        if self._pid != os.getpid():
-            return  # a forked child leaving its parent's lock: the parent still holds it
-        held.release()
+        assert self._held, "lock released without being acquired"
+        self._held.pop().release()
