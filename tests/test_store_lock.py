@@ -41,6 +41,33 @@ def store(tmp_path: Path) -> Store:
 # --------------------------------------------------------------------------- locks
 
 
+def times_out(store: Store, key: dict, timeout: float = 0.3) -> bool:
+    try:
+        with store.lock(ENV, key, timeout=timeout):
+            return False
+    except filelock.Timeout:
+        return True
+
+
+@contextlib.contextmanager
+def held_by_another_thread(store: Store) -> Iterator[None]:
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with store.lock(ENV, KEY):
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        yield
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_lock_is_reentrant_within_a_thread(store: Store) -> None:
     with store.lock(ENV, KEY), store.lock(ENV, KEY, timeout=0.5):
         store.write_entry(ENV, KEY, RECORD)
@@ -68,24 +95,11 @@ def test_lock_serializes_threads(store: Store) -> None:
 
 
 def test_lock_timeout_between_threads(store: Store) -> None:
-    held, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with store.lock(ENV, KEY):
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    try:
-        assert held.wait(10)
+    with held_by_another_thread(store):
         with pytest.raises(filelock.Timeout), store.lock(ENV, KEY, timeout=0.1):
             pass
         with store.lock(ENV, KEY2, timeout=0.1):  # other keys are independent
             pass
-    finally:
-        release.set()
-        t.join()
     with store.lock(ENV, KEY, timeout=1):
         pass
 
@@ -274,33 +288,6 @@ def forked(body: Callable[[], int]) -> int:
         finally:
             os._exit(code)
     return wait_child(pid)
-
-
-def times_out(store: Store, key: dict, timeout: float = 0.3) -> bool:
-    try:
-        with store.lock(ENV, key, timeout=timeout):
-            return False
-    except filelock.Timeout:
-        return True
-
-
-@contextlib.contextmanager
-def held_by_another_thread(store: Store) -> Iterator[None]:
-    held, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with store.lock(ENV, KEY):
-            held.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    try:
-        assert held.wait(10)
-        yield
-    finally:
-        release.set()
-        thread.join()
 
 
 @needs_fork
