@@ -18,6 +18,7 @@ a root without reading each other's files.  Each module keeps its own rules at i
   the root memory-only (and why that overlay is kept); only below real directories.
 - ``_records``: what an entry and a blacklist record are, checked field by field.
 - ``_lock``: per-key locks across processes and threads (``filelock``), fork-safe.
+- ``_warn``: ``CacheWarning``, once per path per process; a cache problem never raises.
 - ``_store``: ``Store``, the public face of all of the above.
 - ``archive``: export and import of one archive file, where problems raise.
 """
