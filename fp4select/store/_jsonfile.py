@@ -14,6 +14,7 @@ Nothing here knows what a file means; the store decides that.  The rules kept:
 - Writes are atomic: a temp file in the same directory (``mkstemp``, named ``.*``),
   ``fsync``, then ``os.replace`` (or an exclusive hard link that never replaces a name).  A
   reader sees the old file or the new one, never half; temp files are removed on any failure.
+  The directory is not fsynced: after a power cut a file may be missing, which is a miss.
 - ``remove`` unlinks a name (a symlink or FIFO goes as a name, its target stays) and never a
   directory: there is no recursive delete anywhere in the store.
 """

@@ -8,7 +8,8 @@ by the same function that normalizes them before they are written or imported.
 
 Blacklist: per environment, one file per backend (last writer wins), so concurrent additions
 of different backends cannot lose each other.  Names that are not safe lowercase file names
-get a sanitized name plus a hash suffix.
+get a sanitized name plus a hash suffix.  Numerical rejections of one (backend, key) belong
+in that key's entry, not here.
 """
 
 from __future__ import annotations
