@@ -724,6 +724,7 @@ SPECIAL_TARGETS = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("thing", ["fifo", "symlink to /dev/zero"])
 @pytest.mark.parametrize("where", list(SPECIAL_TARGETS))
 def test_fifo_or_device_in_the_cache_is_a_miss_at_once(
@@ -936,6 +937,7 @@ def test_lock_timeout_between_threads(store: Store) -> None:
         pass
 
 
+@pytest.mark.subprocess
 def test_lock_timeout_across_processes(store: Store, tmp_path: Path) -> None:
     held, release = tmp_path / "held", tmp_path / "release"
     proc = spawn("hold", store.root, env=ENV, key=KEY, held=str(held), release=str(release))
@@ -985,6 +987,7 @@ def test_lock_falls_back_when_lock_file_cannot_be_made(store: Store) -> None:
     assert peak[0] == 1
 
 
+@pytest.mark.subprocess
 def test_processes_missing_the_same_key_tune_once(store: Store, tmp_path: Path) -> None:
     go, log, ready = tmp_path / "go", tmp_path / "tunings.log", tmp_path / "ready"
     ready.mkdir()
@@ -1001,6 +1004,7 @@ def test_processes_missing_the_same_key_tune_once(store: Store, tmp_path: Path) 
     assert temp_files(store.root) == []
 
 
+@pytest.mark.subprocess
 def test_blacklist_additions_from_processes_all_survive(store: Store, tmp_path: Path) -> None:
     go, ready = tmp_path / "go", tmp_path / "ready"
     ready.mkdir()
@@ -1015,6 +1019,7 @@ def test_blacklist_additions_from_processes_all_survive(store: Store, tmp_path: 
         assert sorted(store.blacklist(ENV)) == backends
 
 
+@pytest.mark.subprocess
 def test_concurrent_writers_never_expose_partial_files(store: Store, tmp_path: Path) -> None:
     go, ready = tmp_path / "go", tmp_path / "ready"
     ready.mkdir()
@@ -1447,6 +1452,7 @@ def test_import_reads_only_a_regular_file_of_bounded_size(
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("thing", ["fifo", "/dev/zero"])
 def test_import_of_a_fifo_or_device_fails_at_once(tmp_path: Path, thing: str) -> None:
     if not hasattr(os, "mkfifo") or not Path("/dev/zero").exists():
