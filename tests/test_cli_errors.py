@@ -42,6 +42,7 @@ def test_cuda_on_a_torch_without_cuda_is_a_usage_error(capsys, cache_dir):
     assert "sees no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_a_closed_pipe_ends_quietly(tmp_path):
     """`fp4select doctor | head -1`: the reader leaves first; no BrokenPipeError is printed."""
     env = {**os.environ, "FP4SELECT_CACHE_DIR": str(tmp_path)}

@@ -613,6 +613,7 @@ SPECIAL_TARGETS = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("thing", ["fifo", "symlink to /dev/zero"])
 @pytest.mark.parametrize("where", list(SPECIAL_TARGETS))
 def test_fifo_or_device_in_the_cache_is_a_miss_at_once(

@@ -327,6 +327,7 @@ def test_import_reads_only_a_regular_file_of_bounded_size(
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("thing", ["fifo", "/dev/zero"])
 def test_import_of_a_fifo_or_device_fails_at_once(tmp_path: Path, thing: str) -> None:
     if not hasattr(os, "mkfifo") or not Path("/dev/zero").exists():

@@ -104,6 +104,7 @@ def test_lock_timeout_between_threads(store: Store) -> None:
         pass
 
 
+@pytest.mark.subprocess
 def test_lock_timeout_across_processes(store: Store, tmp_path: Path) -> None:
     held, release = tmp_path / "held", tmp_path / "release"
     proc = spawn("hold", store.root, env=ENV, key=KEY, held=str(held), release=str(release))
@@ -153,6 +154,7 @@ def test_lock_falls_back_when_lock_file_cannot_be_made(store: Store) -> None:
     assert peak[0] == 1
 
 
+@pytest.mark.subprocess
 def test_processes_missing_the_same_key_tune_once(store: Store, tmp_path: Path) -> None:
     go, log, ready = tmp_path / "go", tmp_path / "tunings.log", tmp_path / "ready"
     ready.mkdir()
@@ -169,6 +171,7 @@ def test_processes_missing_the_same_key_tune_once(store: Store, tmp_path: Path) 
     assert temp_files(store.root) == []
 
 
+@pytest.mark.subprocess
 def test_blacklist_additions_from_processes_all_survive(store: Store, tmp_path: Path) -> None:
     go, ready = tmp_path / "go", tmp_path / "ready"
     ready.mkdir()
@@ -183,6 +186,7 @@ def test_blacklist_additions_from_processes_all_survive(store: Store, tmp_path: 
         assert sorted(store.blacklist(ENV)) == backends
 
 
+@pytest.mark.subprocess
 def test_concurrent_writers_never_expose_partial_files(store: Store, tmp_path: Path) -> None:
     go, ready = tmp_path / "go", tmp_path / "ready"
     ready.mkdir()
@@ -291,6 +295,7 @@ def forked(body: Callable[[], int]) -> int:
 
 
 @needs_fork
+@pytest.mark.subprocess
 @fork_beside_threads
 def test_child_forked_while_another_thread_holds_a_lock_waits_for_the_parent(
     store: Store, tmp_path: Path
@@ -321,6 +326,7 @@ def test_child_forked_while_another_thread_holds_a_lock_waits_for_the_parent(
 
 
 @needs_fork
+@pytest.mark.subprocess
 @fork_beside_threads
 def test_memory_only_lock_held_by_another_thread_is_not_inherited(tmp_path: Path) -> None:
     (tmp_path / "cache").write_text("a file where the cache root should be")
@@ -337,6 +343,7 @@ def test_memory_only_lock_held_by_another_thread_is_not_inherited(tmp_path: Path
 
 
 @needs_fork
+@pytest.mark.subprocess
 @fork_beside_threads
 def test_child_forked_inside_a_lock_neither_holds_it_nor_releases_it(store: Store) -> None:
     pid, code, others_waited = -1, 5, None
