@@ -170,6 +170,7 @@ print("bound", fp4select.stats()["bound_signatures"])
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("mode", ["", "always"])
 def test_a_bad_call_after_a_good_one_is_refused_in_both_check_modes(tmp_path, mode):
     """FP4SELECT_CHECK=always re-checks every call; the default binds, and still refuses."""

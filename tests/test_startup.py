@@ -74,6 +74,7 @@ def warm_cache(inprocess, cache_dir):
     return cache_dir
 
 
+@pytest.mark.subprocess
 # -- the environment fingerprint ---------------------------------------------------------------
 @pytest.mark.flashinfer
 def test_environment_reads_flashinfers_version_without_importing_it(tmp_path):
@@ -137,6 +138,7 @@ FIRST_CALL = """
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["auto", "emulation"])
 def test_first_call_from_a_warm_disk_cache_never_imports_flashinfer(warm_cache, backend):
     proc = _python(FIRST_CALL.replace("BACKEND", repr(backend)), warm_cache)
@@ -148,6 +150,7 @@ def test_first_call_from_a_warm_disk_cache_never_imports_flashinfer(warm_cache, 
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_cold_cache_still_discovers_flashinfer(tmp_path):
     """A miss lists every backend, flashinfer's from the installed flashinfer."""
     pytest.importorskip("flashinfer")
@@ -159,6 +162,7 @@ def test_a_cold_cache_still_discovers_flashinfer(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "argv",
     [
@@ -178,6 +182,7 @@ def test_cli_reading_stored_data_never_imports_flashinfer(warm_cache, argv):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.flashinfer
 def test_doctor_still_reports_flashinfers_signature(tmp_path):
     pytest.importorskip("flashinfer")
