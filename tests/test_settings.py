@@ -15,6 +15,7 @@ from fp4select.backends import flashinfer as fi
 from fp4select.keys import Problem
 from fp4select.sandbox_process import child_environment
 from fp4select.settings import VARIABLES, Settings
+from fp4select.store import Store
 from fp4select.validate import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +160,7 @@ def test_configure_takes_every_setting_by_keyword(tmp_path):
     sel = fp4select.configure(settings=chosen, blacklist_scope="key")
     assert sel.settings == settings.current() == chosen.replace(blacklist_scope="key")
     assert sel.store.root == tmp_path and sel.isolation == "inprocess"
+    assert Store().root == tmp_path  # the process-wide settings name the default root now
     assert sel.timing.budget_s == 3.0
     with pytest.raises(TypeError, match=r"settings must be a fp4select\.Settings"):
         fp4select.configure(settings={"check": "always"})  # type: ignore[arg-type]
@@ -179,7 +181,8 @@ def test_configure_check_always_re_checks_every_warm_call(tmp_path, monkeypatch,
 
     monkeypatch.setattr(api, "check_arguments", counting)
     problem = Problem(n=128, k=256, m_bucket=16)
-    kwargs = make_inputs(problem, 13, "cpu").kwargs(problem)
+    # A named built-in backend: served without tuning, so flashinfer is never imported.
+    kwargs = make_inputs(problem, 13, "cpu").kwargs(problem) | {"backend": "emulation"}
     first = fp4select.best_mm_fp4(**kwargs)
     for _ in range(3):
         assert fp4select.best_mm_fp4(**kwargs).equal(first)
@@ -209,3 +212,15 @@ def test_the_sandbox_child_gets_the_settings_as_variables(monkeypatch):
     monkeypatch.setenv("FP4SELECT_TIME_BUDGET_S", "0.25")
     mine = Settings.from_env()
     assert Settings.from_env(child_environment(mine)) == mine
+
+
+def test_settings_is_a_leaf():
+    """The store (the lowest layer) reads its root from here: nothing of fp4select below it."""
+    import ast
+
+    tree = ast.parse((ROOT / "fp4select" / "settings.py").read_text("utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("fp4select")
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("fp4select") for a in node.names)
