@@ -217,7 +217,7 @@ class Selector:
     ) -> None:
         # What is not given comes from ``settings``, by default the process-wide ones.
         self.settings = settings if settings is not None else settings_mod.current()
-        self.store = store if store is not None else Store(settings=self.settings)
+        self.store = store if store is not None else Store(self.settings.cache_dir)
         self.isolation = isolation or self.settings.isolation
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")

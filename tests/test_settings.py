@@ -14,8 +14,8 @@ from fp4select import api, settings
 from fp4select.backends import flashinfer as fi
 from fp4select.keys import Problem
 from fp4select.sandbox_process import child_environment
+from fp4select.selector import Selector
 from fp4select.settings import VARIABLES, Settings
-from fp4select.store import Store
 from fp4select.validate import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,6 +151,15 @@ def test_settings_are_read_once_until_configured(monkeypatch):
     assert not settings.current().experimental
 
 
+def test_the_cache_dir_variable_reaches_the_selectors_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4SELECT_CACHE_DIR", str(tmp_path / "from-env"))
+    assert fp4select.configure(isolation="inprocess").store.root == tmp_path / "from-env"
+    settings.use(None)
+    assert Selector(isolation="inprocess").store.root == tmp_path / "from-env"
+    mine = Settings(cache_dir=str(tmp_path / "mine"))
+    assert Selector(isolation="inprocess", settings=mine).store.root == tmp_path / "mine"
+
+
 def test_configure_takes_every_setting_by_keyword(tmp_path):
     params = inspect.signature(fp4select.configure).parameters
     fields = {f.name for f in dataclasses.fields(Settings)}
@@ -160,7 +169,6 @@ def test_configure_takes_every_setting_by_keyword(tmp_path):
     sel = fp4select.configure(settings=chosen, blacklist_scope="key")
     assert sel.settings == settings.current() == chosen.replace(blacklist_scope="key")
     assert sel.store.root == tmp_path and sel.isolation == "inprocess"
-    assert Store().root == tmp_path  # the process-wide settings name the default root now
     assert sel.timing.budget_s == 3.0
     with pytest.raises(TypeError, match=r"settings must be a fp4select\.Settings"):
         fp4select.configure(settings={"check": "always"})  # type: ignore[arg-type]
@@ -215,7 +223,7 @@ def test_the_sandbox_child_gets_the_settings_as_variables(monkeypatch):
 
 
 def test_settings_is_a_leaf():
-    """The store (the lowest layer) reads its root from here: nothing of fp4select below it."""
+    """Every module may read its settings from here without an import cycle."""
     import ast
 
     tree = ast.parse((ROOT / "fp4select" / "settings.py").read_text("utf-8"))

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from ._collection import SCHEMA_VERSION
 from ._jsonfile import digest
-from ._store import ENV_VAR, ClearResult, Store, default_root
+from ._store import ClearResult, Store, default_root
 from ._warn import CacheWarning
 from .archive import ExportResult, ImportResult, read_archive
 
 __all__ = [
-    "ENV_VAR",
     "SCHEMA_VERSION",
     "CacheWarning",
     "ClearResult",

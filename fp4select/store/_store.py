@@ -1,9 +1,10 @@
 """The Store: fp4select's decisions of every environment under one cache root.
 
-Location: ``Store(root)``; ``root=None`` means the ``cache_dir`` setting (``settings``, else the
-process-wide ones: ``$FP4SELECT_CACHE_DIR`` when set and non-empty, or ``configure()``), else
-``platformdirs.user_cache_dir("fp4select")``; made absolute at construction so a later
-``chdir`` cannot move it.  Constructing one touches nothing on disk.
+Location: ``Store(root)``; ``root=None`` means ``platformdirs.user_cache_dir("fp4select")``;
+made absolute at construction so a later ``chdir`` cannot move it.  Constructing one touches
+nothing on disk.  The store reads no environment variable: ``FP4SELECT_CACHE_DIR`` is the
+``cache_dir`` of ``fp4select.settings``, which the Selector passes in as ``root``; the store
+stays the lowest layer and imports nothing of fp4select.
 
 The Store holds two ``Collection``s (entries keyed by key hash, the blacklist keyed by backend
 file name), a per-key ``KeyLock``, and delegates archives to ``archive``; its methods turn
@@ -17,20 +18,15 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import platformdirs
-
-from fp4select import settings as settings_mod
-from fp4select.settings import Settings
 
 from . import archive as _archive
 from ._collection import Collection as _Collection
 from ._collection import Root
 from ._lock import KeyLock
 from ._records import BLACKLIST, ENTRIES, as_dict, backend_file_name, blacklist_record, hash_of
-
-ENV_VAR: Final[str] = "FP4SELECT_CACHE_DIR"  # read by fp4select.settings, as ``cache_dir``
 
 
 @dataclass(frozen=True)
@@ -49,10 +45,9 @@ class ClearResult:
         return {**asdict(self), "not_removed": list(self.not_removed)}
 
 
-def default_root(settings: Settings | None = None) -> Path:
-    """Where the cache lives unless told otherwise: ``settings`` (default: the process-wide
-    ones) name it, else platformdirs' user cache folder. An empty variable counts as unset."""
-    value = (settings if settings is not None else settings_mod.current()).cache_dir
+def default_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``cache_dir`` made absolute when given and non-empty, else platformdirs' cache folder."""
+    value = os.fsdecode(cache_dir) if cache_dir is not None else ""
     if value:
         return Path(value).expanduser().absolute()
     return Path(platformdirs.user_cache_dir("fp4select")).absolute()
@@ -61,14 +56,8 @@ def default_root(settings: Settings | None = None) -> Path:
 class Store:
     """The decisions of every environment under one root; see the package docstring."""
 
-    def __init__(
-        self, root: str | os.PathLike[str] | None = None, *, settings: Settings | None = None
-    ) -> None:
-        path = (
-            default_root(settings)
-            if root is None
-            else Path(os.fsdecode(root)).expanduser().absolute()
-        )
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        path = default_root() if root is None else Path(os.fsdecode(root)).expanduser().absolute()
         self._root = Root(path)
         self._entries = _Collection(self._root, ENTRIES)
         self._blacklist = _Collection(self._root, BLACKLIST)
