@@ -123,7 +123,7 @@ def measure_point(
     ]
     calls = {}
     for name in passed:
-        runner = registry.get(name).dispatcher(problem)
+        runner = registry.get(name).fast_runner_for(problem)
         calls[name] = [functools.partial(runner, *s.args(problem)) for s in sets]
     dq = [dequantized(s, k) for s in sets[: max(1, min(len(sets), 4))]]
     calls["bf16 cuBLAS"] = [functools.partial(torch.mm, a, w.T) for a, w in dq]
@@ -207,7 +207,7 @@ def warm_path(device: torch.device) -> list[dict]:
         fp4select.best_mm_fp4(**kwargs)  # tunes (if needed) and binds
         sel = fp4select.api.selector()
         decision = sel.lookup(problem, device)
-        runner = sel.bind(decision, device)
+        runner = sel.runner_for(decision, device)
         args = inputs.args(problem)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         direct = functools.partial(runner, *args[:6], out, *args[7:])

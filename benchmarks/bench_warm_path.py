@@ -72,7 +72,7 @@ def main() -> None:
         assert record["winner"] == "memo", record["winner"]
         a, b, ad, bd, al = (kwargs[k] for k in ("a", "b", "a_descale", "b_descale", "alpha"))
         fp4select.best_mm_fp4(a, b, ad, bd, al)  # bind
-        runner = fp4select.api.selector().bind(
+        runner = fp4select.api.selector().runner_for(
             fp4select.api.selector().lookup(problem, device), device
         )
 

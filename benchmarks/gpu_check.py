@@ -240,9 +240,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     record["available"] = {
-        "triton": triton_fp4.available(env),
-        "torch-dequant": torch_dequant.available(env),
-        "torch-scaled-mm": torch_scaled_mm.available(env),
+        "triton": triton_fp4.why_unavailable(env),
+        "torch-dequant": torch_dequant.why_unavailable(env),
+        "torch-scaled-mm": torch_scaled_mm.why_unavailable(env),
     }
     print("available:", record["available"])
     if args.only:

@@ -357,14 +357,14 @@ def _miss(
     sel = selector()
     device = a.device
     if backend != "auto":
-        return sel.explicit(backend, problem, device, allow_blacklisted), True
+        return sel.named_runner(backend, problem, device, allow_blacklisted), True
     decision = sel.lookup(problem, device)
     if decision is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         runner, _ = sel.fallback(problem, device)
         return runner, False  # not bound: the next eager call tunes this key properly
     if decision is None:
         decision = sel.decide(problem, device)
-    return sel.bind(decision, device), True
+    return sel.runner_for(decision, device), True
 
 
 def _need_tensor(name: str, value: Any) -> torch.Tensor:

@@ -242,14 +242,14 @@ def _validate(
     m = None
     try:
         report({"event": "run", "backend": backend.name, "phase": "bind", "m": None})
-        runner = backend.runner(problem)
+        runner = backend.checked_runner_for(problem)
         if backend.tune is not None:  # tune first: the tactic that is validated is the one timed
             m = problem.timing_m()
             report({"event": "run", "backend": backend.name, "phase": "tune", "m": m})
             tactic.update(backend.tune(runner, problem, inputs[m].args(problem)) or {})
             _sync(device)
             if tactic:
-                runner = backend.runner(problem, tactic)
+                runner = backend.checked_runner_for(problem, tactic)
         last = None
         for m in ms:
             report({"event": "run", "backend": backend.name, "phase": "validate", "m": m})
@@ -332,10 +332,10 @@ def time_backends(
     for backend in backends:
         report({"event": "run", "backend": backend.name, "phase": "bind", "m": m})
         tactic = (tactics or {}).get(backend.name)
-        variants = {backend.name: backend.runner(problem, tactic)}
+        variants = {backend.name: backend.checked_runner_for(problem, tactic)}
         if tactic and tactic.get("tactic") not in (None, tactic.get("default", tactic["tactic"])):
             default = {**tactic, "tactic": tactic["default"]}
-            variants[backend.name + DEFAULT_SUFFIX] = backend.runner(problem, default)
+            variants[backend.name + DEFAULT_SUFFIX] = backend.checked_runner_for(problem, default)
         for key, runner in variants.items():
             owner[key] = backend.name
             calls[key] = [functools.partial(runner, *s.args(problem)) for s in input_sets]

@@ -1,4 +1,4 @@
-"""Miss handling: candidates -> probe -> decide -> store -> bind.
+"""Miss handling: candidates -> probe -> decide -> store -> the winner's runner.
 
 Design rules:
 
@@ -525,7 +525,8 @@ class Selector:
             self.store.add_to_blacklist(env, name, record)
 
     # -- binding ------------------------------------------------------------------------------
-    def bind(self, decision: Decision, device: torch.device) -> Runner:
+    def runner_for(self, decision: Decision, device: torch.device) -> Runner:
+        """The winner's fast runner (at its tactic), for the warm path to bind."""
         if decision.winner is None:
             reasons = "; ".join(f"{n}: {v.status} {v.reason}" for n, v in decision.verdicts.items())
             raise NoCorrectBackendError(
@@ -536,7 +537,7 @@ class Selector:
             raise NoCorrectBackendError(
                 f"backend {decision.winner!r} chosen earlier is not registered here"
             )
-        return backend.dispatcher(decision.problem, decision.tactic(decision.winner))
+        return backend.fast_runner_for(decision.problem, decision.tactic(decision.winner))
 
     def fallback(self, problem: Problem, device: torch.device) -> tuple[Runner, str]:
         """A runner that needs no probing, for a miss while a CUDA graph is being captured.
@@ -564,14 +565,14 @@ class Selector:
         for d in sorted(proven, key=lambda d: abs(d.problem.m_bucket - problem.m_bucket)):
             backend = self.backend(d.winner)  # type: ignore[arg-type]
             if backend is not None:
-                return backend.dispatcher(problem), d.winner  # type: ignore[return-value]
+                return backend.fast_runner_for(problem), d.winner  # type: ignore[return-value]
         if self.isolation == "inprocess":
             runner = flashinfer_backends.auto_runner(environment_for(device), problem)
             if runner is not None:
                 return runner, "flashinfer:auto"
-        return emulation.BACKEND.dispatcher(problem), emulation.NAME
+        return emulation.BACKEND.fast_runner_for(problem), emulation.NAME
 
-    def explicit(
+    def named_runner(
         self, name: str, problem: Problem, device: torch.device, allow_blacklisted: bool
     ) -> Runner:
         """A caller-named backend: refused if blacklisted, proven before it runs in this process."""
@@ -590,9 +591,11 @@ class Selector:
         self.counters.add("explicit")
         decision = self.lookup(problem, device)
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
-            return backend.dispatcher(problem, decision.tactic(name))
+            return backend.fast_runner_for(problem, decision.tactic(name))
         if self.isolation == "inprocess" or backend.family == "builtin":
-            return backend.runner(problem)  # unproven here: keep the backend's own checks on
+            return backend.checked_runner_for(
+                problem
+            )  # unproven here: keep the backend's own checks on
         options = ProbeOptions(timing=self.timing, validate_only=True)
         result = self.prober().probe(problem, [backend], device, options)
         self._record_fatal(env, problem, result)
@@ -602,7 +605,9 @@ class Selector:
             raise NoCorrectBackendError(
                 f"backend {name!r} failed its check on {problem.describe()} ({why})"
             )
-        return backend.dispatcher(problem, verdict.detail.get("tactic"))  # the tactic it passed at
+        return backend.fast_runner_for(
+            problem, verdict.detail.get("tactic")
+        )  # the tactic it passed at
 
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""

@@ -108,7 +108,7 @@ def fake_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, u
 
 BACKEND = Backend(
     name=NAME,
-    run=fake_mm_fp4,
+    checked_runner=fake_mm_fp4,
     caps=Capabilities(devices=frozenset({"cpu"})),
     tune=flashinfer_tactics.tune,
     pin=flashinfer_tactics.pinned,

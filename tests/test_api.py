@@ -323,7 +323,7 @@ def test_flashinfer_runners_reach_flashinfers_own_checks():
     assert why is None and found
     inputs = make_inputs(PROBLEM, 16, "cpu")
     for backend in found:
-        for runner in (backend.runner(PROBLEM), backend.dispatcher(PROBLEM)):
+        for runner in (backend.checked_runner_for(PROBLEM), backend.fast_runner_for(PROBLEM)):
             with pytest.raises(Exception) as caught:
                 runner(*inputs.args(PROBLEM))
             assert not isinstance(caught.value, TypeError), (backend.name, caught.value)

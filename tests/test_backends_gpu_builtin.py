@@ -30,28 +30,28 @@ def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
     assert backends["emulation"].family == "builtin"
     # Each is importable by name, so the sandbox child can rebuild it.
     for n in gpu:
-        assert backends[n].to_json()["bind"].startswith("fp4select.backends.")
+        assert backends[n].to_json()["make_checked_runner"].startswith("fp4select.backends.")
 
 
 def test_each_says_why_it_cannot_run_here():
     for backend in (*triton_fp4.BACKENDS, torch_dequant.BACKEND, torch_scaled_mm.BACKEND):
         reason = backend.unavailable_reason(CPU)
         assert reason and isinstance(reason, str), backend.name
-    assert "8.0" in triton_fp4.available({"device": "cuda", "cc": 75})
-    assert "9.0" in torch_scaled_mm.available(H200)
-    assert "Blackwell" in torch_scaled_mm.available(H200)
-    assert torch_dequant.available(H200) is None
+    assert "8.0" in triton_fp4.why_unavailable({"device": "cuda", "cc": 75})
+    assert "9.0" in torch_scaled_mm.why_unavailable(H200)
+    assert "Blackwell" in torch_scaled_mm.why_unavailable(H200)
+    assert torch_dequant.why_unavailable(H200) is None
 
 
 def test_triton_is_available_on_hopper_when_installed(monkeypatch):
     monkeypatch.setattr(triton_fp4, "triton_installed", lambda: True)
-    assert triton_fp4.available(H200) is None
+    assert triton_fp4.why_unavailable(H200) is None
     monkeypatch.setattr(triton_fp4, "triton_installed", lambda: False)
-    assert triton_fp4.available(H200) == "triton is not installed"
+    assert triton_fp4.why_unavailable(H200) == "triton is not installed"
 
 
 def test_scaled_mm_is_available_on_blackwell_iff_torch_has_the_api():
-    assert torch_scaled_mm.available(B200) == torch_scaled_mm.missing_torch_support()
+    assert torch_scaled_mm.why_unavailable(B200) == torch_scaled_mm.missing_torch_support()
 
 
 def test_declarations_exclude_what_the_kernels_do_not_take():

@@ -160,7 +160,7 @@ def test_flashinfers_class_is_called_with_its_flag_and_auto(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fi, "load", lambda: (spy, None))
-    runner = flashinfer_invariant.bind(SHAPE)
+    runner = flashinfer_invariant.make_runner(SHAPE)
     with pytest.raises(ValueError):  # on a CPU, flashinfer's own device check stops it
         runner(*_inputs(3).args(SHAPE))
     assert calls and calls[0]["batch_invariant"] is True and calls[0]["backend"] == "auto"
@@ -208,5 +208,5 @@ def test_where_flashinfer_does_not_say_the_class_is_unavailable_with_the_reason(
         raise ModuleNotFoundError(f"No module named {name!r}")
 
     monkeypatch.setattr(flashinfer_invariant.importlib, "import_module", moved)
-    reason = flashinfer_invariant.available({"device": "cuda", "cc": 100})
+    reason = flashinfer_invariant.why_unavailable({"device": "cuda", "cc": 100})
     assert "cannot tell where" in reason and "No module named" in reason

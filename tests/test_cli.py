@@ -164,7 +164,7 @@ def test_verify_exits_1_and_names_a_backend_that_failed(tmp_path):
         import fake_backends
         from fp4select import Backend, Capabilities
         from fp4select.keys import A_SF_LAYOUTS, ALPHA_KINDS, B_LAYOUTS
-        BACKENDS = [Backend(name="wrong_fast", run=fake_backends.wrong_fast, caps=Capabilities(
+        BACKENDS = [Backend(name="wrong_fast", checked_runner=fake_backends.wrong_fast, caps=Capabilities(
             devices=frozenset({"cpu"}), a_sf_layouts=frozenset(A_SF_LAYOUTS),
             b_layouts=frozenset(B_LAYOUTS), alpha_kinds=frozenset(ALPHA_KINDS)))]
     """)

@@ -83,7 +83,7 @@ def real_mm_fp4(monkeypatch):
 
 def cudnn_dispatcher(problem=PROBLEM, record=None):
     backend = {b.name: b for b in fi_backends.backends()[0]}["cudnn"]
-    return backend.dispatcher(problem, record)
+    return backend.fast_runner_for(problem, record)
 
 
 # -- what the installed flashinfer offers ------------------------------------------------------
@@ -136,7 +136,7 @@ def test_a_flashinfer_that_buckets_m_otherwise_is_not_tuned(monkeypatch):
     monkeypatch.setattr(gemm_base, "_MM_FP4_TUNING_CONFIG_128x4", config)
     tactics.bucket_mapping_disagreement.cache_clear()
     try:
-        record = tactics.tune(tb.BACKEND.runner(PROBLEM), PROBLEM, _args(16))
+        record = tactics.tune(tb.BACKEND.checked_runner_for(PROBLEM), PROBLEM, _args(16))
     finally:
         tactics.bucket_mapping_disagreement.cache_clear()
     assert record["tactic"] is None and "_MM_FP4_TUNING_CONFIG_128x4 maps M=" in record["reason"]
@@ -187,7 +187,7 @@ def test_tactic_round_trips_through_json_as_flashinfer_does(tactic):
     ],
 )
 def test_a_record_without_a_usable_tactic_pins_nothing(record):
-    runner = tb.BACKEND.runner(PROBLEM)
+    runner = tb.BACKEND.checked_runner_for(PROBLEM)
     assert tactics.tactic_of(record) is None
     assert tactics.pinned(runner, record or {}) is runner
 
@@ -220,8 +220,8 @@ def test_the_bound_dispatcher_hands_the_stored_tactic_to_the_runner_without_choo
 def test_a_pinned_call_inside_an_engine_autotune_tunes_nothing_and_others_tune_as_before():
     """Engines defer to fp4select for the calls it decided, and only for those."""
     record = {"op": "fp4_gemm", "tactic": 0, "runner": "TwoTacticRunner"}
-    pinned_run = tb.BACKEND.runner(PROBLEM, record)
-    plain_run = tb.BACKEND.runner(PROBLEM)
+    pinned_run = tb.BACKEND.checked_runner_for(PROBLEM, record)
+    plain_run = tb.BACKEND.checked_runner_for(PROBLEM)
     with fi_autotuner.autotune(True):  # an engine's warmup
         pinned_run(*_args(16))
         assert tb.ran == [0] and tb.profiled == []
@@ -232,16 +232,16 @@ def test_a_pinned_call_inside_an_engine_autotune_tunes_nothing_and_others_tune_a
 
 def test_a_runner_of_another_class_is_left_to_flashinfer():
     record = {"op": "fp4_gemm", "tactic": 0, "runner": "SomeOtherRunner"}
-    tb.BACKEND.runner(PROBLEM, record)(*_args(16))
+    tb.BACKEND.checked_runner_for(PROBLEM, record)(*_args(16))
     assert tb.ran == [-1]  # flashinfer's default, not a tactic recorded for another runner
 
 
 def test_a_new_autotuner_singleton_is_hooked_again_at_the_next_bind():
     record = {"op": "fp4_gemm", "tactic": 1, "runner": "TwoTacticRunner"}
-    tb.BACKEND.runner(PROBLEM, record)(*_args(16))
+    tb.BACKEND.checked_runner_for(PROBLEM, record)(*_args(16))
     AutoTuner._instance = None
     assert not tactics.installed()
-    tb.BACKEND.runner(PROBLEM, record)(*_args(16))
+    tb.BACKEND.checked_runner_for(PROBLEM, record)(*_args(16))
     assert tactics.installed() and tb.ran == [1, 1]
 
 
@@ -252,7 +252,7 @@ def _args(m, problem=PROBLEM):
 
 def test_tune_picks_the_tactic_flashinfer_measured_fastest_at_the_bucket_only():
     problem = Problem(n=64, k=128, m_bucket=256)
-    record = tactics.tune(tb.BACKEND.runner(problem), problem, _args(256, problem))
+    record = tactics.tune(tb.BACKEND.checked_runner_for(problem), problem, _args(256, problem))
     assert record["tactic"] == 1 and record["runner"] == "TwoTacticRunner"
     assert record["default"] == -1 and record["m"] == 256
     takes = tactics.tuner_api()[0].takes_tie_tolerance
@@ -270,22 +270,22 @@ def test_tune_says_why_not_where_autotune_takes_no_tuning_buckets(monkeypatch):
 
     monkeypatch.setattr(fi_autotuner, "autotune", old_autotune)
     tactics.tuner_api.cache_clear()
-    record = tactics.tune(tb.BACKEND.runner(PROBLEM), PROBLEM, _args(16))
+    record = tactics.tune(tb.BACKEND.checked_runner_for(PROBLEM), PROBLEM, _args(16))
     assert record["tactic"] is None and "takes no tuning_buckets" in record["reason"]
     assert tb.profiled == [] and tb.ran == []
-    runner = tb.BACKEND.runner(PROBLEM)
+    runner = tb.BACKEND.checked_runner_for(PROBLEM)
     assert tactics.pinned(runner, record) is runner
 
 
 def test_tactics_env_turns_tuning_off_and_names_itself_when_wrong(monkeypatch, caplog):
     monkeypatch.setenv(tactics.TACTICS_ENV, "default")
-    record = tactics.tune(tb.BACKEND.runner(PROBLEM), PROBLEM, _args(16))
+    record = tactics.tune(tb.BACKEND.checked_runner_for(PROBLEM), PROBLEM, _args(16))
     assert record["tactic"] is None and record["reason"] == "FP4SELECT_TACTICS=default"
     assert tb.profiled == [] and tb.ran == []
     monkeypatch.setenv(tactics.TACTICS_ENV, "fastest")
     settings.use(None)  # read once per process: read the environment again
     with caplog.at_level("ERROR", logger="fp4select"):
-        record = tactics.tune(tb.BACKEND.runner(PROBLEM), PROBLEM, _args(16))
+        record = tactics.tune(tb.BACKEND.checked_runner_for(PROBLEM), PROBLEM, _args(16))
     why = "FP4SELECT_TACTICS must be one of ('tune', 'default'), got 'fastest'"
     assert record["tactic"] is None and record["reason"].startswith(why)
     assert why in caplog.text and tb.profiled == []
@@ -372,7 +372,7 @@ def test_selector_bind_serves_the_tactic_of_a_decision_read_from_disk(inprocess)
     )
     again = Decision.from_json(json.loads(json.dumps(decision.to_json())), source="disk")
     assert again.tactic(tb.NAME) == record and again.tactic("emulation") is None
-    run = inprocess.bind(again, torch.device("cpu"))
+    run = inprocess.runner_for(again, torch.device("cpu"))
     run(*_args(9))
     assert tb.ran == [0] and tb.profiled == []
 
@@ -453,7 +453,7 @@ def test_check_is_satisfied_by_every_tactic_of_the_fake():
     for tactic in (-1, 0, 1):
         record = {"op": "fp4_gemm", "tactic": tactic, "runner": "TwoTacticRunner"}
         inputs = make_inputs(PROBLEM, 13, "cpu")
-        out = tb.BACKEND.runner(PROBLEM, record)(*inputs.args(PROBLEM))
+        out = tb.BACKEND.checked_runner_for(PROBLEM, record)(*inputs.args(PROBLEM))
         assert check(out, inputs, torch.bfloat16).ok
 
 

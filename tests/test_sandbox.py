@@ -67,7 +67,7 @@ def _oom_status() -> str:
         "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
         "memory: you tried to allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)"
     )
-    return probe.classify(Backend("oom", run=fb.oom), exc, 5).status
+    return probe.classify(Backend("oom", checked_runner=fb.oom), exc, 5).status
 
 
 # name -> (status, words in the reason, detail fields)
@@ -324,7 +324,9 @@ def test_backend_that_cannot_cross_is_an_error_and_spawns_nothing():
     def local(*args):  # a closure: no module:qualname reaches it from another process
         return fb.good(*args)
 
-    backend = Backend("closure", run=local, caps=Capabilities(devices=frozenset({"cpu"})))
+    backend = Backend(
+        "closure", checked_runner=local, caps=Capabilities(devices=frozenset({"cpu"}))
+    )
     prober = SandboxProber()
     try:
         result = prober.probe(PROBLEM, [backend], "cpu", ProbeOptions(timing=TIMING))
@@ -941,7 +943,7 @@ def test_a_slow_builtin_fallback_is_not_a_hang_under_a_short_timeout(monkeypatch
     monkeypatch.setenv(fb.SLOW_ENV, "1.5")
     backend = Backend(
         "slow_builtin",
-        run=fb.slow_good,
+        checked_runner=fb.slow_good,
         caps=Capabilities(devices=frozenset({"cpu"})),
         family="builtin",
     )

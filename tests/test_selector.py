@@ -247,7 +247,7 @@ def test_entry_point_backends_are_discovered(tmp_path, monkeypatch, inprocess):
         textwrap.dedent("""
         import fake_backends
         from fp4select import Backend, Capabilities
-        BACKENDS = [Backend(name="plugged", run=fake_backends.fast,
+        BACKENDS = [Backend(name="plugged", checked_runner=fake_backends.fast,
                             caps=Capabilities(devices=frozenset({"cpu"})))]
     """)
     )
@@ -272,6 +272,40 @@ def test_register_refuses_duplicates_unless_replacing():
     with pytest.raises(ValueError, match="already registered"):
         register("fast")
     fp4select.register_backend(fake_backends.slow, name="fast", replace=True, devices={"cpu"})
+
+
+def make_fast(problem):
+    """A checked-runner maker for the test below (module level: the sandbox imports it)."""
+    return fake_backends.fast
+
+
+def no_gpu_here(env):
+    return None if env.get("device") == "cpu" else "the test says no"
+
+
+def test_register_takes_the_checked_runner_maker_and_why_unavailable():
+    spec = fp4select.register_backend(
+        name="made",
+        make_checked_runner=make_fast,
+        why_unavailable=no_gpu_here,
+        devices={"cpu"},
+    )
+    assert spec.checked_runner_for(PROBLEM) is fake_backends.fast
+    assert spec.fast_runner_for(PROBLEM) is fake_backends.fast  # no fast maker: the checked one
+    assert spec.unavailable_reason({"device": "cpu"}) is None
+    assert spec.unavailable_reason({"device": "cuda"}) == "the test says no"
+    again = fp4select.Backend.from_json(json.loads(json.dumps(spec.to_json())))
+    assert again == spec
+    with pytest.raises(ValueError, match="exactly one of checked_runner= or make_checked_runner="):
+        fp4select.Backend("neither")
+
+
+def test_a_fast_runner_maker_serves_only_the_warm_path():
+    spec = fp4select.Backend(
+        "two", checked_runner=fake_backends.slow, make_fast_runner=make_fast, family="plugin"
+    )
+    assert spec.checked_runner_for(PROBLEM) is fake_backends.slow
+    assert spec.fast_runner_for(PROBLEM) is fake_backends.fast
 
 
 def test_shadowing_a_builtin_needs_replace(inprocess):

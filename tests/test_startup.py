@@ -253,7 +253,7 @@ def test_a_gpu_disk_hit_imports_flashinfer_only_for_a_flashinfer_winner(
     decision = sel.lookup(PROBLEM, CPU)
     assert decision is not None and decision.winner == winner
     assert "cutlass" in decision.verdicts  # flashinfer's backends were judged then
-    assert callable(sel.bind(decision, CPU))  # not called: no GPU here
+    assert callable(sel.runner_for(decision, CPU))  # not called: no GPU here
     assert sel.backend(winner).family == family
     assert bool(loads) == (family == fi.FAMILY)
 

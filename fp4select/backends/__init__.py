@@ -77,8 +77,8 @@ def register_backend(
     /,
     *,
     name: str | None = None,
-    bind: Callable[[Problem], Runner] | None = None,
-    available: Callable[[Mapping[str, Any]], str | None] | None = None,
+    make_checked_runner: Callable[[Problem], Runner] | None = None,
+    why_unavailable: Callable[[Mapping[str, Any]], str | None] | None = None,
     caps: Capabilities | None = None,
     preference: int = 100,
     replace: bool = False,
@@ -92,12 +92,12 @@ def register_backend(
     sandbox (the default isolation) the functions must be importable module-level names.
     """
     if isinstance(backend, Backend):
-        if name or bind or available or caps or capabilities:
+        if name or make_checked_runner or why_unavailable or caps or capabilities:
             raise TypeError("register_backend(Backend) takes no other declaration arguments")
         spec = backend
     else:
         if name is None:
-            raise TypeError("register_backend(run, ...) needs name=")
+            raise TypeError("register_backend(checked_runner, ...) needs name=")
         if caps is not None and capabilities:
             raise TypeError("give caps= or capability keywords, not both")
         if caps is None:
@@ -109,9 +109,9 @@ def register_backend(
             )
         spec = Backend(
             name=name,
-            run=backend,
-            bind=bind,
-            available=available,
+            checked_runner=backend,
+            make_checked_runner=make_checked_runner,
+            why_unavailable=why_unavailable,
             caps=caps,
             preference=preference,
             family="plugin",

@@ -104,22 +104,27 @@ class Capabilities:
 class Backend:
     """A candidate for one matrix product.
 
-    ``run`` is the runner itself for simple backends; ``bind`` (problem -> runner) is for those
-    that need the problem to build one (the b layout, a pre-compiled kernel). ``available``
-    returns a reason when the backend cannot run in this environment at all. ``preference``
+    Two runners. The *checked* runner is what probing runs (with whatever argument checks the
+    backend has): ``checked_runner`` is that runner itself for simple backends, or
+    ``make_checked_runner`` (problem -> runner) builds it for those that need the problem (the
+    b layout, a pre-compiled kernel). The *fast* runner is what the warm path binds once the
+    backend is proven on the problem: ``make_fast_runner`` (problem -> runner, its checks
+    skipped) where the backend has one, else the checked runner. ``why_unavailable`` (env ->
+    reason or None) says why the backend cannot run in this environment at all; call it
+    through ``unavailable_reason``, which turns its exceptions into reasons. ``preference``
     breaks near-ties: lower wins, so ranks and restarts agree when timings are inside noise.
     """
 
     name: str
-    run: Runner | None = None
-    bind: Callable[[Problem], Runner] | None = None
-    available: Callable[[Mapping[str, Any]], str | None] | None = None
+    checked_runner: Runner | None = None
+    make_checked_runner: Callable[[Problem], Runner] | None = None
+    why_unavailable: Callable[[Mapping[str, Any]], str | None] | None = None
     caps: Capabilities = field(default_factory=Capabilities)
     preference: int = 100
     family: str = "plugin"
     experimental: bool = False
     description: str = ""
-    dispatch_bind: Callable[[Problem], Runner] | None = None
+    make_fast_runner: Callable[[Problem], Runner] | None = None
     unsupported_errors: tuple[type[BaseException], ...] = ()
     # Optional tactic hooks (flashinfer's autotuner, see flashinfer_tactics): ``tune(runner,
     # problem, args)`` returns a JSON record of the tactic chosen at M = the bucket's top;
@@ -132,22 +137,30 @@ class Backend:
             raise ValueError(
                 f"backend name must be a non-empty string other than 'auto', got {self.name!r}"
             )
-        if (self.run is None) == (self.bind is None):
-            raise ValueError(f"backend {self.name!r}: give exactly one of run= or bind=")
+        if (self.checked_runner is None) == (self.make_checked_runner is None):
+            raise ValueError(
+                f"backend {self.name!r}: give exactly one of checked_runner= or "
+                "make_checked_runner="
+            )
 
-    def runner(self, problem: Problem, tactic: Mapping[str, Any] | None = None) -> Runner:
+    def checked_runner_for(
+        self, problem: Problem, tactic: Mapping[str, Any] | None = None
+    ) -> Runner:
         """The runner used while probing (with whatever checks the backend has).
 
         ``tactic`` (a record from ``tune``) pins the runner to that tactic.
         """
-        runner = self.bind(problem) if self.bind is not None else self.run
+        if self.make_checked_runner is not None:
+            runner = self.make_checked_runner(problem)
+        else:
+            runner = self.checked_runner
         return self._pinned(runner, tactic)  # type: ignore[arg-type]
 
-    def dispatcher(self, problem: Problem, tactic: Mapping[str, Any] | None = None) -> Runner:
+    def fast_runner_for(self, problem: Problem, tactic: Mapping[str, Any] | None = None) -> Runner:
         """The runner bound for the warm path, once this backend is proven on the problem."""
-        if self.dispatch_bind is not None:
-            return self._pinned(self.dispatch_bind(problem), tactic)
-        return self.runner(problem, tactic)
+        if self.make_fast_runner is not None:
+            return self._pinned(self.make_fast_runner(problem), tactic)
+        return self.checked_runner_for(problem, tactic)
 
     def _pinned(self, runner: Runner, tactic: Mapping[str, Any] | None) -> Runner:
         if tactic is None or self.pin is None:
@@ -159,10 +172,11 @@ class Backend:
         return isinstance(exc, (UnsupportedProblem, *self.unsupported_errors))
 
     def unavailable_reason(self, env: Mapping[str, Any]) -> str | None:
-        if self.available is None:
+        """Why this backend cannot run in ``env``, or None: ``why_unavailable``, never raising."""
+        if self.why_unavailable is None:
             return None
         try:
-            return self.available(env)
+            return self.why_unavailable(env)
         except Exception as exc:  # a broken availability check is itself a reason
             return f"availability check raised {type(exc).__name__}: {exc}"
 
@@ -171,18 +185,22 @@ class Backend:
 
     # -- crossing into the sandbox -------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        """Plain-data form for the sandbox child; raises if a function cannot be re-imported."""
+        """Plain-data form for the sandbox child; raises if a function cannot be re-imported.
+
+        Never stored: it crosses a pipe to a child of the same fp4select, so its keys are the
+        field names of this version.
+        """
         return {
             "name": self.name,
-            "run": _reference(self.run),
-            "bind": _reference(self.bind),
-            "available": _reference(self.available),
+            "checked_runner": _reference(self.checked_runner),
+            "make_checked_runner": _reference(self.make_checked_runner),
+            "why_unavailable": _reference(self.why_unavailable),
             "caps": self.caps.to_json(),
             "preference": self.preference,
             "family": self.family,
             "experimental": self.experimental,
             "description": self.description,
-            "dispatch_bind": _reference(self.dispatch_bind),
+            "make_fast_runner": _reference(self.make_fast_runner),
             "unsupported_errors": [_reference(e) for e in self.unsupported_errors],
             "tune": _reference(self.tune),
             "pin": _reference(self.pin),
@@ -192,15 +210,15 @@ class Backend:
     def from_json(cls, data: Mapping[str, Any]) -> Backend:
         return cls(
             name=data["name"],
-            run=_resolve(data["run"]),
-            bind=_resolve(data["bind"]),
-            available=_resolve(data["available"]),
+            checked_runner=_resolve(data["checked_runner"]),
+            make_checked_runner=_resolve(data["make_checked_runner"]),
+            why_unavailable=_resolve(data["why_unavailable"]),
             caps=Capabilities.from_json(data["caps"]),
             preference=data["preference"],
             family=data["family"],
             experimental=data["experimental"],
             description=data.get("description", ""),
-            dispatch_bind=_resolve(data.get("dispatch_bind")),
+            make_fast_runner=_resolve(data.get("make_fast_runner")),
             unsupported_errors=tuple(_resolve(e) for e in data.get("unsupported_errors", [])),
             tune=_resolve(data.get("tune")),
             pin=_resolve(data.get("pin")),

@@ -50,14 +50,14 @@ def _run_invariant(*args: object, b_layout: str) -> torch.Tensor:
     )
 
 
-def bind(problem: Problem) -> Runner:
+def make_runner(problem: Problem) -> Runner:
     run = _run_invariant if problem.batch_invariant else _run
     return functools.partial(run, b_layout=problem.b_layout)
 
 
 BACKEND = Backend(
     name=NAME,
-    bind=bind,
+    make_checked_runner=make_runner,
     caps=Capabilities(
         formats=ALL_FORMATS,
         a_sf_layouts=frozenset(A_SF_LAYOUTS),

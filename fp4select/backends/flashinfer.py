@@ -140,7 +140,7 @@ def experimental_allowed() -> bool:
 
 
 def _availability(name: str, modules: tuple[str, ...]):
-    def available(env: Mapping[str, Any]) -> str | None:
+    def why_unavailable(env: Mapping[str, Any]) -> str | None:
         mm_fp4, why = load()
         if mm_fp4 is None:
             return why
@@ -158,14 +158,14 @@ def _availability(name: str, modules: tuple[str, ...]):
                 return f"needs the Python module '{module}', which is not installed"
         return None
 
-    return available
+    return why_unavailable
 
 
-def _binder(name: str, *, skip_check: bool, **extra: Any):
-    """A bind function whose runners call ``mm_fp4`` with ``backend=name`` (and ``extra``
-    keywords, e.g. ``batch_invariant=True``) in mm_fp4's own positional order."""
+def _runner_maker(name: str, *, skip_check: bool, **extra: Any):
+    """A problem -> runner function whose runners call ``mm_fp4`` with ``backend=name`` (and
+    ``extra`` keywords, e.g. ``batch_invariant=True``) in mm_fp4's own positional order."""
 
-    def bind(problem: Problem) -> Runner:
+    def make_runner(problem: Problem) -> Runner:
         mm_fp4, why = load()
         if mm_fp4 is None:
             raise RuntimeError(why)
@@ -190,7 +190,7 @@ def _binder(name: str, *, skip_check: bool, **extra: Any):
 
         return run
 
-    return bind
+    return make_runner
 
 
 def unsupported_errors() -> tuple[type[BaseException], ...]:
@@ -220,9 +220,9 @@ def backends() -> tuple[list[Backend], str | None]:
         out.append(
             Backend(
                 name=name,
-                bind=_binder(name, skip_check=False),
-                dispatch_bind=_binder(name, skip_check=True),
-                available=_availability(name, modules),
+                make_checked_runner=_runner_maker(name, skip_check=False),
+                make_fast_runner=_runner_maker(name, skip_check=True),
+                why_unavailable=_availability(name, modules),
                 caps=caps,
                 preference=preference,
                 family=FAMILY,
@@ -249,4 +249,4 @@ def auto_runner(env: Mapping[str, Any], problem: Problem) -> Runner | None:
     supported = getattr(mm_fp4, "is_compute_capability_supported", None)
     if supported is not None and not supported(env.get("cc")):
         return None
-    return _binder("auto", skip_check=False)(problem)
+    return _runner_maker("auto", skip_check=False)(problem)

@@ -43,7 +43,7 @@ def supported_ccs() -> tuple[list[int] | None, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def available(env: Mapping[str, Any]) -> str | None:
+def why_unavailable(env: Mapping[str, Any]) -> str | None:
     mm_fp4, why = flashinfer_backends.load()
     if mm_fp4 is None:
         return why
@@ -63,7 +63,7 @@ def available(env: Mapping[str, Any]) -> str | None:
 
 
 # flashinfer's own checks stay on: the class turns down what it cannot do, as "unsupported".
-bind = flashinfer_backends._binder("auto", skip_check=False, batch_invariant=True)
+make_runner = flashinfer_backends._runner_maker("auto", skip_check=False, batch_invariant=True)
 
 
 def backends() -> list[Backend]:
@@ -74,8 +74,8 @@ def backends() -> list[Backend]:
     return [
         Backend(
             name=NAME,
-            bind=bind,
-            available=available,
+            make_checked_runner=make_runner,
+            why_unavailable=why_unavailable,
             caps=Capabilities(
                 formats=ALL_FORMATS,
                 alpha_kinds=frozenset({"none", "scalar"}),

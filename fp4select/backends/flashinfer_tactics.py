@@ -34,7 +34,7 @@ and 0.7.4):
   ``autotune_v2`` exists in 0.7.4 only. fp4select's entry is already keyed by everything a
   tactic's meaning depends on (GPU, flashinfer version, N, K, bucket, formats, layouts).
 * **Serving pins the tactic per call**, independent of flashinfer's bucket mapping: a bound
-  dispatcher sets a thread-local pin around its mm_fp4 call, and a hook on the AutoTuner
+  fast runner sets a thread-local pin around its mm_fp4 call, and a hook on the AutoTuner
   singleton's ``choose_one`` answers an fp4_gemm choice with one runner of the recorded class
   by ``(runners[0], tactic)``, with no cache lookup and no tuning. Anything else (other ops,
   other callers, backend="auto", a runner of another class) goes to flashinfer unchanged. No

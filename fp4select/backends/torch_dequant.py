@@ -45,7 +45,7 @@ _retired: list[torch.Tensor] = []  # outgrown workspaces a captured graph may st
 _has_mm_out_dtype: bool | None = None
 
 
-def available(env: Mapping[str, Any]) -> str | None:
+def why_unavailable(env: Mapping[str, Any]) -> str | None:
     if env.get("device") != "cuda":
         return "CUDA only: on the CPU, decode-then-multiply is what emulation already is"
     return None
@@ -186,14 +186,14 @@ def _run(
     return torch.mul(result, factor, out=out)
 
 
-def bind(problem: Problem) -> Runner:
+def make_runner(problem: Problem) -> Runner:
     return functools.partial(_run)
 
 
 BACKEND = Backend(
     name=NAME,
-    bind=bind,
-    available=available,
+    make_checked_runner=make_runner,
+    why_unavailable=why_unavailable,
     caps=Capabilities(
         formats=ALL_FORMATS,
         a_sf_layouts=frozenset({"128x4", "8x4"}),

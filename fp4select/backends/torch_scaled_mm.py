@@ -4,8 +4,8 @@ Design rules:
 
 * Only where it can run: torch must have ``float4_e2m1fn_x2`` and ``nn.functional.scaled_mm``
   (torch >= 2.10), and the GPU FP4 tensor cores (compute capability >= 10.0). Anywhere else
-  ``available`` returns the reason (SM90 has no FP4 tensor cores), so ``fp4select verify`` and
-  ``doctor`` list it as unsupported, never as failed.
+  ``why_unavailable`` returns the reason (SM90 has no FP4 tensor cores), so ``fp4select
+  verify`` and ``doctor`` list it as unsupported, never as failed.
 * The arguments are mm_fp4's tensors, reinterpreted, never copied: a as ``(M, K/2)``
   float4_e2m1fn_x2 row-major, b as the ``(K/2, N)`` column-major view it already is, scales in
   the 128x4 layout, which is cuBLASLt's ``SWIZZLE_32_4_4``. NVFP4 uses two-level scaling
@@ -54,7 +54,7 @@ def missing_torch_support() -> str | None:
     return None
 
 
-def available(env: Mapping[str, Any]) -> str | None:
+def why_unavailable(env: Mapping[str, Any]) -> str | None:
     why = missing_torch_support()
     if why:
         return why
@@ -176,14 +176,14 @@ def _run(
     return out.copy_(result)
 
 
-def bind(problem: Problem) -> Runner:
+def make_runner(problem: Problem) -> Runner:
     return functools.partial(_run)
 
 
 BACKEND = Backend(
     name=NAME,
-    bind=bind,
-    available=available,
+    make_checked_runner=make_runner,
+    why_unavailable=why_unavailable,
     caps=Capabilities(
         # MXFP4 not declared: torch's rule for MX scales counts them from the packed K/2
         # (1024 for a 7x320 a), not from K/32 as the MXFP4 layout has (1536): see the note at

@@ -28,8 +28,8 @@ Design rules:
   outside capture; a call that would need one during capture runs without split instead.
   The workspace is per device, not per stream: two streams running the same N at once would
   share it (engines run one GEMM stream per device).
-* Importing this module never imports triton; ``available`` says why it cannot run (no CUDA,
-  no triton, compute capability under 8.0 for bf16/fp16 dots).
+* Importing this module never imports triton; ``why_unavailable`` says why it cannot run (no
+  CUDA, no triton, compute capability under 8.0 for bf16/fp16 dots).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def available(env: Mapping[str, Any]) -> str | None:
+def why_unavailable(env: Mapping[str, Any]) -> str | None:
     """Why the Triton kernels cannot run here, or None."""
     if env.get("device") != "cuda":
         return "needs a CUDA GPU (the CPU runs it only under TRITON_INTERPRET=1, for tests)"
@@ -328,31 +328,31 @@ def _run(
 _BY_NAME = {cfg.name: cfg for cfg in CONFIGS}
 
 
-def bind(problem: Problem, name: str) -> Runner:
+def make_runner(problem: Problem, name: str) -> Runner:
     return functools.partial(_run, cfg=_BY_NAME[name])
 
 
-def bind_gemv(problem: Problem) -> Runner:
-    return bind(problem, "triton-gemv")
+def make_runner_gemv(problem: Problem) -> Runner:
+    return make_runner(problem, "triton-gemv")
 
 
-def bind_m16(problem: Problem) -> Runner:
-    return bind(problem, "triton-m16")
+def make_runner_m16(problem: Problem) -> Runner:
+    return make_runner(problem, "triton-m16")
 
 
-def bind_m64(problem: Problem) -> Runner:
-    return bind(problem, "triton-m64")
+def make_runner_m64(problem: Problem) -> Runner:
+    return make_runner(problem, "triton-m64")
 
 
-def bind_m128(problem: Problem) -> Runner:
-    return bind(problem, "triton-m128")
+def make_runner_m128(problem: Problem) -> Runner:
+    return make_runner(problem, "triton-m128")
 
 
-_BINDERS = {
-    "triton-gemv": bind_gemv,
-    "triton-m16": bind_m16,
-    "triton-m64": bind_m64,
-    "triton-m128": bind_m128,
+_MAKERS = {
+    "triton-gemv": make_runner_gemv,
+    "triton-m16": make_runner_m16,
+    "triton-m64": make_runner_m64,
+    "triton-m128": make_runner_m128,
 }
 
 
@@ -371,8 +371,8 @@ def _caps(cfg: TileConfig) -> Capabilities:
 BACKENDS: tuple[Backend, ...] = tuple(
     Backend(
         name=cfg.name,
-        bind=_BINDERS[cfg.name],
-        available=available,
+        make_checked_runner=_MAKERS[cfg.name],
+        why_unavailable=why_unavailable,
         caps=_caps(cfg),
         preference=cfg.preference,
         family=FAMILY,
