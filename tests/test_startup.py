@@ -57,7 +57,8 @@ def _python(code: str, cache: Path, *args: str, env: dict[str, str] | None = Non
 def _cli_imports(cache: Path, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run the real command line under ``-X importtime``; returns it and the modules it imported."""
     code = f"import sys; from fp4select.cli import main; sys.exit(main({list(argv)!r}))"
-    proc = _python(code, cache, "-X", "importtime")
+    # The cache holds the CPU's decision; on a GPU machine the command line would read the GPU's.
+    proc = _python(code, cache, "-X", "importtime", env={"CUDA_VISIBLE_DEVICES": ""})
     modules = {
         line.rsplit("|", 1)[1].strip()
         for line in proc.stderr.splitlines()
@@ -74,8 +75,8 @@ def warm_cache(inprocess, cache_dir):
     return cache_dir
 
 
-@pytest.mark.subprocess
 # -- the environment fingerprint ---------------------------------------------------------------
+@pytest.mark.subprocess
 @pytest.mark.flashinfer
 def test_environment_reads_flashinfers_version_without_importing_it(tmp_path):
     """Caches keyed by today's environment still match: metadata says what __version__ says."""
