@@ -34,7 +34,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -49,20 +49,23 @@ from fp4select.probe import (
     InProcessProber,
     MalformedRecord,
     ProbeOptions,
+    Prober,
     ProbeResult,
+    Status,
     Verdict,
     is_number,
     need,
 )
 from fp4select.store import CacheWarning, Store, digest
-from fp4select.timing import Timing, TimingOptions, rank
+from fp4select.timing import Timing, TimingOptions, preference_ranking, rank
 
 log = logging.getLogger("fp4select")
 
 ISOLATION_ENV = "FP4SELECT_ISOLATION"
 BLACKLIST_SCOPE_ENV = "FP4SELECT_BLACKLIST_SCOPE"
 TIME_BUDGET_ENV = "FP4SELECT_TIME_BUDGET_S"
-ISOLATIONS = ("subprocess", "inprocess")
+Isolation = Literal["subprocess", "inprocess"]
+ISOLATIONS: tuple[Isolation, ...] = ("subprocess", "inprocess")
 # Never blacklisted beyond one key, and never by an imported archive: every supported problem
 # must keep a correct answer.
 PROTECTED_BACKENDS = frozenset({emulation.NAME})
@@ -80,11 +83,16 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def default_isolation() -> str:
-    value = os.environ.get(ISOLATION_ENV, "subprocess").strip().lower()
-    if value not in ISOLATIONS:
-        raise ValueError(f"{ISOLATION_ENV} must be one of {ISOLATIONS}, got {value!r}")
-    return value
+def _isolation(value: str, what: str) -> Isolation:
+    """``value`` as one of ``ISOLATIONS``; a ValueError naming ``what`` otherwise."""
+    for known in ISOLATIONS:
+        if value == known:
+            return known
+    raise ValueError(f"{what} must be one of {ISOLATIONS}, got {value!r}")
+
+
+def default_isolation() -> Isolation:
+    return _isolation(os.environ.get(ISOLATION_ENV, "subprocess").strip().lower(), ISOLATION_ENV)
 
 
 def default_timing() -> TimingOptions:
@@ -106,7 +114,7 @@ class Decision:
     winner: str | None
     verdicts: dict[str, Verdict]
     timings: dict[str, Timing] = field(default_factory=dict)
-    ranking: dict[str, Any] | None = None
+    ranking: Mapping[str, Any] | None = None  # a timing.RankingRecord, or as read from disk
     method: str = ""
     considered: list[str] = field(default_factory=list)
     created: str = field(default_factory=_now)
@@ -158,8 +166,8 @@ class Decision:
         winner = data.get("winner")
         need(winner is None or isinstance(winner, str), "decision.winner must be a name or null")
         if winner is not None:
-            verdict = verdicts.get(winner)
-            need(verdict is not None and verdict.passed, f"winner {winner!r} never passed")
+            chosen = verdicts.get(winner)
+            need(chosen is not None and chosen.passed, f"winner {winner!r} never passed")
         ranking = data.get("ranking")
         need(ranking is None or isinstance(ranking, dict), "decision.ranking must be an object")
         if ranking is not None:
@@ -233,15 +241,13 @@ class Selector:
         lock_timeout: float = 3600.0,
     ) -> None:
         self.store = store if store is not None else Store()
-        self.isolation = isolation or default_isolation()
-        if self.isolation not in ISOLATIONS:
-            raise ValueError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
+        self.isolation = _isolation(isolation or default_isolation(), "isolation")
         self.timing = timing or default_timing()
         self.lock_timeout = lock_timeout
         self.counters = Counters()
         self.pending: set[tuple[Problem, str]] = set()
         self._memory: dict[str, Decision] = {}
-        self._prober: Any = None
+        self._prober: Prober | None = None
         self._lock = threading.RLock()
         self._registry: registry_mod.Registry | None = None
         self._registry_generation = -1
@@ -285,7 +291,7 @@ class Selector:
                 return backend
         return self.registry().get(name)
 
-    def prober(self) -> Any:
+    def prober(self) -> Prober:
         """The one prober of this selector: two threads must never start two sandbox workers."""
         with self._lock:
             if self._prober is None:
@@ -319,7 +325,7 @@ class Selector:
             if entry and _blacklist_applies(entry, problem):
                 excluded[name] = Verdict(
                     name,
-                    "blacklisted",
+                    Status.BLACKLISTED,
                     f"{entry.get('kind', '?')} on {entry.get('when', '?')}: "
                     f"{entry.get('reason', '')}",
                     detail={"blacklist": entry},
@@ -327,11 +333,11 @@ class Selector:
                 continue
             why = backend.unavailable_reason(env)
             if why:
-                excluded[name] = Verdict(name, "unavailable", why)
+                excluded[name] = Verdict(name, Status.UNAVAILABLE, why)
                 continue
             why = backend.rejects(problem, env)
             if why:
-                excluded[name] = Verdict(name, "unsupported", why)
+                excluded[name] = Verdict(name, Status.UNSUPPORTED, why)
                 continue
             runnable.append(backend)
         return runnable, excluded
@@ -421,12 +427,12 @@ class Selector:
         allowed = flashinfer_backends.experimental_allowed()
         for name, verdict in others.items():
             entry = blacklist.get(name)
-            if verdict.status == "blacklisted" and not (
+            if verdict.status == Status.BLACKLISTED and not (
                 entry and _blacklist_applies(entry, problem)
             ):
                 return False  # its blacklisting was cleared since: it may compete now
             experimental = flashinfer_backends.EXPERIMENTAL_ENV in verdict.reason
-            if verdict.status == "unavailable" and experimental and allowed:
+            if verdict.status == Status.UNAVAILABLE and experimental and allowed:
                 return False  # experimental backends were allowed since: it may compete now
         return True
 
@@ -490,14 +496,9 @@ class Selector:
             decision.winner = ranking.winner
             decision.ranking = ranking.to_json()
         elif passed:  # one correct candidate, or timing failed: preference order decides
-            order = sorted(passed, key=lambda n: (preference[n], n))
-            decision.winner = order[0]
-            decision.ranking = {
-                "winner": order[0],
-                "order": order,
-                "margin": None,
-                "tie_broken_by_preference": len(order) > 1,
-            }
+            record = preference_ranking(passed, preference)
+            decision.winner = record["winner"]
+            decision.ranking = record
         log.info(
             "decided %s: %s (%s)",
             problem.describe(),
@@ -528,7 +529,7 @@ class Selector:
             keyed = scope == "key" or name in PROTECTED_BACKENDS
             record = {
                 "backend": name,
-                "kind": verdict.status,
+                "kind": verdict.status.value,
                 "reason": verdict.reason,
                 "when": _now(),
                 "scope": "key" if keyed else "environment",
@@ -621,7 +622,7 @@ class Selector:
 
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""
-        done = []
+        done: list[Decision] = []
         while True:
             with self._lock:
                 if not self.pending:
