@@ -301,8 +301,13 @@ def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
     return runner
 
 
+# The nine arguments best_mm_fp4 and flashinfer's mm_fp4 take first, in their order:
+# a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout.
+_CallArgs = tuple[Any, Any, Any, Any, Any, Any, Any, Any, Any]
+
+
 def _miss(
-    args: tuple,
+    args: _CallArgs,
     backend: str,
     use_nvfp4: bool,
     enable_pdl: bool,
@@ -312,7 +317,13 @@ def _miss(
 ) -> tuple[Any, bool]:
     """Check the arguments, find or make the decision: (runner, whether it may be bound)."""
     problem = check_arguments(
-        *args, backend, use_nvfp4, enable_pdl, b_layout, batch_invariant, allow_blacklisted
+        *args,
+        backend=backend,
+        use_nvfp4=use_nvfp4,
+        enable_pdl=enable_pdl,
+        b_layout=b_layout,
+        batch_invariant=batch_invariant,
+        allow_blacklisted=allow_blacklisted,
     )
     _record.note(problem)  # FP4SELECT_RECORD: the first call of a signature only
     a = args[0]

@@ -87,7 +87,10 @@ class Capabilities:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Capabilities:
-        return cls(**{k: frozenset(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {
+            k: frozenset(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         unknown = set(self.alpha_kinds) - set(ALPHA_KINDS)

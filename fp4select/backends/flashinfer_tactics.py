@@ -337,11 +337,11 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
     if mode not in ("tune", "default"):
         # Raised here it would read as "unsupported" for every backend (flashinfer's checks
         # raise ValueError): say it in each record and the log instead, and tune nothing.
-        why = f"{TACTICS_ENV} must be 'tune' or 'default', got {mode!r}; not tuned"
-        if why not in _warned:
-            _warned.add(why)
-            log.error(why)
-        return {"op": OP, "tactic": None, "reason": why}
+        bad = f"{TACTICS_ENV} must be 'tune' or 'default', got {mode!r}; not tuned"
+        if bad not in _warned:
+            _warned.add(bad)
+            log.error(bad)
+        return {"op": OP, "tactic": None, "reason": bad}
     if mode == "default":
         return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}=default"}
     if getattr(problem, "batch_invariant", False):
