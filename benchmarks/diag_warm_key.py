@@ -17,7 +17,6 @@ import torch
 
 _B16 = 16
 _NO_ALPHA = torch.empty(0)
-_NO_OUT = torch.empty(0)
 
 
 def nothing(*args):
@@ -101,15 +100,14 @@ def make_guarded(args):
                            out_dtype, backend, b_layout, flags))  # fmt: skip
         runner = None
         if entry is not None and entry[0](a, b, a_descale, b_descale,
-                                          _NO_ALPHA if alpha is None else alpha,
-                                          _NO_OUT if out is None else out):  # fmt: skip
+                                          _NO_ALPHA if alpha is None else alpha):  # fmt: skip
             runner = entry[1]
         return runner(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size,
                       use_8x4_sf_layout, use_nvfp4, enable_pdl)  # fmt: skip
 
     a, b, ad, bd, al = args
     key = (a.shape, b.shape, a.get_device(), False, True, torch.bfloat16, "auto", "plain", True)
-    table[key] = (guard(a, b, ad, bd, al, _NO_OUT), nothing)
+    table[key] = (guard(a, b, ad, bd, al), nothing)
     return call
 
 

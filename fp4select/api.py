@@ -56,10 +56,9 @@ _lookup = _bound.get  # one global load on the warm path instead of two
 _checked: dict[tuple, Any] = {}
 _table_lock = threading.Lock()
 _B16 = 16  # small ints are singletons in CPython: `block_size is _B16` refuses 16.0 and True
-# What the guard checks in place of alpha=None and out=None: two distinct objects, because
-# PyTorch's guard refuses a call that passes one tensor twice.
+# What the guard checks in place of alpha=None (a distinct object: PyTorch's guard refuses a
+# call that passes one tensor twice).
 _NO_ALPHA = torch.empty(0)
-_NO_OUT = torch.empty(0)
 
 
 _selector: Selector | None = None
@@ -189,17 +188,20 @@ def best_mm_fp4(
             flags,
         )
         entry = _lookup(key)
-        if entry is not None and entry[0](
-            a,
-            b,
-            a_descale,
-            b_descale,
-            _NO_ALPHA if alpha is None else alpha,
-            _NO_OUT if out is None else out,
-        ):
-            runner = entry[1]
-        else:
+        if entry is None:
             runner = None
+        elif out is None:  # the common call: five tensors to guard, not six
+            runner = (
+                entry[1]
+                if entry[0](a, b, a_descale, b_descale, _NO_ALPHA if alpha is None else alpha)
+                else None
+            )
+        else:
+            runner = (
+                entry[1]
+                if entry[0](a, b, a_descale, b_descale, _NO_ALPHA if alpha is None else alpha, out)
+                else None
+            )
     except Exception:  # not tensors, unhashable arguments, a guard refusing a non-tensor
         key, runner = None, None
     if runner is None:  # a first call, or tensors the bound entry's guard refused
@@ -274,14 +276,8 @@ def _signature(args: tuple, flags: tuple) -> tuple | None:
 def _guarded(args: tuple) -> tuple:
     """The tensors the warm path's guard checks, in its order."""
     a, b, a_descale, b_descale, alpha, _, out = args[:7]
-    return (
-        a,
-        b,
-        a_descale,
-        b_descale,
-        _NO_ALPHA if alpha is None else alpha,
-        _NO_OUT if out is None else out,
-    )
+    tensors = (a, b, a_descale, b_descale, _NO_ALPHA if alpha is None else alpha)
+    return tensors if out is None else (*tensors, out)
 
 
 def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:

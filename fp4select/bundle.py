@@ -15,7 +15,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from fp4select.store import digest, read_archive
+from fp4select.store import digest
+from fp4select.store.archive import read_archive
 
 __all__ = ["applicability", "difference"]
 

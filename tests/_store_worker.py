@@ -16,10 +16,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# store.py imports nothing from fp4select, so load it by path: the package __init__ pulls in
-# torch, which would make eight workers on two cores take seconds instead of a fraction.
+# fp4select.store imports nothing else from fp4select, so load the package by path: fp4select's
+# __init__ pulls in torch, which would make eight workers on two cores take seconds, not a moment.
+_package = Path(__file__).resolve().parents[1] / "fp4select" / "store"
 _spec = importlib.util.spec_from_file_location(
-    "_fp4select_store", Path(__file__).resolve().parents[1] / "fp4select" / "store.py"
+    "_fp4select_store", _package / "__init__.py", submodule_search_locations=[str(_package)]
 )
 assert _spec is not None and _spec.loader is not None
 _store = importlib.util.module_from_spec(_spec)

@@ -1,14 +1,49 @@
-"""Shared fixtures: every test gets its own cache directory and a fresh process-wide selector."""
+"""Shared fixtures: every test gets its own cache directory and a fresh process-wide selector.
+
+Which tests the default run takes (and the check that a test starting processes is marked so)
+lives in suite_selection.py; its hooks are registered here by importing them.
+"""
 
 from __future__ import annotations
 
 import injected_timing
 import pytest
+from suite_selection import (  # noqa: F401  (pytest finds hooks and fixtures by name here)
+    _spawn_guard,
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_terminal_summary,
+)
 
 import fp4select
 from fp4select import backends as registry
 from fp4select import timing
 from fp4select.timing import TimingOptions
+
+# Property tests take the same examples on every run and never fail for taking long: the
+# default per-example deadline (200 ms) and the too-slow health check read a loaded machine's
+# clock. The default run takes few examples; --all (CI) takes as many as test_formats wants.
+# The engines' environment (.ci/engines.sh) has no hypothesis and needs none.
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:
+    settings = None
+else:
+    for _name, _examples in (("fp4select", 25), ("fp4select-all", 150)):
+        settings.register_profile(
+            _name,
+            max_examples=_examples,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test module is imported, so that their settings() inherit the profile."""
+    if settings is not None:
+        settings.load_profile("fp4select-all" if config.getoption("run_all") else "fp4select")
+
 
 FAST_TIMING = TimingOptions(budget_s=0.02, min_rounds=3, max_rounds=20, target_sample_s=1e-4)
 

@@ -170,6 +170,7 @@ print("bound", fp4select.stats()["bound_signatures"])
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("mode", ["", "always"])
 def test_a_bad_call_after_a_good_one_is_refused_in_both_check_modes(tmp_path, mode):
     """FP4SELECT_CHECK=always re-checks every call; the default binds, and still refuses."""
@@ -416,3 +417,17 @@ def test_another_view_of_a_bound_weight_is_checked_again(inprocess, case, view, 
     with pytest.raises(error, match=message):
         best_mm_fp4(**dict(kwargs, b=view(weight), b_descale=weight_scale.t()))
     assert ran == []
+
+
+def test_the_warm_path_never_reads_alpha_s_value(inprocess, monkeypatch):
+    """alpha == 0 is an alpha like any other (truth-testing it would also sync the GPU)."""
+    problem = Problem(n=128, k=256, m_bucket=16)
+    kwargs = make_inputs(problem, 13, "cpu").kwargs(problem)
+    kwargs["alpha"] = torch.zeros(1)
+    assert not best_mm_fp4(**kwargs).any()
+    read = []
+    real = fp4select.api._signature
+    monkeypatch.setattr(fp4select.api, "_signature", lambda *a: read.append(1) or real(*a))
+    for _ in range(3):
+        assert not best_mm_fp4(**kwargs).any()
+    assert read == [], "a zero alpha was not served by the warm path"

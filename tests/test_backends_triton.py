@@ -25,6 +25,7 @@ import pytest
 from fp4select.backends import triton_fp4
 
 pytestmark = [
+    pytest.mark.subprocess,  # one interpreter process per case
     pytest.mark.slow,  # about a minute: the interpreter runs every program in NumPy
     pytest.mark.skipif(
         not triton_fp4.triton_installed(), reason="triton is not installed (pip install triton)"

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # every test runs the command line as a process
+
 flashinfer = pytest.importorskip("flashinfer")
 
 

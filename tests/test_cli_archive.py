@@ -12,10 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fp4select.keys import Problem
 from fp4select.probe import Verdict
 from fp4select.selector import Decision
 from fp4select.store import Store
+
+pytestmark = pytest.mark.subprocess  # export, import and clear run as processes
 
 ENV = {"gpu": "NVIDIA B200", "cc": 100, "torch": "2.9.0"}
 KEYS = [Problem(n=4096, k=7168, m_bucket=m).to_json() for m in (1, 2)]

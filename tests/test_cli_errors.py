@@ -14,6 +14,8 @@ CASES = [
     (["explain", "--n", "64", "--k", "128", "--m", "0"], 2, "--m: must be a positive integer"),
     (["explain", "--n", "-5", "--k", "128", "--m", "3"], 2, "--n: must be a positive integer"),
     (["warm", "--shape", "64,128", "--max-m", "0"], 2, "--max-m: must be a positive integer"),
+    (["verify", "--m", "0"], 2, "--m: must be a positive integer"),
+    (["verify", "--m", "-3"], 2, "--m: must be a positive integer"),
     (["warm", "--shape", "100,100"], 2, "K must be a multiple of 16 for nvfp4"),
     (["warm", "--shapes-file", "/nonexistent/shapes.json"], 2, "No such file or directory"),
     (["doctor", "--device", "foo"], 2, "is not a torch device"),
@@ -42,6 +44,7 @@ def test_cuda_on_a_torch_without_cuda_is_a_usage_error(capsys, cache_dir):
     assert "sees no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_a_closed_pipe_ends_quietly(tmp_path):
     """`fp4select doctor | head -1`: the reader leaves first; no BrokenPipeError is printed."""
     env = {**os.environ, "FP4SELECT_CACHE_DIR": str(tmp_path)}

@@ -17,6 +17,7 @@ import sys
 import termios
 import threading
 
+import pytest
 import torch
 
 import fp4select
@@ -109,6 +110,7 @@ def _verify_on_a_terminal(*args: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout.decode(), b"".join(chunks).decode("utf-8", "replace")
 
 
+@pytest.mark.subprocess
 def test_verify_shows_a_progress_bar_on_a_terminal_and_keeps_it_off_stdout():
     code, out, terminal = _verify_on_a_terminal("--shape", "128,256", "--m", "16")
     assert code == 0, out + terminal[-2000:]
@@ -116,6 +118,7 @@ def test_verify_shows_a_progress_bar_on_a_terminal_and_keeps_it_off_stdout():
     assert "fp4select verify" not in out and "5 problems on cpu; no backend failed" in out
 
 
+@pytest.mark.subprocess
 def test_verify_json_is_clean_json_and_shows_no_bar_even_on_a_terminal():
     code, out, terminal = _verify_on_a_terminal("--shape", "128,256", "--m", "16", "--json")
     assert code == 0, out + terminal[-2000:]

@@ -127,6 +127,7 @@ def _run(cache: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.subprocess
 def test_warm_a_model_export_and_import_elsewhere(tmp_path):
     path = model_dir(tmp_path, TINY_LLAMA)
     bundle_file = tmp_path / "bundle.json"
@@ -170,6 +171,7 @@ def test_warm_a_model_export_and_import_elsewhere(tmp_path):
     assert report["reasons"] == {f"flashinfer: {here['flashinfer']!r} -> '0.0.1'": 8}
 
 
+@pytest.mark.subprocess
 def test_export_failure_is_reported(tmp_path):
     proc = _run(
         tmp_path / "c",
@@ -195,6 +197,7 @@ def test_applicability_rejects_a_file_that_is_not_an_archive(tmp_path):
         bundle.applicability(path, {})
 
 
+@pytest.mark.subprocess
 def test_deploy_recipe_runs_end_to_end(tmp_path):
     env = {
         **os.environ,

@@ -60,6 +60,7 @@ def run_job(tmp_path: Path, scenario: str, world: int) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.subprocess
 def test_sync_every_rank_adopts_rank0s_decisions_and_tunes_nothing(tmp_path):
     world = 3 if BACKEND == "gloo" else 2  # NCCL: one GPU per rank
     results = run_job(tmp_path, "sync", world=world)
@@ -80,6 +81,7 @@ def test_sync_every_rank_adopts_rank0s_decisions_and_tunes_nothing(tmp_path):
         assert r["sources"] == ["rank0"]
 
 
+@pytest.mark.subprocess
 def test_verify_names_the_first_differing_key_on_every_rank(tmp_path):
     results = run_job(tmp_path, "disagree", world=2)
     for r in results:
@@ -89,6 +91,7 @@ def test_verify_names_the_first_differing_key_on_every_rank(tmp_path):
         assert "N=32" not in r["error"]  # the key they agree on is not blamed
 
 
+@pytest.mark.subprocess
 def test_a_decision_that_cannot_run_on_a_rank_fails_every_rank(tmp_path):
     results = run_job(tmp_path, "refuse", world=2)
     for r in results:  # raised on both ranks: rank 0 does not go on alone (no hang either)
@@ -106,6 +109,7 @@ def test_sync_without_a_process_group_says_so():
         distributed.sync()
 
 
+@pytest.mark.subprocess
 def test_torchrun_example_runs(tmp_path):
     env = {
         **os.environ,

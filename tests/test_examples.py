@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # each example runs as a process
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 

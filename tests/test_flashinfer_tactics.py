@@ -376,6 +376,7 @@ def test_selector_bind_serves_the_tactic_of_a_decision_read_from_disk(inprocess)
 
 
 # -- the whole loop, across processes ---------------------------------------------------------
+@pytest.mark.subprocess
 def test_tuned_in_the_sandbox_stored_and_served_by_a_new_process_without_tuning(tmp_path):
     cache, log = tmp_path / "cache", tmp_path / "tactics.log"
     env = {**os.environ, tb.LOG_ENV: str(log), "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -420,6 +421,7 @@ def test_tuned_in_the_sandbox_stored_and_served_by_a_new_process_without_tuning(
     assert log.read_text().splitlines() == ["ran 1"]
 
 
+@pytest.mark.subprocess
 def test_an_explicitly_named_backend_is_served_at_the_tactic_it_was_checked_at(cache_dir):
     fp4select.configure(cache_dir=cache_dir, isolation="subprocess", timing=FAST)
     try:

@@ -20,7 +20,8 @@ MAP32 += [4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31]
 E4M3_ONE = 0x38
 FP4_X2 = getattr(torch, "float4_e2m1fn_x2", None)
 
-PROPERTY = settings(max_examples=150, deadline=None)
+# Examples and deadline come from the profile (conftest.py): 25 by default, 150 with --all.
+PROPERTY = settings()
 
 
 # --------------------------------------------------------------------------------------------

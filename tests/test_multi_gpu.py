@@ -65,6 +65,7 @@ def test_tuning_order_puts_the_largest_gemms_first():
 PROBLEMS = [Problem(n=n, k=128, m_bucket=b) for n in (32, 64, 96) for b in (1, 2, 4, 8)]
 
 
+@pytest.mark.subprocess
 def test_two_workers_decide_every_key_once_into_one_store(tmp_path):
     rows, counters = warm_parallel(
         PROBLEMS,
@@ -79,6 +80,7 @@ def test_two_workers_decide_every_key_once_into_one_store(tmp_path):
     assert len(list(Store(tmp_path).iter_entries(None))) == len(PROBLEMS)
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_worker_that_dies_leaves_its_keys_to_the_others(tmp_path):
     # The cuda:0 worker dies at start on this CPU-only machine; the CPU worker does it all.
@@ -93,6 +95,7 @@ def test_a_worker_that_dies_leaves_its_keys_to_the_others(tmp_path):
     assert counters["tunings"] == 4
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_when_every_worker_dies_each_key_is_reported_failed(tmp_path):
     rows, counters = warm_parallel(

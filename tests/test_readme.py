@@ -18,6 +18,7 @@ def test_the_readme_has_python_blocks():
     assert BLOCKS, "the README's Python examples are what a new user tries first"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_a_readme_python_block_runs(index, tmp_path):
     env = {**os.environ, "FP4SELECT_CACHE_DIR": str(tmp_path), "FP4SELECT_TIME_BUDGET_S": "0.05"}

@@ -67,6 +67,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_many_processes_append_whole_lines_with_right_counts(tmp_path):
     path = tmp_path / "rec.jsonl"
     writers = 8
@@ -163,6 +164,7 @@ RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_best_mm_fp4_records_first_calls_and_warm_tunes_exactly_those(tmp_path):
     rec = tmp_path / "rec.jsonl"
     env = _env(

@@ -185,6 +185,7 @@ def gauntlet(tmp_path_factory):
             fb.unregister(*names)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 class TestGauntlet:
     def test_caller_survives_and_a_healthy_backend_wins(self, gauntlet):
@@ -262,6 +263,7 @@ class TestGauntlet:
 # ---------------------------------------------------------------------------- single faults
 
 
+@pytest.mark.subprocess
 def test_crash_at_one_m_inside_the_bucket_is_caught_and_located(sandboxed):
     sandboxed.register("crash_at_one_m", "good")
     record = fp4select.explain(problem=PROBLEM, device="cpu")
@@ -275,6 +277,7 @@ def test_crash_at_one_m_inside_the_bucket_is_caught_and_located(sandboxed):
     assert fb.count(sandboxed.markers, "crash_at_one_m") == 2  # the probe, then alone
 
 
+@pytest.mark.subprocess
 def test_crash_while_timing_replaces_its_passed_verdict(sandboxed):
     sandboxed.register("crash_in_timing", "good")
     record = fp4select.explain(problem=PROBLEM, device="cpu")
@@ -288,6 +291,7 @@ def test_crash_while_timing_replaces_its_passed_verdict(sandboxed):
     assert "crash_in_timing" in sandboxed.selector.store.blacklist(CPU_ENV)
 
 
+@pytest.mark.subprocess
 def test_crash_while_importing_the_backend_in_the_child(sandboxed, monkeypatch):
     import fault_import_crash  # imported here while the variable is unset
 
@@ -336,6 +340,7 @@ def test_backend_that_cannot_cross_is_an_error_and_spawns_nothing():
         prober.close()
 
 
+@pytest.mark.subprocess
 def test_blacklisted_by_a_hang_refused_then_overridden(sandboxed):
     sandboxed.register("good")
     sandboxed.selector.store.add_to_blacklist(
@@ -369,6 +374,7 @@ def _wait_gone(pid: int, seconds: float) -> bool:
     return _gone(pid)
 
 
+@pytest.mark.subprocess
 def test_worker_is_reused_across_keys_and_retired_when_idle(monkeypatch):
     monkeypatch.setenv(IDLE_ENV, "1")
     emulation = discover().backends["emulation"]
@@ -387,6 +393,7 @@ def test_worker_is_reused_across_keys_and_retired_when_idle(monkeypatch):
         prober.close()
 
 
+@pytest.mark.subprocess
 def test_close_ends_the_worker():
     prober = SandboxProber()
     seconds = prober.start("cpu")
@@ -396,6 +403,7 @@ def test_close_ends_the_worker():
     assert _gone(pid)
 
 
+@pytest.mark.subprocess
 def test_a_busy_worker_exits_when_its_parent_dies(tmp_path):
     """A worker stuck in a hung backend must not outlive (and hold a GPU for) a dead caller."""
     problem = {k: v for k, v in PROBLEM.to_json().items() if k != "schema"}
@@ -429,6 +437,7 @@ def test_a_busy_worker_exits_when_its_parent_dies(tmp_path):
     assert _wait_gone(pid, 10.0)
 
 
+@pytest.mark.subprocess
 def test_report_hears_each_step_and_verdicts_keep_candidate_order(monkeypatch, tmp_path):
     monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
     fb.register("segfault", "good")
@@ -461,6 +470,7 @@ def test_report_hears_each_step_and_verdicts_keep_candidate_order(monkeypatch, t
     assert said[0] == "segfault" and {"good", "emulation"} <= set(said)
 
 
+@pytest.mark.subprocess
 def test_a_worker_killed_while_idle_is_replaced_without_blame():
     emulation = discover().backends["emulation"]
     options = ProbeOptions(timing=TIMING, validate_only=True)
@@ -477,6 +487,7 @@ def test_a_worker_killed_while_idle_is_replaced_without_blame():
         prober.close()
 
 
+@pytest.mark.subprocess
 def test_close_during_a_probe_fails_that_probe_and_blames_no_one(monkeypatch, tmp_path):
     monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
     fb.register("hang")
@@ -504,6 +515,7 @@ def test_close_during_a_probe_fails_that_probe_and_blames_no_one(monkeypatch, tm
     assert "closed" in str(outcome[0])
 
 
+@pytest.mark.subprocess
 def test_a_worker_that_cannot_start_fails_every_candidate_without_blame(monkeypatch):
     """A broken environment is not a backend's fault: "error" verdicts, nothing blacklisted."""
     emulation = discover().backends["emulation"]
@@ -518,6 +530,7 @@ def test_a_worker_that_cannot_start_fails_every_candidate_without_blame(monkeypa
     assert "before it started probing" in verdict.reason and "code 1" in verdict.reason
 
 
+@pytest.mark.subprocess
 def test_blacklist_scope_key_condemns_the_crashing_key_only(sandboxed, monkeypatch):
     monkeypatch.setenv("FP4SELECT_BLACKLIST_SCOPE", "key")
     sandboxed.register("crash_at_one_m", "good")
@@ -536,6 +549,7 @@ def test_blacklist_scope_key_condemns_the_crashing_key_only(sandboxed, monkeypat
 # --------------------------------------------------------------------------------- blame
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_late_fault_condemns_the_backend_that_fired_it_not_the_one_running(sandboxed):
     """late_killer's thread kills the child while witness runs: witness must not take the blame."""
@@ -554,6 +568,7 @@ def test_a_late_fault_condemns_the_backend_that_fired_it_not_the_one_running(san
     assert record["winner"] in {"witness", "emulation"}
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_death_that_no_candidate_reproduces_alone_blames_no_one(sandboxed):
     sandboxed.register("crash_once", "good")
@@ -714,6 +729,7 @@ def _probe_with_events(names, problem=PROBLEM, options=None, prober=None):
     return result, heard, events
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["forges_result", "forges_verdict"])
 def test_a_forged_event_on_the_channel_is_never_taken_for_a_verdict(name, monkeypatch, tmp_path):
@@ -729,6 +745,7 @@ def test_a_forged_event_on_the_channel_is_never_taken_for_a_verdict(name, monkey
     assert fb.count(tmp_path, name) == PROTOCOL_STRIKES  # one discarded worker per strike
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_leftover_result_from_an_earlier_key_is_not_this_keys_answer(monkeypatch, tmp_path):
     """The desynchronised stream: an earlier request's result, naming a zeros backend passed."""
@@ -752,6 +769,7 @@ def test_a_leftover_result_from_an_earlier_key_is_not_this_keys_answer(monkeypat
     assert fb.count(tmp_path, "leftover_then_zeros") == 1
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["verdict-not-an-object", "empty-result", "verdict-for-a-ghost"])
 def test_a_malformed_event_with_the_right_id_costs_the_worker_not_the_caller(
@@ -772,6 +790,7 @@ def test_a_malformed_event_with_the_right_id_costs_the_worker_not_the_caller(
 # ------------------------------------------------------------------------- the worker's life
 
 
+@pytest.mark.subprocess
 def test_a_fork_while_another_thread_holds_the_device_lock_does_not_deadlock_the_child():
     """The forked child gets fresh locks and no workers: it starts its own and leaves ours."""
     emulation = discover().backends["emulation"]
@@ -824,6 +843,7 @@ def test_a_fork_while_another_thread_holds_the_device_lock_does_not_deadlock_the
         prober.close()
 
 
+@pytest.mark.subprocess
 def test_the_child_does_not_import_from_the_callers_working_directory(tmp_path, monkeypatch):
     marker = tmp_path / "imported"
     for module in ("selectors", "json"):
@@ -844,6 +864,7 @@ def test_the_child_does_not_import_from_the_callers_working_directory(tmp_path, 
     assert result.verdicts["emulation"].passed, result.verdicts["emulation"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="oom_score_adj is Linux's")
 def test_the_child_volunteers_for_the_oom_killer():
     prober = SandboxProber()
@@ -858,6 +879,7 @@ def test_the_child_volunteers_for_the_oom_killer():
         prober.close()
 
 
+@pytest.mark.subprocess
 def test_closing_the_sandbox_ends_the_helpers_a_backend_spawned(monkeypatch, tmp_path):
     monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
     fb.register("spawns_grandchild")
@@ -915,6 +937,7 @@ def test_only_the_builtin_fallback_and_our_own_steps_get_the_scaled_window():
     assert registry.backends["emulation"].family == "builtin"
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_slow_builtin_fallback_is_not_a_hang_under_a_short_timeout(monkeypatch):
     """A builtin-family backend whose every call outlasts the 1 s timeout still passes."""
@@ -936,6 +959,7 @@ def test_a_slow_builtin_fallback_is_not_a_hang_under_a_short_timeout(monkeypatch
     assert verdict.passed, verdict
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_emulation_on_a_large_problem_outlasts_a_short_timeout_and_passes():
     """About 1 s per validation step on a small CPU: longer than the configured timeout."""

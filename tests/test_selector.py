@@ -124,6 +124,7 @@ def _worker(cache, m, names, env=None):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 def test_a_second_process_reuses_the_entry_without_tuning(cache_dir, tmp_path):
     marker = tmp_path / "marker"
     env = {"FP4SELECT_TEST_MARKER": str(marker)}
@@ -138,6 +139,7 @@ def test_a_second_process_reuses_the_entry_without_tuning(cache_dir, tmp_path):
     assert set(ran_later) == {"fast"}  # only the winner ran: the dispatch itself
 
 
+@pytest.mark.subprocess
 def test_eight_processes_missing_one_key_tune_it_once_and_agree(cache_dir):
     procs = [
         subprocess.Popen(
@@ -176,6 +178,7 @@ def _entry_files(cache_dir):
     ],
     ids=["empty", "truncated", "binary", "list", "foreign-schema"],
 )
+@pytest.mark.subprocess
 def test_a_damaged_entry_is_a_miss_with_one_warning_and_is_repaired(cache_dir, damage):
     assert _worker(cache_dir, 13, ["fast"])["winner"] == "fast"
     (entry,) = _entry_files(cache_dir)
@@ -210,6 +213,7 @@ def test_an_unwritable_cache_degrades_to_memory_with_one_warning(tmp_path):
     fp4select.configure(cache_dir=tmp_path / "ok", isolation="inprocess")
 
 
+@pytest.mark.subprocess
 def test_a_backend_added_later_makes_the_entry_stale(cache_dir):
     assert _worker(cache_dir, 13, ["slow"])["winner"] == "emulation"
     later = _worker(cache_dir, 13, ["slow", "fast"])
@@ -339,6 +343,7 @@ def test_a_backend_registered_after_the_first_call_competes_for_new_keys(inproce
     assert fp4select.explain(problem=other, device="cpu")["winner"] == "fast"
 
 
+@pytest.mark.subprocess
 def test_a_stored_winner_that_is_gone_is_tuned_again(cache_dir):
     assert _worker(cache_dir, 13, ["fast"])["winner"] == "fast"
     fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
@@ -349,6 +354,7 @@ def test_a_stored_winner_that_is_gone_is_tuned_again(cache_dir):
     assert fp4select.stats()["tunings"] == 1
 
 
+@pytest.mark.subprocess
 def test_a_stored_winner_blacklisted_since_is_tuned_again(cache_dir):
     from fp4select.keys import environment
 

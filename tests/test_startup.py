@@ -56,7 +56,8 @@ def _python(code: str, cache: Path, *args: str, env: dict[str, str] | None = Non
 def _cli_imports(cache: Path, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run the real command line under ``-X importtime``; returns it and the modules it imported."""
     code = f"import sys; from fp4select.cli import main; sys.exit(main({list(argv)!r}))"
-    proc = _python(code, cache, "-X", "importtime")
+    # The cache holds the CPU's decision; on a GPU machine the command line would read the GPU's.
+    proc = _python(code, cache, "-X", "importtime", env={"CUDA_VISIBLE_DEVICES": ""})
     modules = {
         line.rsplit("|", 1)[1].strip()
         for line in proc.stderr.splitlines()
@@ -74,6 +75,7 @@ def warm_cache(inprocess, cache_dir):
 
 
 # -- the environment fingerprint ---------------------------------------------------------------
+@pytest.mark.subprocess
 @pytest.mark.flashinfer
 def test_environment_reads_flashinfers_version_without_importing_it(tmp_path):
     """Caches keyed by today's environment still match: metadata says what __version__ says."""
@@ -136,6 +138,7 @@ FIRST_CALL = """
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["auto", "emulation"])
 def test_first_call_from_a_warm_disk_cache_never_imports_flashinfer(warm_cache, backend):
     proc = _python(FIRST_CALL.replace("BACKEND", repr(backend)), warm_cache)
@@ -147,6 +150,7 @@ def test_first_call_from_a_warm_disk_cache_never_imports_flashinfer(warm_cache, 
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_cold_cache_still_discovers_flashinfer(tmp_path):
     """A miss lists every backend, flashinfer's from the installed flashinfer."""
     pytest.importorskip("flashinfer")
@@ -158,6 +162,7 @@ def test_a_cold_cache_still_discovers_flashinfer(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "argv",
     [
@@ -177,6 +182,7 @@ def test_cli_reading_stored_data_never_imports_flashinfer(warm_cache, argv):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.flashinfer
 def test_doctor_still_reports_flashinfers_signature(tmp_path):
     pytest.importorskip("flashinfer")

@@ -1,4 +1,6 @@
-"""Tests for fp4select.store: real files, real processes, every damaged-cache case."""
+"""Tests for fp4select.store: real files, real processes, every damaged-cache case.
+
+Locks are tested in test_store_lock.py, archives in test_store_archive.py."""
 
 from __future__ import annotations
 
@@ -9,10 +11,7 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,72 +20,43 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import filelock
 import platformdirs
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from store_helpers import (
+    ENV,
+    KEY,
+    KEY2,
+    OTHER_ENV,
+    RECORD,
+    RECORD2,
+    all_files,
+    canon,
+    entry_path,
+    finish,
+    no_cache_warnings,
+    one_cache_warning,
+    spawn,
+    squat_directory,
+    temp_files,
+    tree,
+    unprivileged,
+)
 
 from fp4select.store import (
     SCHEMA_VERSION,
     CacheWarning,
     ClearResult,
-    ExportResult,
-    ImportResult,
     Store,
     default_root,
     digest,
 )
 
-ENV = {"gpu": "NVIDIA B200", "sm": 100, "cuda": "12.8", "torch": "2.9.0", "flashinfer": "0.4.1"}
-OTHER_ENV = {**ENV, "gpu": "NVIDIA GB200"}
-KEY = {"m": 128, "n": 4096, "k": 7168, "dtype": "nvfp4"}
-KEY2 = {"m": 256, "n": 4096, "k": 7168, "dtype": "nvfp4"}
-RECORD = {"backend": "cutlass", "tactic": 3, "us": 12.5}
-RECORD2 = {"backend": "cudnn", "tactic": None, "us": 14.0}
-WORKER = Path(__file__).with_name("_store_worker.py")
-
-
-# --------------------------------------------------------------------------- helpers
-
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
     return Store(tmp_path / "cache")
-
-
-def entry_path(store: Store, env: dict, key: dict) -> Path:
-    return store.env_dir(env) / "entries" / f"{digest(key)}.json"
-
-
-def canon(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
-
-
-def all_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file())
-
-
-def temp_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]
-
-
-@contextlib.contextmanager
-def no_cache_warnings() -> Iterator[None]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    assert [str(w.message) for w in caught if issubclass(w.category, CacheWarning)] == []
-
-
-@contextlib.contextmanager
-def one_cache_warning(match: str) -> Iterator[list[warnings.WarningMessage]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield caught
-    cache = [w for w in caught if issubclass(w.category, CacheWarning)]
-    assert len(cache) == 1, [str(w.message) for w in cache]
-    assert match in str(cache[0].message)
 
 
 @pytest.fixture
@@ -103,79 +73,22 @@ def open_dir() -> Iterator[Path]:
         shutil.rmtree(path)
 
 
-@contextlib.contextmanager
-def unprivileged() -> Iterator[None]:
-    """Make permission bits bite: as root, run the block with the effective uid of nobody."""
-    if os.geteuid() != 0:
-        yield
-        return
-    try:
-        os.seteuid(65534)
-    except OSError as exc:
-        pytest.skip(f"running as root and cannot drop privileges to test permissions: {exc}")
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-
-
-def spawn(mode: str, root: Path, **args: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), mode, str(root), json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def start_together(procs: list[subprocess.Popen[str]], ready: Path, go: Path) -> None:
-    """Release the workers at once, after every interpreter has started."""
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(ready.iterdir())) < len(procs):
-            assert all(p.poll() is None for p in procs), "a worker died before the start"
-            assert time.monotonic() < deadline, "workers did not start"
-            time.sleep(0.01)
-    except BaseException:
-        finish(procs, check=False)
-        raise
-    go.touch()
-
-
-def finish(
-    procs: list[subprocess.Popen[str]], timeout: float = 60.0, *, check: bool = True
-) -> list[str]:
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout if check else 0.01)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        results.append((proc.returncode, out, err))
-    if check:
-        for returncode, _, err in results:
-            assert returncode == 0, err
-    return [out for _, out, _ in results]
-
-
 # --------------------------------------------------------------------------- location
 
 
 def test_store_is_the_lowest_layer() -> None:
-    tree = ast.parse(Path(store_module_file()).read_text("utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "store.py must not import from its own package"
-            assert not (node.module or "").startswith("fp4select")
-        elif isinstance(node, ast.Import):
-            assert not any(alias.name.startswith("fp4select") for alias in node.names)
-
-
-def store_module_file() -> str:
     import fp4select.store
 
-    return fp4select.store.__file__
+    files = sorted(Path(fp4select.store.__file__).parent.glob("*.py"))
+    assert len(files) > 1
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text("utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                # Relative imports stay inside fp4select/store; level 2 would leave it.
+                assert node.level in (0, 1), f"{file.name} imports from outside the store"
+                assert not (node.module or "").startswith("fp4select"), file.name
+            elif isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("fp4select") for alias in node.names)
 
 
 def test_default_root_uses_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -596,30 +509,6 @@ def test_foreign_schema_file_under_v1_is_left_alone(store: Store) -> None:
 # --------------------------------------------------------------------------- what is not ours
 
 
-def tree(root: Path) -> dict[str, bytes | str]:
-    """Everything under ``root`` (symlinks not followed), to prove nothing there changed."""
-    found: dict[str, bytes | str] = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            found[rel] = f"-> {os.readlink(p)}"
-        elif p.is_dir():
-            found[rel] = "<dir>"
-        else:
-            found[rel] = p.read_bytes()
-    return found
-
-
-def squat_directory(path: Path) -> dict[str, bytes | str]:
-    """Put someone's directory, with files in it, where fp4select keeps one of its files."""
-    if path.exists():
-        path.unlink()
-    (path / "sub").mkdir(parents=True)
-    (path / "notes.txt").write_text("someone's notes")
-    (path / "sub" / "deep.bin").write_bytes(b"\x00deep")
-    return tree(path)
-
-
 def test_directory_at_an_entry_path_is_never_deleted(store: Store) -> None:
     store.write_entry(ENV, KEY, RECORD)
     store.write_entry(ENV, KEY2, RECORD2)
@@ -724,6 +613,7 @@ SPECIAL_TARGETS = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("thing", ["fifo", "symlink to /dev/zero"])
 @pytest.mark.parametrize("where", list(SPECIAL_TARGETS))
 def test_fifo_or_device_in_the_cache_is_a_miss_at_once(
@@ -884,196 +774,6 @@ def test_memory_only_overlay_semantics(store: Store, monkeypatch: pytest.MonkeyP
     assert on_disk.exists()
 
 
-# --------------------------------------------------------------------------- locks
-
-
-def test_lock_is_reentrant_within_a_thread(store: Store) -> None:
-    with store.lock(ENV, KEY), store.lock(ENV, KEY, timeout=0.5):
-        store.write_entry(ENV, KEY, RECORD)
-    with store.lock(ENV, KEY, timeout=0):
-        pass
-
-
-def test_lock_serializes_threads(store: Store) -> None:
-    tunings = []
-
-    def worker() -> None:
-        with store.lock(ENV, KEY):
-            if store.read_entry(ENV, KEY) is None:
-                time.sleep(0.05)
-                tunings.append(threading.get_ident())
-                store.write_entry(ENV, KEY, {"by": threading.get_ident()})
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(tunings) == 1
-    assert store.read_entry(ENV, KEY) == {"by": tunings[0]}
-
-
-def test_lock_timeout_between_threads(store: Store) -> None:
-    held, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with store.lock(ENV, KEY):
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    try:
-        assert held.wait(10)
-        with pytest.raises(filelock.Timeout), store.lock(ENV, KEY, timeout=0.1):
-            pass
-        with store.lock(ENV, KEY2, timeout=0.1):  # other keys are independent
-            pass
-    finally:
-        release.set()
-        t.join()
-    with store.lock(ENV, KEY, timeout=1):
-        pass
-
-
-def test_lock_timeout_across_processes(store: Store, tmp_path: Path) -> None:
-    held, release = tmp_path / "held", tmp_path / "release"
-    proc = spawn("hold", store.root, env=ENV, key=KEY, held=str(held), release=str(release))
-    try:
-        deadline = time.monotonic() + 30
-        while not held.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        start = time.monotonic()
-        with pytest.raises(filelock.Timeout), store.lock(ENV, KEY, timeout=0.3):
-            pass
-        assert time.monotonic() - start >= 0.25
-    finally:
-        release.touch()
-        finish([proc])
-    with store.lock(ENV, KEY, timeout=5):
-        pass
-
-
-def test_lock_falls_back_when_lock_file_cannot_be_made(store: Store) -> None:
-    store.write_entry(ENV, KEY, RECORD)
-    (store.env_dir(ENV) / "locks").write_text("a file where the locks directory should be")
-    with one_cache_warning("cannot lock"):
-        with store.lock(ENV, KEY, timeout=1):
-            pass
-        with store.lock(ENV, KEY2, timeout=1):
-            pass
-    assert not store.memory_only
-    active, peak = [0], [0]
-    guard = threading.Lock()
-
-    def worker() -> None:
-        with store.lock(ENV, KEY2):
-            with guard:
-                active[0] += 1
-                peak[0] = max(peak[0], active[0])
-            time.sleep(0.01)
-            with guard:
-                active[0] -= 1
-
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert peak[0] == 1
-
-
-def test_processes_missing_the_same_key_tune_once(store: Store, tmp_path: Path) -> None:
-    go, log, ready = tmp_path / "go", tmp_path / "tunings.log", tmp_path / "ready"
-    ready.mkdir()
-    args = {"env": ENV, "key": KEY, "log": str(log), "tune_seconds": 0.3}
-    procs = [spawn("tune", store.root, go=str(go), ready=str(ready), **args) for _ in range(8)]
-    start_together(procs, ready, go)
-    results = [json.loads(out) for out in finish(procs)]
-    tuners = log.read_text().split()
-    assert len(tuners) == 1
-    expected = {"tuned_by": int(tuners[0])}
-    assert [r["record"] for r in results] == [expected] * 8
-    assert sum(r["missed"] for r in results) >= 2  # they really did contend
-    assert store.read_entry(ENV, KEY) == expected
-    assert temp_files(store.root) == []
-
-
-def test_blacklist_additions_from_processes_all_survive(store: Store, tmp_path: Path) -> None:
-    go, ready = tmp_path / "go", tmp_path / "ready"
-    ready.mkdir()
-    backends = [f"backend-{i}" for i in range(8)]
-    procs = [
-        spawn("blacklist", store.root, env=ENV, backend=b, go=str(go), ready=str(ready))
-        for b in backends
-    ]
-    start_together(procs, ready, go)
-    finish(procs)
-    with no_cache_warnings():
-        assert sorted(store.blacklist(ENV)) == backends
-
-
-def test_concurrent_writers_never_expose_partial_files(store: Store, tmp_path: Path) -> None:
-    go, ready = tmp_path / "go", tmp_path / "ready"
-    ready.mkdir()
-    args = {"env": ENV, "key": KEY, "go": str(go), "ready": str(ready), "rounds": 40}
-    procs = [spawn("churn", store.root, id=i, **args) for i in range(4)]
-    start_together(procs, ready, go)
-    with no_cache_warnings():
-        deadline = time.monotonic() + 60
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            store.read_entry(ENV, KEY)
-        finish(procs)
-    assert store.read_entry(ENV, KEY)["round"] == 39
-    assert temp_files(store.root) == []
-
-
-@pytest.mark.parametrize("planted", ["lock file", "hard link", "locks directory"])
-def test_symlink_planted_at_a_lock_path_leaves_its_target_intact(
-    store: Store, tmp_path: Path, planted: str
-) -> None:
-    # filelock below 3.20.1 opened the lock file with O_TRUNC through a symlink, and below
-    # 4.2.1 truncates it through a hard link once locked.
-    precious = tmp_path / "precious"
-    precious.mkdir()
-    (precious / f"{digest(KEY)}.lock").write_text("someone's data\n")
-    lock_path = store.env_dir(ENV) / "locks" / f"{digest(KEY)}.lock"
-    lock_path.parent.mkdir(parents=True)
-    if planted == "lock file":
-        lock_path.symlink_to(precious / f"{digest(KEY)}.lock")
-    elif planted == "hard link":
-        os.link(precious / f"{digest(KEY)}.lock", lock_path)
-    else:
-        lock_path.parent.rmdir()
-        lock_path.parent.symlink_to(precious, target_is_directory=True)
-    before = tree(precious)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with store.lock(ENV, KEY, timeout=5):
-            assert store.write_entry(ENV, KEY, RECORD) is True
-    assert tree(precious) == before  # the target's content first: that is the data at stake
-    assert [str(w.message) for w in caught if "cannot lock files" in str(w.message)]
-    assert os.path.lexists(lock_path)  # not ours to delete either
-    # Still usable, still reentrant: threads of this process are serialized as before.
-    with no_cache_warnings(), store.lock(ENV, KEY, timeout=0), store.lock(ENV, KEY, timeout=0):
-        assert store.read_entry(ENV, KEY) == RECORD
-
-
-def test_pyproject_requires_a_filelock_that_does_not_follow_symlinks() -> None:
-    tomllib = pytest.importorskip("tomllib")
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    deps = tomllib.loads(pyproject.read_text("utf-8"))["project"]["dependencies"]
-    (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "filelock"]
-    # 3.20.1: UnixFileLock opens with O_NOFOLLOW; 3.20.3: SoftFileLock too (CVE-2026-22701).
-    assert not spec.contains("3.20.2") and spec.contains("3.20.3")
-    assert spec.contains(Version(filelock.__version__))
-
-
 # --------------------------------------------------------------------------- blacklist
 
 
@@ -1150,316 +850,3 @@ def test_add_to_blacklist_rejects_bad_records(
     with pytest.raises(ValueError, match=match):
         store.add_to_blacklist(ENV, backend, record)
     assert not store.root.exists()
-
-
-# --------------------------------------------------------------------------- archives
-
-
-def test_archive_round_trip_between_roots(tmp_path: Path) -> None:
-    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
-    a.write_entry(ENV, KEY, RECORD)
-    a.write_entry(ENV, KEY2, RECORD2)
-    a.write_entry(OTHER_ENV, KEY, RECORD2)
-    a.add_to_blacklist(OTHER_ENV, "cudnn", {"reason": "r", "kind": "crash", "key": KEY})
-    archive = tmp_path / "x" / "cache.json"
-    archive.parent.mkdir()
-    assert a.export_archive(archive) == ExportResult(entries=3, blacklist=1)
-    obj = json.loads(archive.read_text())
-    assert (obj["schema"], obj["kind"]) == (SCHEMA_VERSION, "fp4select.archive")
-    assert len(obj["entries"]) == 3
-    assert len(obj["blacklist"]) == 1
-
-    assert b.import_archive(archive) == ImportResult(entries_written=3, blacklist_written=1)
-    assert sorted(map(canon, b.iter_entries())) == sorted(map(canon, a.iter_entries()))
-    assert b.blacklist(OTHER_ENV) == a.blacklist(OTHER_ENV)
-    assert b.blacklist(ENV) == {}
-    assert temp_files(tmp_path) == []
-
-
-def test_export_one_environment(tmp_path: Path) -> None:
-    a = Store(tmp_path / "a")
-    a.write_entry(ENV, KEY, RECORD)
-    a.write_entry(OTHER_ENV, KEY, RECORD2)
-    a.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
-    a.add_to_blacklist(OTHER_ENV, "cutlass", {"reason": "r", "kind": "crash"})
-    assert a.export_archive(tmp_path / "env.json", env=ENV) == ExportResult(1, 1)
-    obj = json.loads((tmp_path / "env.json").read_text())
-    assert [e["env"] for e in obj["entries"]] == [ENV]
-    assert [(e["env"], e["backend"]) for e in obj["blacklist"]] == [(ENV, "cudnn")]
-
-
-def test_import_keeps_existing_unless_overwrite(tmp_path: Path) -> None:
-    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
-    a.write_entry(ENV, KEY, RECORD)
-    a.write_entry(ENV, KEY2, RECORD)
-    a.add_to_blacklist(ENV, "cudnn", {"reason": "from a", "kind": "crash"})
-    a.export_archive(tmp_path / "a.json")
-    b.write_entry(ENV, KEY, RECORD2)
-    b.add_to_blacklist(ENV, "cudnn", {"reason": "from b", "kind": "crash"})
-    assert b.import_archive(tmp_path / "a.json") == ImportResult(
-        entries_written=1, entries_present=1, blacklist_present=1
-    )
-    assert b.read_entry(ENV, KEY) == RECORD2
-    assert b.read_entry(ENV, KEY2) == RECORD
-    assert b.blacklist(ENV)["cudnn"]["reason"] == "from b"
-    assert b.import_archive(tmp_path / "a.json", overwrite=True) == ImportResult(
-        entries_written=2, blacklist_written=1
-    )
-    assert b.read_entry(ENV, KEY) == RECORD
-    assert b.blacklist(ENV)["cudnn"]["reason"] == "from a"
-
-
-def _archive(**changes: Any) -> bytes:
-    good = {
-        "schema": SCHEMA_VERSION,
-        "kind": "fp4select.archive",
-        "entries": [{"env": ENV, "key": KEY, "record": RECORD}],
-        "blacklist": [{"env": ENV, "backend": "cudnn", "record": {"reason": "r", "kind": "c"}}],
-    }
-    return json.dumps({**good, **changes}).encode()
-
-
-BAD_ARCHIVES = {
-    "empty": (b"", "empty file"),
-    "truncated": (_archive()[:40], "not valid JSON"),
-    "not utf-8": (b'{"schema": 1, "kind": "\xff"}', "not UTF-8"),
-    "array": (b"[]", "found array"),
-    "schema": (_archive(schema=2), "schema 2"),
-    "kind": (_archive(kind="fp4select.entry"), "kind 'fp4select.entry'"),
-    "entries not a list": (_archive(entries={}), "'entries' must be a JSON array"),
-    "entry not an object": (
-        _archive(entries=[{"env": ENV, "key": KEY, "record": RECORD}, 3]),
-        "entries[1] must be a JSON object",
-    ),
-    "entry without key": (_archive(entries=[{"env": ENV, "record": RECORD}]), "entries[0].key"),
-    "record not an object": (
-        _archive(entries=[{"env": ENV, "key": KEY, "record": "fast"}]),
-        "entries[0].record",
-    ),
-    "nan in env": (_archive().replace(b'"sm": 100', b'"sm": NaN'), "NaN, which strict JSON"),
-    "infinity in a record": (
-        _archive().replace(b'"us": 12.5', b'"us": Infinity'),
-        "Infinity, which strict JSON",
-    ),
-    "-infinity in a key": (
-        _archive().replace(b'"m": 128', b'"m": -Infinity'),
-        "-Infinity, which strict JSON",
-    ),
-    "overflowing float": (_archive().replace(b'"us": 12.5', b'"us": 1e999'), "1e999"),
-    "blacklist record with a bad when": (
-        _archive(
-            blacklist=[
-                {"env": ENV, "backend": "x", "record": {"reason": "r", "kind": "c", "when": 3}}
-            ]
-        ),
-        "'when' must be an ISO 8601 string",
-    ),
-    "blacklist record with a bad key": (
-        _archive(
-            blacklist=[
-                {"env": ENV, "backend": "x", "record": {"reason": "r", "kind": "c", "key": "k"}}
-            ]
-        ),
-        "'key' must be a mapping",
-    ),
-    "blacklist without reason": (
-        _archive(blacklist=[{"env": ENV, "backend": "cudnn", "record": {"kind": "c"}}]),
-        "blacklist[0]: blacklist record for 'cudnn' needs a string 'reason'",
-    ),
-    "blacklist without backend": (
-        _archive(blacklist=[{"env": ENV, "record": {"reason": "r", "kind": "c"}}]),
-        "blacklist[0]: backend must be a non-empty string",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_ARCHIVES))
-def test_import_of_a_damaged_archive_raises_and_writes_nothing(tmp_path: Path, case: str) -> None:
-    data, problem = BAD_ARCHIVES[case]
-    archive = tmp_path / "bad.json"
-    archive.write_bytes(data)
-    store = Store(tmp_path / "cache")
-    with pytest.raises(ValueError, match="not a usable fp4select archive") as info:
-        store.import_archive(archive)
-    assert problem in str(info.value)
-    assert str(archive) in str(info.value)
-    assert not store.root.exists()
-
-
-def test_import_of_a_missing_archive_raises_oserror(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        Store(tmp_path / "cache").import_archive(tmp_path / "nope.json")
-
-
-def test_export_failure_raises(tmp_path: Path) -> None:
-    store = Store(tmp_path / "cache")
-    store.write_entry(ENV, KEY, RECORD)
-    with pytest.raises(OSError):
-        store.export_archive(tmp_path / "missing-dir" / "a.json")
-    assert not store.memory_only
-
-
-# --------------------------------------------------------------------------- export never destroys
-
-
-def seeded(tmp_path: Path) -> Store:
-    store = Store(tmp_path / "cache")
-    store.write_entry(ENV, KEY, RECORD)
-    store.add_to_blacklist(ENV, "cudnn", {"reason": "r", "kind": "crash"})
-    return store
-
-
-def assert_archive(path: Path, entries: int = 1) -> None:
-    obj = json.loads(path.read_bytes())
-    assert (obj["kind"], len(obj["entries"])) == ("fp4select.archive", entries)
-
-
-def test_export_refuses_a_directory_and_touches_nothing(tmp_path: Path) -> None:
-    store = seeded(tmp_path)
-    target = tmp_path / "out"
-    before = squat_directory(target)
-    with pytest.raises(IsADirectoryError, match="is a directory"):
-        store.export_archive(target)
-    with pytest.raises(IsADirectoryError):
-        store.export_archive(target, overwrite=True)
-    link = tmp_path / "link"
-    link.symlink_to(target, target_is_directory=True)
-    with pytest.raises(IsADirectoryError):
-        store.export_archive(link, overwrite=True)
-    assert tree(target) == before and link.is_symlink()
-    assert temp_files(tmp_path) == []
-
-
-@pytest.mark.parametrize("name", [".", ""])
-def test_export_to_the_working_directory_empties_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
-    store = seeded(tmp_path)
-    work = tmp_path / "work"
-    before = squat_directory(work)
-    monkeypatch.chdir(work)
-    with pytest.raises(IsADirectoryError):
-        store.export_archive(name, overwrite=True)
-    assert tree(work) == before
-
-
-def test_export_refuses_an_existing_file_unless_overwrite(tmp_path: Path) -> None:
-    store = seeded(tmp_path)
-    target = tmp_path / "decisions.json"
-    target.write_text("someone's file")
-    with pytest.raises(FileExistsError, match="overwrite=True"):
-        store.export_archive(target)
-    assert target.read_text() == "someone's file"
-    assert store.export_archive(target, overwrite=True) == ExportResult(1, 1)
-    assert_archive(target)
-    assert temp_files(tmp_path) == []
-
-
-def test_export_onto_a_symlink_never_writes_through_it(tmp_path: Path) -> None:
-    store = seeded(tmp_path)
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious")
-    for pointing_at in (victim, tmp_path / "nowhere"):
-        link = tmp_path / "link.json"
-        link.symlink_to(pointing_at)
-        with pytest.raises(FileExistsError):  # a dangling link is still a name in use
-            store.export_archive(link)
-        store.export_archive(link, overwrite=True)  # replaces the link itself
-        assert not link.is_symlink()
-        assert_archive(link)
-        link.unlink()
-    assert victim.read_text() == "precious"
-    assert not (tmp_path / "nowhere").exists()
-
-
-@pytest.mark.parametrize("hard_links", [True, False])
-def test_exclusive_write_never_replaces_a_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
-) -> None:
-    # The check in export_archive can race a file created just after it; the write cannot.
-    from fp4select import store as store_module
-
-    if not hard_links:  # a file system without them takes the O_EXCL path
-        monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(PermissionError()))
-    taken = tmp_path / "taken"
-    taken.write_text("first")
-    with pytest.raises(FileExistsError):
-        store_module._atomic_write(taken, b"second", replace=False)
-    assert taken.read_text() == "first"
-    store_module._atomic_write(tmp_path / "free", b"new", replace=False)
-    assert (tmp_path / "free").read_bytes() == b"new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["free", "taken"]
-
-
-# --------------------------------------------------------------------------- import is checked
-
-
-def test_import_refuses_to_blacklist_protected_backends(tmp_path: Path) -> None:
-    archive = tmp_path / "a.json"
-    blacklist = [
-        {"env": ENV, "backend": name, "record": {"reason": "r", "kind": "hang"}}
-        for name in ("emulation", "cutlass")
-    ]
-    archive.write_bytes(_archive(blacklist=blacklist))
-    store = Store(tmp_path / "cache")
-    with pytest.raises(TypeError, match="protected_backends"):
-        store.import_archive(archive, protected_backends="emulation")
-    result = store.import_archive(archive, protected_backends=frozenset({"emulation"}))
-    assert result == ImportResult(
-        entries_written=1, blacklist_written=1, blacklist_protected=("emulation",)
-    )
-    assert list(store.blacklist(ENV)) == ["cutlass"]
-    assert result.as_dict()["blacklist_protected"] == ["emulation"]
-    again = store.import_archive(archive, protected_backends={"emulation"}, overwrite=False)
-    assert again == ImportResult(
-        entries_present=1, blacklist_present=1, blacklist_protected=("emulation",)
-    )
-
-
-def test_import_into_a_failing_disk_counts_what_stayed_in_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    archive = tmp_path / "a.json"
-    archive.write_bytes(_archive())
-    store = Store(tmp_path / "cache")
-    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
-    with one_cache_warning("memory"):
-        result = store.import_archive(archive)
-    assert result == ImportResult(entries_in_memory=1, blacklist_in_memory=1)
-
-
-@pytest.mark.parametrize("what", ["directory", "too large"])
-def test_import_reads_only_a_regular_file_of_bounded_size(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
-) -> None:
-    from fp4select import store as store_module
-
-    archive = tmp_path / "a.json"
-    if what == "directory":
-        archive.mkdir()
-        match = "it is a directory, not a regular file"
-    else:
-        archive.write_bytes(_archive())
-        monkeypatch.setattr(store_module, "_MAX_ARCHIVE_BYTES", 100)
-        match = "larger than 100 bytes"
-    with pytest.raises(ValueError, match=match):
-        Store(tmp_path / "cache").import_archive(archive)
-    assert not (tmp_path / "cache").exists()
-
-
-@pytest.mark.parametrize("thing", ["fifo", "/dev/zero"])
-def test_import_of_a_fifo_or_device_fails_at_once(tmp_path: Path, thing: str) -> None:
-    if not hasattr(os, "mkfifo") or not Path("/dev/zero").exists():
-        pytest.skip("needs mkfifo and /dev/zero")
-    archive = tmp_path / "a.json"
-    if thing == "fifo":
-        os.mkfifo(archive)
-    else:
-        archive = Path("/dev/zero")
-    (out,) = finish(
-        [spawn("import", tmp_path / "cache", archive=str(archive), max_memory=1 << 29)], 60
-    )
-    result = json.loads(out)
-    assert result["error"] == "ValueError"
-    assert "not a regular file" in result["message"]
-    assert not (tmp_path / "cache").exists()

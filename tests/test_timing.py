@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fp4select import timing as timing_module
 from fp4select.timing import (
     MAX_TIE_TOLERANCE,
     MIN_TIE_TOLERANCE,
@@ -35,15 +37,29 @@ def test_candidates_are_interleaved_round_by_round():
     assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
 
 
-def test_the_budget_stops_rounds_once_the_minimum_is_met():
-    calls = {"sleepy": [lambda: time.sleep(0.002)]}
-    start = time.perf_counter()
-    timings, _ = time_interleaved(
-        calls, CPU, TimingOptions(budget_s=0.05, min_rounds=3, max_rounds=10_000, target_sample_s=0)
-    )
-    elapsed = time.perf_counter() - start
-    assert 3 <= timings["sleepy"].samples < 100
-    assert elapsed < 1.0
+class _FakeClock:
+    """``time`` for fp4select.timing: only the calls move it, so no load can stretch a round."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_budget_stops_rounds_once_the_minimum_is_met(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+
+    def call() -> None:  # 1/256 s, and budgets of 1/16 s: sums exact in binary
+        clock.now += 2.0**-8
+
+    options = TimingOptions(budget_s=2.0**-4, min_rounds=3, max_rounds=10_000, target_sample_s=0)
+    timings, _ = time_interleaved({"x": [call]}, CPU, options)
+    assert timings["x"].samples == 17  # the first round past the budget, not 10 000
+    assert timings["x"].median_us == 1e6 * 2.0**-8
+    timings, _ = time_interleaved({"x": [call]}, CPU, dataclasses.replace(options, budget_s=0.0))
+    assert timings["x"].samples == 3  # the minimum, though the budget is spent at once
 
 
 def test_a_sample_measures_at_least_the_time_the_call_takes():

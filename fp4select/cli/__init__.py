@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--m",
         action="append",
-        type=int,
+        type=positive_int,
         metavar="M",
         help="a batch size (tokens); repeatable (default 1, 16, 256, 3072)",
     )

@@ -1,0 +1,45 @@
+"""On-disk memory of fp4select's decisions: one JSON file per (environment, problem key).
+
+This is the lowest layer of fp4select and imports nothing else from it (a test checks):
+environments, keys and records are plain JSON-able dicts here.  The rules exist because a
+cache that can break the program it is meant to speed up is worse than no cache.  Layout::
+
+    <root>/v<SCHEMA_VERSION>/<env_hash>/env.json
+                                       /entries/<key_hash>.json
+                                       /locks/<key_hash>.lock
+                                       /blacklist/<backend_file_name>.json
+
+The schema number is in the path so that fp4select versions with different schemas can share
+a root without reading each other's files.  Each module keeps its own rules at its top:
+
+- ``_jsonfile``: strict JSON, ``digest``, reading only regular files of bounded size, atomic
+  writes, removing only names fp4select could have made (never a directory).
+- ``_collection``: damaged files are misses with one ``CacheWarning``; a failing disk turns
+  the root memory-only (and why that overlay is kept); only below real directories.
+- ``_records``: what an entry and a blacklist record are, checked field by field.
+- ``_lock``: per-key locks across processes and threads (``filelock``), fork-safe.
+- ``_warn``: ``CacheWarning``, once per path per process; a cache problem never raises.
+- ``_store``: ``Store``, the public face of all of the above.
+- ``archive``: export and import of one archive file, where problems raise.
+"""
+
+from __future__ import annotations
+
+from ._collection import SCHEMA_VERSION
+from ._jsonfile import digest
+from ._store import ENV_VAR, ClearResult, Store, default_root
+from ._warn import CacheWarning
+from .archive import ExportResult, ImportResult, read_archive
+
+__all__ = [
+    "ENV_VAR",
+    "SCHEMA_VERSION",
+    "CacheWarning",
+    "ClearResult",
+    "ExportResult",
+    "ImportResult",
+    "Store",
+    "default_root",
+    "digest",
+    "read_archive",
+]
