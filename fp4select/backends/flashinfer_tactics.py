@@ -134,10 +134,11 @@ def tuner_api() -> tuple[TunerAPI | None, str | None]:
         getattr(tuner_class, "choose_one", None)
     ):
         return None, f"flashinfer {version}'s AutoTuner has no get() or choose_one()"
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(autotune).parameters
     except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
+        params = {}
     if "tuning_buckets" not in params:
         return None, (
             f"flashinfer {version}'s autotune() takes no tuning_buckets, so it cannot tune one "
