@@ -313,13 +313,7 @@ def _miss(
 ) -> tuple[Any, bool]:
     """Check the arguments, find or make the decision: (runner, whether it may be bound)."""
     problem = check_arguments(
-        *args,
-        backend=backend,
-        use_nvfp4=use_nvfp4,
-        enable_pdl=enable_pdl,
-        b_layout=b_layout,
-        batch_invariant=batch_invariant,
-        allow_blacklisted=allow_blacklisted,
+        *args, backend, use_nvfp4, enable_pdl, b_layout, batch_invariant, allow_blacklisted
     )
     _record.note(problem)  # FP4SELECT_RECORD: the first call of a signature only
     a = args[0]
