@@ -335,8 +335,13 @@ def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
     return runner
 
 
+# The nine arguments best_mm_fp4 and flashinfer's mm_fp4 take first, in their order:
+# a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout.
+_CallArgs = tuple[Any, Any, Any, Any, Any, Any, Any, Any, Any]
+
+
 def _miss(
-    args: tuple,
+    args: _CallArgs,
     backend: str,
     use_nvfp4: bool,
     enable_pdl: bool,

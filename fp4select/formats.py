@@ -1,5 +1,9 @@
 """Bit-exact FP4 (NVFP4 / MXFP4) formats, scale-factor layouts and a reference GEMM.
 
+Why one file of ~560 lines: this docstring is the format's specification and the functions
+below are its executable definition, kept side by side; the codec, the layouts and the
+reference GEMM each read the others' rules.
+
 Every backend that fp4select benchmarks is judged against :func:`reference_mm_fp4`, so this
 module is the single source of truth for what the bytes mean.  The rules, exactly:
 

@@ -1,5 +1,9 @@
 """The dense FP4 GEMM shapes (N, K) one tensor-parallel rank of a model runs, from its config.
 
+Why one file of ~700 lines: most of it is the per-family layer rules and their notes, and one
+family's rules are checked against the others' (fused QKV, MLA, replicated KV heads); split,
+the table would be read in pieces.
+
 A deployment thinks in models and tensor-parallel degrees, not in (N, K); this module turns a
 Hugging Face ``config.json`` (plus the checkpoint's quantization config) into the table of
 linear layers that end in ``mm_fp4``, as the serving engines (vLLM, SGLang) build them.

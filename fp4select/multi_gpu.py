@@ -21,12 +21,15 @@ import os
 import queue
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fp4select.keys import Problem, environment_for
 from fp4select.store import digest
+
+if TYPE_CHECKING:
+    from fp4select.selector import Isolation
 
 __all__ = [
     "DeviceError",
@@ -94,7 +97,7 @@ def _worker(
     tasks: Any,
     results: Any,
     store_root: str,
-    isolation: str,
+    isolation: Isolation,
     timing: Any,
 ) -> None:
     """Body of one worker process: take keys until the sentinel, decide each, report it."""
@@ -134,7 +137,7 @@ def warm_parallel(
     devices: Sequence[torch.device],
     *,
     store_root: str | os.PathLike[str],
-    isolation: str,
+    isolation: Isolation,
     timing: Any,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:

@@ -10,6 +10,8 @@ Design rules:
   ``unsupported``; out of memory is ``oom``; a CUDA error is ``cuda-error`` and ends the probe,
   because the CUDA context of this process is now unusable (the sandbox restarts the child);
   anything else is ``error``. Wrong numbers are ``wrong``.
+* A status is a ``Status`` member, never a bare string: one enum names every outcome, and as a
+  ``str`` enum it is written to JSON as the same string it always was, so caches stay readable.
 * The output is checked with ``out=None`` at every validation M, and once more into a
   caller-supplied ``out`` poisoned with NaN, so a backend that ignores ``out=`` or leaves
   elements unwritten fails. A repeat run records whether the backend is bit-for-bit
@@ -22,13 +24,14 @@ Design rules:
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,21 +41,42 @@ from fp4select.keys import Problem
 
 Report = Callable[[Mapping[str, Any]], None]
 
-PASSED = "passed"
+
+class Status(str, enum.Enum):
+    """What became of one backend on one key: the ``status`` of its verdict.
+
+    A ``str`` enum, so a member *is* its string: it equals and hashes as ``"passed"``, and JSON
+    (store entries, archives, the sandbox's pipe) holds the plain string, as it did before
+    there was an enum. Reading one back goes through ``Status(text)``, which refuses a string
+    that is not a member.
+    """
+
+    PASSED = "passed"
+    WRONG = "wrong"  # ran, and its numbers are outside the bound (or it ignored ``out=``)
+    ERROR = "error"  # raised something that is neither of the two below
+    OOM = "oom"
+    UNSUPPORTED = "unsupported"  # the backend itself said "not my problem"
+    CUDA_ERROR = "cuda-error"  # its CUDA context broke: the process cannot go on
+    CRASH = "crash"  # the sandbox child died (given by the parent, never by the child)
+    HANG = "hang"  # the sandbox child made no progress in time (given by the parent)
+    UNAVAILABLE = "unavailable"  # not a candidate here (no GPU, wrong GPU, not installed)
+    BLACKLISTED = "blacklisted"  # not a candidate: condemned in this environment earlier
+
+    # Python 3.12 formats a mixed-in enum as "Status.PASSED"; messages and tables want the text.
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self.value, spec)
+
+
+PASSED = Status.PASSED
 # Statuses that condemn a backend for the whole environment (the process died or its CUDA
 # context broke); the rest are about one key only.
-FATAL_STATUSES = frozenset({"crash", "hang", "cuda-error"})
+FATAL_STATUSES = frozenset({Status.CRASH, Status.HANG, Status.CUDA_ERROR})
 # Timing key of a tuned backend's run at its default tactic (moved into its verdict's detail).
 DEFAULT_SUFFIX = "@default"
-STATUSES = FATAL_STATUSES | {
-    PASSED,
-    "wrong",
-    "error",
-    "oom",
-    "unsupported",
-    "unavailable",
-    "blacklisted",
-}
+STATUSES = frozenset(Status)
 
 
 class MalformedRecord(ValueError):
@@ -82,19 +106,23 @@ def is_number(value: Any) -> bool:
 @dataclass
 class Verdict:
     backend: str
-    status: str
+    status: Status  # a plain string that names a member is turned into it
     reason: str = ""
     m: int | None = None
     worst_ratio: float | None = None
     deterministic: bool | None = None
     detail: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Code written before the enum (plugins, tests) passes the string: same value, checked.
+        self.status = Status(self.status)
+
     @property
     def passed(self) -> bool:
-        return self.status == PASSED
+        return self.status == Status.PASSED
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "status": self.status.value}
 
     @classmethod
     def from_json(cls, data: Any) -> Verdict:
@@ -106,7 +134,10 @@ class Verdict:
         )
         backend, status = data["backend"], data["status"]
         need(isinstance(backend, str) and bool(backend), "verdict.backend must be a name")
-        need(status in STATUSES, f"verdict.status must be one of {sorted(STATUSES)}: {status!r}")
+        need(
+            isinstance(status, str) and status in _STATUS_VALUES,
+            f"verdict.status must be one of {sorted(_STATUS_VALUES)}: {status!r}",
+        )
         need(isinstance(data.get("reason", ""), str), "verdict.reason must be a string")
         m = data.get("m")
         need(m is None or is_int(m, 1), f"verdict.m must be null or a positive int: {m!r}")
@@ -121,6 +152,7 @@ class Verdict:
 _VERDICT_FIELDS = frozenset(
     {"backend", "status", "reason", "m", "worst_ratio", "deterministic", "detail"}
 )
+_STATUS_VALUES = frozenset(s.value for s in Status)
 
 
 @dataclass(frozen=True)
@@ -181,17 +213,17 @@ def _is_cuda_error(exc: BaseException) -> bool:
 def classify(backend: Backend, exc: BaseException, m: int | None) -> Verdict:
     message = f"{type(exc).__name__}: {exc}".strip()[:2000]
     if backend.is_unsupported(exc):
-        return Verdict(backend.name, "unsupported", message, m)
+        return Verdict(backend.name, Status.UNSUPPORTED, message, m)
     text = str(exc).lower()
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
         marker in text
         for marker in ("out of memory", "can't allocate memory", "cannot allocate memory")
     ):
-        return Verdict(backend.name, "oom", message, m)
+        return Verdict(backend.name, Status.OOM, message, m)
     if _is_cuda_error(exc):
-        return Verdict(backend.name, "cuda-error", message, m)
+        return Verdict(backend.name, Status.CUDA_ERROR, message, m)
     tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
-    return Verdict(backend.name, "error", message, m, detail={"traceback": tail})
+    return Verdict(backend.name, Status.ERROR, message, m, detail={"traceback": tail})
 
 
 def _sync(device: torch.device) -> None:
@@ -258,7 +290,9 @@ def _validate(
             _sync(device)
             result = validate.check(out, data, out_dtype)
             if not result.ok:
-                return Verdict(backend.name, "wrong", result.reason, m, _finite(result.worst_ratio))
+                return Verdict(
+                    backend.name, Status.WRONG, result.reason, m, _finite(result.worst_ratio)
+                )
             worst = max(worst, result.worst_ratio)
             last = out
         m = ms[-1]
@@ -270,18 +304,22 @@ def _validate(
         result = validate.check(poisoned, data, out_dtype)
         if not result.ok:
             return Verdict(
-                backend.name, "wrong", f"with out=: {result.reason}", m, _finite(result.worst_ratio)
+                backend.name,
+                Status.WRONG,
+                f"with out=: {result.reason}",
+                m,
+                _finite(result.worst_ratio),
             )
         if isinstance(returned, torch.Tensor) and returned.data_ptr() != poisoned.data_ptr():
-            return Verdict(backend.name, "wrong", "with out=: returned a different tensor", m)
+            return Verdict(backend.name, Status.WRONG, "with out=: returned a different tensor", m)
         deterministic = bool(torch.equal(poisoned, last)) if last is not None else None
-        if problem.batch_invariant:
+        if problem.batch_invariant and last is not None:  # last: the output at M = ms[-1]
             why = _variance(runner, problem, data, last, device, report, backend.name)
             if why:
-                return Verdict(backend.name, "wrong", why, m, worst)
+                return Verdict(backend.name, Status.WRONG, why, m, worst)
     except Exception as exc:
         return classify(backend, exc, m)
-    return Verdict(backend.name, PASSED, "", None, worst, deterministic, {"ms": list(ms)})
+    return Verdict(backend.name, Status.PASSED, "", None, worst, deterministic, {"ms": list(ms)})
 
 
 def _variance(
@@ -312,7 +350,7 @@ def time_backends(
     device: torch.device,
     options: ProbeOptions,
     report: Report,
-    tactics: Mapping[str, Mapping[str, Any]] | None = None,
+    tactics: Mapping[str, Mapping[str, Any] | None] | None = None,
 ) -> tuple[dict[str, timing.Timing], str]:
     """Time at the bucket's largest M (the heaviest the decision must serve).
 
@@ -365,7 +403,7 @@ def probe(
         verdict = validate_backend(backend, problem, inputs, device, report)
         result.verdicts[backend.name] = verdict
         report({"event": "verdict", "verdict": verdict.to_json()})
-        if verdict.status == "cuda-error":
+        if verdict.status == Status.CUDA_ERROR:
             result.aborted = True
             break
         if verdict.passed:
@@ -392,6 +430,33 @@ def probe(
     return result
 
 
+class Prober(Protocol):
+    """What the selector needs from whatever runs its probes.
+
+    Two implementations: ``InProcessProber`` here, and ``sandbox.SandboxProber``, which keeps
+    ``probe``'s contract whatever the candidates do to the child process they run in.
+    """
+
+    # "inprocess" or "subprocess": recorded in every decision (``Decision.isolation``)
+    isolation: str
+
+    def probe(
+        self,
+        problem: Problem,
+        backends: Sequence[Backend],
+        device: torch.device,
+        options: ProbeOptions,
+        report: Report | None = None,
+    ) -> ProbeResult:
+        """A verdict for every backend (in order, unless a CUDA error aborted), timings of the
+        ones that passed."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the prober holds (worker processes); it may be used again after."""
+        ...
+
+
 class InProcessProber:
     """Runs the probe in the caller's process: fast, and only as safe as the candidates."""
 
@@ -401,7 +466,7 @@ class InProcessProber:
         self,
         problem: Problem,
         backends: Sequence[Backend],
-        device: torch.device,
+        device: torch.device | str,
         options: ProbeOptions,
         report: Report | None = None,
     ) -> ProbeResult:

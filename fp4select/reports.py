@@ -1,7 +1,8 @@
 """Reports as data: what ``doctor`` and ``verify`` find, for the CLI to print and scripts to read.
 
-Design rules: a report function returns data (a dict or a dataclass whose ``to_json()`` is the
-``--json`` output) and prints nothing; the command line only formats it. A report reads the
+Design rules: a report function returns data (a ``TypedDict``, or a dataclass whose ``to_json()``
+is the ``--json`` output), typed so the command line and scripts know every field, and prints
+nothing; the command line only formats it. A report reads the
 same store, registry and selector the library uses: nothing is re-implemented here. ``verify``
 tunes in its own selector over a scratch cache, so it never changes the caller's decisions or
 the process-wide selector.
@@ -12,18 +13,25 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from fp4select._version import __version__
 from fp4select.keys import Problem, environment_for, m_bucket
+from fp4select.probe import Status
+
+if TYPE_CHECKING:  # the selector imports the registry: a report imports it only when it runs
+    from fp4select.selector import Decision
 
 __all__ = [
     "DEFAULT_VERIFY_SHAPES",
     "VERIFY_BUCKETS",
     "VERIFY_KINDS",
     "BackendSummary",
+    "DoctorBackend",
+    "DoctorReport",
+    "SignatureReport",
     "TacticRow",
     "VerifyReport",
     "doctor_report",
@@ -34,7 +42,65 @@ __all__ = [
 
 
 # -- doctor ------------------------------------------------------------------------------------
-def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[str, Any]:
+class SignatureReport(TypedDict):
+    """How ``best_mm_fp4``'s parameters line up with the installed ``flashinfer.mm_fp4``'s."""
+
+    matches: bool | None  # None: no flashinfer, or its signature cannot be read
+    only_in_flashinfer: list[str]  # parameters a caller cannot pass to best_mm_fp4
+    different_defaults: list[str]
+
+
+class _DoctorBackendCore(TypedDict):
+    backend: str
+    family: str
+    available: bool
+    reason: str  # why it cannot run here; "" when it can
+    experimental: bool
+
+
+class DoctorBackend(_DoctorBackendCore, total=False):
+    """One registered backend: can it run here, and where flashinfer says it runs."""
+
+    flashinfer_supported_ccs: list[int] | None  # only for flashinfer's, when flashinfer loads
+
+
+class _MachineCore(TypedDict):
+    device: str
+    gpu: str | None
+    cc: int | None
+    sm_count: int | None
+
+
+class DoctorMachine(_MachineCore, total=False):
+    cuda_available: bool  # only when the device is the CPU
+
+
+class DoctorFlashinfer(TypedDict):
+    listed_backends: list[str]  # what ``mm_fp4``'s ``backend`` parameter lists
+    problem: str | None  # why flashinfer could not be loaded
+    signature: SignatureReport
+
+
+class DoctorCache(TypedDict):
+    root: str
+    memory_only: bool
+    isolation: str
+
+
+class DoctorReport(TypedDict):
+    """What ``doctor`` prints; ``--json`` prints exactly this."""
+
+    fp4select: str
+    machine: DoctorMachine
+    environment: dict[str, Any]  # the environment fingerprint decisions are stored under
+    flashinfer: DoctorFlashinfer
+    backends: list[DoctorBackend]
+    source_errors: dict[str, str]  # backend source (plugin, flashinfer) -> why it failed
+    cache: DoctorCache
+    blacklist: dict[str, dict[str, Any]]  # backend -> the record of its blacklisting
+
+
+def doctor_report(device: torch.device, what_if_cc: int | None = None) -> DoctorReport:
     """Everything doctor prints, as data (tests and --json read this).
 
     ``what_if_cc`` asks the installed flashinfer about another GPU generation (say 100 for
@@ -51,50 +117,43 @@ def doctor_report(device: torch.device, what_if_cc: int | None = None) -> dict[s
     registry = discover()
     mm_fp4, why = fi.load()
     listed = fi.listed_names(mm_fp4) if mm_fp4 is not None else []
-    rows = []
+    rows: list[DoctorBackend] = []
     for name, backend in registry.backends.items():
         reason = backend.unavailable_reason(env)
-        row = {
-            "backend": name,
-            "family": backend.family,
-            "available": reason is None,
-            "reason": reason or "",
-            "experimental": backend.experimental,
-        }
+        row = DoctorBackend(
+            backend=name,
+            family=backend.family,
+            available=reason is None,
+            reason=reason or "",
+            experimental=backend.experimental,
+        )
         if backend.family == fi.FAMILY and mm_fp4 is not None:
             ccs = fi.supported_ccs(mm_fp4, name)
             row["flashinfer_supported_ccs"] = ccs
         rows.append(row)
     blacklist = sel.store.blacklist(env)
-    machine = {
-        "device": str(device),
-        "gpu": env.get("gpu"),
-        "cc": env.get("cc"),
-        "sm_count": env.get("sm_count"),
-    }
+    machine = DoctorMachine(
+        device=str(device), gpu=env.get("gpu"), cc=env.get("cc"), sm_count=env.get("sm_count")
+    )
     if device.type == "cpu":
         machine["cuda_available"] = torch.cuda.is_available()
-    return {
-        "fp4select": __version__,
-        "machine": machine,
-        "environment": env,
-        "flashinfer": {
-            "listed_backends": listed,
-            "problem": why,
-            "signature": signature_report(mm_fp4),
-        },
-        "backends": rows,
-        "source_errors": registry.source_errors,
-        "cache": {
-            "root": str(sel.store.root),
-            "memory_only": sel.store.memory_only,
-            "isolation": sel.isolation,
-        },
-        "blacklist": blacklist,
-    }
+    return DoctorReport(
+        fp4select=__version__,
+        machine=machine,
+        environment=env,
+        flashinfer=DoctorFlashinfer(
+            listed_backends=listed, problem=why, signature=signature_report(mm_fp4)
+        ),
+        backends=rows,
+        source_errors=registry.source_errors,
+        cache=DoctorCache(
+            root=str(sel.store.root), memory_only=sel.store.memory_only, isolation=sel.isolation
+        ),
+        blacklist=blacklist,
+    )
 
 
-def signature_report(mm_fp4: Any) -> dict[str, Any]:
+def signature_report(mm_fp4: Any) -> SignatureReport:
     """How ``best_mm_fp4``'s parameters line up with the installed ``flashinfer.mm_fp4``'s.
 
     A newer flashinfer may add a parameter: fp4select keeps working (it calls flashinfer
@@ -106,11 +165,11 @@ def signature_report(mm_fp4: Any) -> dict[str, Any]:
     from fp4select.api import best_mm_fp4
 
     if mm_fp4 is None:
-        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+        return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
     try:
         theirs = inspect.signature(mm_fp4).parameters
     except (TypeError, ValueError):
-        return {"matches": None, "only_in_flashinfer": [], "different_defaults": []}
+        return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
     ours = inspect.signature(best_mm_fp4).parameters
     missing = [name for name in theirs if name not in ours]
     defaults = [
@@ -119,11 +178,11 @@ def signature_report(mm_fp4: Any) -> dict[str, Any]:
         if name in ours and param.default is not inspect.Parameter.empty
         and ours[name].default != param.default
     ]  # fmt: skip
-    return {
-        "matches": not missing and not defaults,
-        "only_in_flashinfer": missing,
-        "different_defaults": defaults,
-    }
+    return SignatureReport(
+        matches=not missing and not defaults,
+        only_in_flashinfer=missing,
+        different_defaults=defaults,
+    )
 
 
 # -- verify ------------------------------------------------------------------------------------
@@ -140,7 +199,9 @@ VERIFY_KINDS: tuple[dict[str, Any], ...] = (
 VERIFY_BUCKETS = (1, 16, 256, 3072)
 DEFAULT_VERIFY_SHAPES = ((4096, 4096),)
 # The statuses that count as a backend failing somewhere (unsupported is not a failure).
-_FAILURES = frozenset({"wrong", "error", "crash", "hang", "cuda-error", "oom"})
+_FAILURES = frozenset(
+    {Status.WRONG, Status.ERROR, Status.CRASH, Status.HANG, Status.CUDA_ERROR, Status.OOM}
+)
 
 
 def verify_problems(
@@ -204,8 +265,8 @@ class VerifyReport:
             "failed": self.failed,
         }
 
-    def add(self, decision: Any) -> None:
-        """Count one decision (a ``selector.Decision``) into the per-backend summary."""
+    def add(self, decision: Decision) -> None:
+        """Count one decision into the per-backend summary."""
         for name, verdict in decision.verdicts.items():
             row = self.backends.setdefault(
                 name,
@@ -242,7 +303,7 @@ def verify_report(
     problems: Sequence[Problem] | None = None,
     *,
     cache_dir: str | None = None,
-    on_decision: Callable[[Any], None] | None = None,
+    on_decision: Callable[[Decision], None] | None = None,
 ) -> VerifyReport:
     """Tune a spread of problems (``verify_problems()`` unless given) and say, per backend,
     what held up.

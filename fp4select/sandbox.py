@@ -55,7 +55,7 @@ from fp4select.backends import discover
 from fp4select.backends.base import Backend, NotImportableError
 from fp4select.backends.emulation import NAME as EMULATION
 from fp4select.keys import Problem
-from fp4select.probe import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Verdict
+from fp4select.probe import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Status, Verdict
 from fp4select.sandbox_attempt import (
     STRAY_LINES_KEPT,
     Failure,
@@ -182,7 +182,7 @@ class SandboxProber:
                             break
                         verdicts[running] = Verdict(
                             running,
-                            "error",
+                            Status.ERROR,
                             f"{why} twice while it ran"[:2000],
                             detail={"phase": "protocol"},
                         )
@@ -247,7 +247,9 @@ class SandboxProber:
     def _settle_all(verdicts: dict[str, Verdict], pending: Sequence[str], reason: str) -> None:
         for name in pending:
             if name not in verdicts or verdicts[name].passed:
-                verdicts[name] = Verdict(name, "error", reason[:2000], detail={"phase": "sandbox"})
+                verdicts[name] = Verdict(
+                    name, Status.ERROR, reason[:2000], detail={"phase": "sandbox"}
+                )
 
     def _request(self, job: Job, names: Sequence[str], alone: bool = False) -> dict[str, Any]:
         request: dict[str, Any] = {
@@ -281,7 +283,7 @@ class SandboxProber:
                 specs[backend.name] = backend.to_json()
             except NotImportableError as exc:
                 verdicts[backend.name] = Verdict(
-                    backend.name, "error", str(exc), detail={"phase": "serialise"}
+                    backend.name, Status.ERROR, str(exc), detail={"phase": "serialise"}
                 )
                 report({"event": "verdict", "verdict": verdicts[backend.name].to_json()})
         return specs
@@ -317,7 +319,7 @@ class SandboxProber:
                 job.report({"event": "verdict", "verdict": verdict.to_json()})
         if name is not None:
             return
-        words = {"crash": "died", "hang": "hung"}.get(failure.status, "hit a CUDA error")
+        words = {Status.CRASH: "died", Status.HANG: "hung"}.get(failure.status, "hit a CUDA error")
         reason = (
             f"the sandbox child {words} ({failure.reason}) but no candidate reproduced it alone"
         )
@@ -327,7 +329,7 @@ class SandboxProber:
                 **failure.summary(),
                 "stderr_tail": failure.detail.get("stderr_tail", ""),
             },
-            "rerun_alone": {n: v.status for n, v in alone.items()},
+            "rerun_alone": {n: v.status.value for n, v in alone.items()},
         }
         for other in order:
             if other in alone and not alone[other].passed:
@@ -336,7 +338,7 @@ class SandboxProber:
                 spared.add(other)  # the fallback is probed again rather than excluded
                 continue
             m = failure.m if other == failure.suspect else None
-            verdicts[other] = Verdict(other, "error", reason[:2000], m, detail=dict(detail))
+            verdicts[other] = Verdict(other, Status.ERROR, reason[:2000], m, detail=dict(detail))
             job.report({"event": "verdict", "verdict": verdicts[other].to_json()})
 
     def _alone(self, key: str, name: str, job: Job) -> Verdict:
@@ -350,7 +352,7 @@ class SandboxProber:
             reason = (
                 f"the sandbox protocol went out of step while it ran alone ({attempt.out_of_step})"
             )
-            return Verdict(name, "error", reason[:2000], detail={"phase": "protocol"})
+            return Verdict(name, Status.ERROR, reason[:2000], detail={"phase": "protocol"})
         if attempt.result is not None:
             verdict = attempt.result.verdicts.get(name)
             if verdict is not None and verdict.status in FATAL_STATUSES:
@@ -362,12 +364,12 @@ class SandboxProber:
             if verdict is not None:
                 return verdict
             return Verdict(
-                name, "error", "no verdict when it ran alone", detail={"phase": "sandbox"}
+                name, Status.ERROR, "no verdict when it ran alone", detail={"phase": "sandbox"}
             )
         if attempt.failure is not None:
             return attempt.failure.verdict(name)  # it was alone: whatever ran was its doing
         reason = f"the sandbox failed while it ran alone: {attempt.lost}"
-        return Verdict(name, "error", reason[:2000], detail={"phase": "sandbox"})
+        return Verdict(name, Status.ERROR, reason[:2000], detail={"phase": "sandbox"})
 
 
 def _normalise(device: torch.device | str) -> torch.device:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fp4select.keys import Problem
-from fp4select.probe import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Verdict
+from fp4select.probe import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Status, Verdict
 from fp4select.sandbox_process import START_TIMEOUT_S, Worker, death
 from fp4select.sandbox_protocol import OutOfStep, Stream, parse
 
@@ -89,7 +89,7 @@ def _where(phase: str | None, m: int | None) -> str:
 class Failure:
     """A death, hang or CUDA error seen in a child, before anyone is blamed for it."""
 
-    status: str  # crash, hang or cuda-error
+    status: Status  # crash, hang or cuda-error
     reason: str
     suspect: str | None  # the backend of the last run event, if it named one
     m: int | None = None
@@ -102,7 +102,7 @@ class Failure:
         keep = ("phase", "signal", "exit_code", "timeout_s", "ran_in_child")
         return {
             "backend": self.suspect,
-            "status": self.status,
+            "status": self.status.value,
             "reason": self.reason,
             "m": self.m,
             **{k: self.detail[k] for k in keep if k in self.detail},
@@ -178,9 +178,9 @@ def run_attempt(
                 raise RuntimeError("the fp4select sandbox was closed while it was probing")
             if line is None:
                 worker.dump_and_kill()
-                return _blame(attempt, worker, mark, "hang", None, window)
+                return _blame(attempt, worker, mark, Status.HANG, None, window)
             if line == b"":
-                return _blame(attempt, worker, mark, "crash", worker.wait(5.0), window)
+                return _blame(attempt, worker, mark, Status.CRASH, worker.wait(5.0), window)
             if not line.strip():
                 continue
             event = parse(line)
@@ -238,14 +238,14 @@ def _blame(
     attempt: Attempt,
     worker: Worker,
     mark: int,
-    status: str,
+    status: Status,
     returncode: int | None,
     window: float,
 ) -> Attempt:
     run = attempt.last_run or {}
     name, phase, m = run.get("backend"), run.get("phase"), run.get("m")
     tail = worker.stderr_tail(mark)
-    if status == "hang":
+    if status == Status.HANG:
         words = f"hang: no progress for {window:g} s"
         detail: dict[str, Any] = {"timeout_s": window}
     else:
@@ -257,7 +257,7 @@ def _blame(
         return attempt
     detail = {"phase": phase, **detail, "stderr_tail": tail}
     if name is not None and name in attempt.verdicts:
-        detail["after_verdict"] = attempt.verdicts[name].status  # e.g. heap damage
+        detail["after_verdict"] = attempt.verdicts[name].status.value  # e.g. heap damage
     detail["ran_in_child"] = list(dict.fromkeys(worker.ran))
     attempt.failure = Failure(status, f"{words} {_where(phase, m)}", name, m, detail)
     return attempt
@@ -271,7 +271,7 @@ def timing_failure(attempt: Attempt) -> Failure | None:
         return None
     name = run.get("backend") if run.get("phase") == "time" else None
     return Failure(
-        "cuda-error",
+        Status.CUDA_ERROR,
         f"{attempt.result.method} {_where('time', run.get('m'))}"[:2000],
         name,
         run.get("m"),

@@ -108,7 +108,8 @@ class Worker:
             start_new_session=True,  # its own process group: ended with every helper in it
             bufsize=0,
         )
-        self.fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        assert self.proc.stdout is not None  # stdout=PIPE above
+        self.fd = self.proc.stdout.fileno()
         self._poll = selectors.DefaultSelector()
         self._poll.register(self.fd, selectors.EVENT_READ)
         self._buffer = bytearray()

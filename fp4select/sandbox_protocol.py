@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fp4select.probe import Verdict
+from fp4select.probe import Status, Verdict
 from fp4select.timing import Timing
 
 __all__ = ["CHILD_STATUSES", "MAX_LINE_BYTES", "OutOfStep", "Stream", "parse"]
@@ -32,8 +32,10 @@ __all__ = ["CHILD_STATUSES", "MAX_LINE_BYTES", "OutOfStep", "Stream", "parse"]
 # A real event is a few KB (tracebacks and stderr tails are cut); a longer line is garbage.
 MAX_LINE_BYTES = 8 << 20
 
-# The statuses a child may report; "crash" and "hang" are the parent's to give.
-CHILD_STATUSES = frozenset({"passed", "wrong", "error", "unsupported", "oom", "cuda-error"})
+# The statuses a child may report; crash and hang are the parent's to give.
+CHILD_STATUSES = frozenset(
+    {Status.PASSED, Status.WRONG, Status.ERROR, Status.UNSUPPORTED, Status.OOM, Status.CUDA_ERROR}
+)
 _VERDICT_KEYS = frozenset(f.name for f in dataclasses.fields(Verdict))
 _TIMING_KEYS = frozenset(f.name for f in dataclasses.fields(Timing))
 _RESULT_KEYS = frozenset({"verdicts", "timings", "method", "seconds", "aborted"})
@@ -63,7 +65,7 @@ def _verdict_error(data: Any, names: Iterable[str], finished: set[str]) -> str |
     name = data["backend"]
     if not isinstance(name, str) or name not in names:
         return f"a verdict for {name!r}, which this request did not name"
-    if data["status"] not in CHILD_STATUSES:
+    if not isinstance(data["status"], str) or data["status"] not in CHILD_STATUSES:
         return f"status {data['status']!r} is not one a child may give"
     if not isinstance(data["reason"], str):
         return "a verdict's reason must be a string"
@@ -76,7 +78,7 @@ def _verdict_error(data: Any, names: Iterable[str], finished: set[str]) -> str |
         return "a verdict's deterministic must be null or a boolean"
     if not isinstance(data["detail"], dict):
         return "a verdict's detail must be an object"
-    if data["status"] == "passed" and name not in finished:
+    if data["status"] == Status.PASSED and name not in finished:
         return f"a passed verdict for {name!r} before its {_LAST_VALIDATION_PHASE} step ran"
     return None
 
@@ -113,7 +115,7 @@ def _result_error(data: Any, names: frozenset[str], finished: set[str]) -> str |
     if not data["aborted"] and set(verdicts) != names:
         return f"a result without verdicts for {sorted(names - set(verdicts))}"
     for name, timing in timings.items():
-        if name not in verdicts or verdicts[name]["status"] != "passed":
+        if name not in verdicts or verdicts[name]["status"] != Status.PASSED:
             return f"a timing for {name!r}, which did not pass"
         problem = _timing_error(name, timing)
         if problem is not None:

@@ -43,7 +43,7 @@ from fp4select import probe as probe_mod
 from fp4select.backends import Registry, discover
 from fp4select.backends.base import Backend
 from fp4select.keys import Problem
-from fp4select.probe import ProbeOptions, ProbeResult, Verdict
+from fp4select.probe import ProbeOptions, ProbeResult, Status, Verdict
 
 # Set in the child: the file descriptor of the protocol channel (for tests that corrupt it).
 PROTOCOL_FD_ENV = "FP4SELECT_SANDBOX_FD"
@@ -96,7 +96,7 @@ def _probe_alone(
             )
         except Exception as exc:
             cuda = probe_mod.classify(backend, exc, problem.m_bucket)
-            if cuda.status == "cuda-error":
+            if cuda.status == Status.CUDA_ERROR:
                 cuda.detail["phase"] = "time"
                 result.verdicts[backend.name], result.aborted = cuda, True
                 send({"event": "verdict", "verdict": cuda.to_json()})
@@ -128,7 +128,7 @@ def _serve_one(
             except Exception as exc:  # an import error is this backend's problem only
                 early[name] = Verdict(
                     name,
-                    "error",
+                    Status.ERROR,
                     f"could not be rebuilt in the sandbox: {type(exc).__name__}: {exc}"[:2000],
                     detail={"phase": "import", "traceback": traceback.format_exc()[-2000:]},
                 )
@@ -137,7 +137,9 @@ def _serve_one(
         else:
             errors = "; ".join(f"{k}: {v}" for k, v in registry.source_errors.items())
             early[name] = Verdict(
-                name, "error", f"not known in the sandbox child ({errors or 'no source errors'})"
+                name,
+                Status.ERROR,
+                f"not known in the sandbox child ({errors or 'no source errors'})",
             )
         if name in early:
             send({"event": "verdict", "verdict": early[name].to_json()})

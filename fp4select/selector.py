@@ -34,7 +34,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -50,18 +50,21 @@ from fp4select.probe import (
     InProcessProber,
     MalformedRecord,
     ProbeOptions,
+    Prober,
     ProbeResult,
+    Status,
     Verdict,
     is_number,
     need,
 )
 from fp4select.settings import Settings
 from fp4select.store import CacheWarning, Store, digest
-from fp4select.timing import Timing, TimingOptions, rank
+from fp4select.timing import Timing, TimingOptions, preference_ranking, rank
 
 log = logging.getLogger("fp4select")
 
-ISOLATIONS = settings_mod.ISOLATIONS
+Isolation = Literal["subprocess", "inprocess"]
+ISOLATIONS: tuple[Isolation, ...] = ("subprocess", "inprocess")  # as fp4select.settings
 # Never blacklisted beyond one key, and never by an imported archive: every supported problem
 # must keep a correct answer.
 PROTECTED_BACKENDS = frozenset({emulation.NAME})
@@ -79,6 +82,14 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _isolation(value: str, what: str) -> Isolation:
+    """``value`` as one of ``ISOLATIONS``; a ValueError naming ``what`` otherwise."""
+    for known in ISOLATIONS:
+        if value == known:
+            return known
+    raise ValueError(f"{what} must be one of {ISOLATIONS}, got {value!r}")
+
+
 @dataclass
 class Decision:
     """The record of one choice; ``to_json`` is what the store keeps and ``explain`` returns."""
@@ -88,7 +99,7 @@ class Decision:
     winner: str | None
     verdicts: dict[str, Verdict]
     timings: dict[str, Timing] = field(default_factory=dict)
-    ranking: dict[str, Any] | None = None
+    ranking: Mapping[str, Any] | None = None  # a timing.RankingRecord, or as read from disk
     method: str = ""
     considered: list[str] = field(default_factory=list)
     created: str = field(default_factory=_now)
@@ -140,8 +151,8 @@ class Decision:
         winner = data.get("winner")
         need(winner is None or isinstance(winner, str), "decision.winner must be a name or null")
         if winner is not None:
-            verdict = verdicts.get(winner)
-            need(verdict is not None and verdict.passed, f"winner {winner!r} never passed")
+            chosen = verdicts.get(winner)
+            need(chosen is not None and chosen.passed, f"winner {winner!r} never passed")
         ranking = data.get("ranking")
         need(ranking is None or isinstance(ranking, dict), "decision.ranking must be an object")
         if ranking is not None:
@@ -218,15 +229,13 @@ class Selector:
         # What is not given comes from ``settings``, by default the process-wide ones.
         self.settings = settings if settings is not None else settings_mod.current()
         self.store = store if store is not None else Store(self.settings.cache_dir)
-        self.isolation = isolation or self.settings.isolation
-        if self.isolation not in ISOLATIONS:
-            raise ValueError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
+        self.isolation = _isolation(isolation or self.settings.isolation, "isolation")
         self.timing = timing or TimingOptions(budget_s=self.settings.time_budget_s)
         self.lock_timeout = lock_timeout
         self.counters = Counters()
         self.pending: set[tuple[Problem, str]] = set()
         self._memory: dict[str, Decision] = {}
-        self._prober: Any = None
+        self._prober: Prober | None = None
         self._lock = threading.RLock()
         self._registry: registry_mod.Registry | None = None
         self._registry_generation = -1
@@ -270,7 +279,7 @@ class Selector:
                 return backend
         return self.registry().get(name)
 
-    def prober(self) -> Any:
+    def prober(self) -> Prober:
         """The one prober of this selector: two threads must never start two sandbox workers."""
         with self._lock:
             if self._prober is None:
@@ -304,7 +313,7 @@ class Selector:
             if entry and _blacklist_applies(entry, problem):
                 excluded[name] = Verdict(
                     name,
-                    "blacklisted",
+                    Status.BLACKLISTED,
                     f"{entry.get('kind', '?')} on {entry.get('when', '?')}: "
                     f"{entry.get('reason', '')}",
                     detail={"blacklist": entry},
@@ -312,11 +321,11 @@ class Selector:
                 continue
             why = backend.unavailable_reason(env)
             if why:
-                excluded[name] = Verdict(name, "unavailable", why)
+                excluded[name] = Verdict(name, Status.UNAVAILABLE, why)
                 continue
             why = backend.rejects(problem, env)
             if why:
-                excluded[name] = Verdict(name, "unsupported", why)
+                excluded[name] = Verdict(name, Status.UNSUPPORTED, why)
                 continue
             runnable.append(backend)
         return runnable, excluded
@@ -406,12 +415,12 @@ class Selector:
         allowed = flashinfer_backends.experimental_allowed()
         for name, verdict in others.items():
             entry = blacklist.get(name)
-            if verdict.status == "blacklisted" and not (
+            if verdict.status == Status.BLACKLISTED and not (
                 entry and _blacklist_applies(entry, problem)
             ):
                 return False  # its blacklisting was cleared since: it may compete now
             experimental = flashinfer_backends.EXPERIMENTAL_ENV in verdict.reason
-            if verdict.status == "unavailable" and experimental and allowed:
+            if verdict.status == Status.UNAVAILABLE and experimental and allowed:
                 return False  # experimental backends were allowed since: it may compete now
         return True
 
@@ -475,14 +484,9 @@ class Selector:
             decision.winner = ranking.winner
             decision.ranking = ranking.to_json()
         elif passed:  # one correct candidate, or timing failed: preference order decides
-            order = sorted(passed, key=lambda n: (preference[n], n))
-            decision.winner = order[0]
-            decision.ranking = {
-                "winner": order[0],
-                "order": order,
-                "margin": None,
-                "tie_broken_by_preference": len(order) > 1,
-            }
+            record = preference_ranking(passed, preference)
+            decision.winner = record["winner"]
+            decision.ranking = record
         log.info(
             "decided %s: %s (%s)",
             problem.describe(),
@@ -513,7 +517,7 @@ class Selector:
             keyed = scope == "key" or name in PROTECTED_BACKENDS
             record = {
                 "backend": name,
-                "kind": verdict.status,
+                "kind": verdict.status.value,
                 "reason": verdict.reason,
                 "when": _now(),
                 "scope": "key" if keyed else "environment",
@@ -611,7 +615,7 @@ class Selector:
 
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""
-        done = []
+        done: list[Decision] = []
         while True:
             with self._lock:
                 if not self.pending:

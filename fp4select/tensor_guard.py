@@ -25,13 +25,22 @@ Design rules:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-try:  # a private API: see the design rules
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - every torch fp4select supports has it today
-    _TensorGuards = None
+
+def _tensor_guards_class() -> Any:
+    """torch's ``TensorGuards`` class, or None. A private API (see the design rules), typed Any:
+    its stub's signature changes between torch releases."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:  # pragma: no cover - every torch fp4select supports has it today
+        return None
+    return TensorGuards
+
+
+_TensorGuards: Any = _tensor_guards_class()
 
 Guard = Callable[..., bool]
 

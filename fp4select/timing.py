@@ -16,7 +16,8 @@ Design rules:
   (p10-p90), at least 2% and at most ``MAX_TIE_TOLERANCE`` (5%): a slow candidate's own noise
   never widens it, so no candidate slower than the fastest by more than the cap can win,
   however noisy. When the fastest's spread exceeds the cap the ranking says ``too_noisy``.
-  The margin to the runner-up is recorded.
+  The margin to the runner-up is recorded. When nothing was timed (one correct candidate, or
+  timing failed) the preference order alone decides (``preference_ranking``).
 * On the CPU the same statistics come from ``time.perf_counter``.
 * A time budget bounds each key: rounds stop once it is spent and the minimum is met.
 """
@@ -25,9 +26,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -226,6 +227,24 @@ def time_interleaved(
     return {n: summarize(samples[n], reps[n], method) for n in names}, method
 
 
+class _RankingCore(TypedDict):
+    winner: str
+    order: list[str]  # the winner first, then the rest fastest first (or by preference)
+    margin: float | None  # runner-up median / winner median - 1; None when nothing was timed
+    tie_broken_by_preference: bool
+
+
+class RankingRecord(_RankingCore, total=False):
+    """A ranking as a decision records it (``Decision.ranking``, JSON).
+
+    ``tie_window`` and ``too_noisy`` are there when timings decided (``Ranking.to_json``), not
+    when the preference order alone did (``preference_ranking``).
+    """
+
+    tie_window: float
+    too_noisy: bool
+
+
 @dataclass
 class Ranking:
     winner: str
@@ -235,8 +254,15 @@ class Ranking:
     tie_window: float = MIN_TIE_TOLERANCE  # relative to the fastest median
     too_noisy: bool = False  # the fastest's own spread was wider than MAX_TIE_TOLERANCE
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> RankingRecord:
+        return RankingRecord(
+            winner=self.winner,
+            order=list(self.order),
+            margin=self.margin,
+            tie_broken_by_preference=self.tie_broken_by_preference,
+            tie_window=self.tie_window,
+            too_noisy=self.too_noisy,
+        )
 
 
 def tie_window(fastest: Timing) -> float:
@@ -265,4 +291,14 @@ def rank(timings: Mapping[str, Timing], preference: Mapping[str, int]) -> Rankin
         winner != fastest,
         tie_window=window,
         too_noisy=best.half_spread > MAX_TIE_TOLERANCE,
+    )
+
+
+def preference_ranking(names: Iterable[str], preference: Mapping[str, int]) -> RankingRecord:
+    """The ranking when nothing was timed: the lowest ``preference`` wins, then the name."""
+    order = sorted(names, key=lambda n: (preference.get(n, 100), n))
+    if not order:
+        raise ValueError("preference_ranking() needs at least one name")
+    return RankingRecord(
+        winner=order[0], order=order, margin=None, tie_broken_by_preference=len(order) > 1
     )

@@ -201,6 +201,7 @@ def make_inputs(
     if with_reference:
         a_val = formats.e2m1_decode(codes_a, torch.float64) * _expand(sf_a, problem, bs)
         b_val = weight.value
+        assert b_val is not None  # _weight decodes the value whenever a reference is wanted
         ref = (a_val @ b_val.T) * alpha_rows
         absdot = (a_val.abs() @ b_val.abs().T) * alpha_rows.abs()
         out_dtype = problem.torch_out_dtype

@@ -654,6 +654,11 @@ BAD_EVENTS = {
         "verdict": _verdict(status="crash"),
     },
     "unknown status": {"event": "verdict", "id": "7-abc", "verdict": _verdict(status="fine")},
+    "status not a string": {
+        "event": "verdict",
+        "id": "7-abc",
+        "verdict": _verdict(status=["passed"]),
+    },
     "reason not a string": {"event": "verdict", "id": "7-abc", "verdict": _verdict(reason=3)},
     "m a boolean": {"event": "verdict", "id": "7-abc", "verdict": _verdict(m=True)},
     "m negative": {"event": "verdict", "id": "7-abc", "verdict": _verdict(m=-1)},

@@ -101,12 +101,11 @@ def register_backend(
         if caps is not None and capabilities:
             raise TypeError("give caps= or capability keywords, not both")
         if caps is None:
-            caps = Capabilities(
-                **{
-                    k: frozenset(v) if isinstance(v, (set, list, tuple)) else v
-                    for k, v in capabilities.items()
-                }
-            )
+            fields: dict[str, Any] = {
+                k: frozenset(v) if isinstance(v, (set, list, tuple)) else v
+                for k, v in capabilities.items()
+            }
+            caps = Capabilities(**fields)
         spec = Backend(
             name=name,
             checked_runner=backend,

@@ -11,6 +11,7 @@ and nothing on a GPU.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def enable() -> bool:
@@ -23,10 +24,11 @@ def enable() -> bool:
     if getattr(original, "_fp4select_fixed", False):
         return True
 
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+    def patched(tensor: Any, scope: Any) -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    # a marker on the function object, which mypy does not let a def carry
     patched._fp4select_fixed = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
     return True

@@ -87,7 +87,10 @@ class Capabilities:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Capabilities:
-        return cls(**{k: frozenset(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {
+            k: frozenset(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         unknown = set(self.alpha_kinds) - set(ALPHA_KINDS)
@@ -151,10 +154,9 @@ class Backend:
         ``tactic`` (a record from ``tune``) pins the runner to that tactic.
         """
         if self.make_checked_runner is not None:
-            runner = self.make_checked_runner(problem)
-        else:
-            runner = self.checked_runner
-        return self._pinned(runner, tactic)  # type: ignore[arg-type]
+            return self._pinned(self.make_checked_runner(problem), tactic)
+        assert self.checked_runner is not None  # __post_init__: exactly one of the two is given
+        return self._pinned(self.checked_runner, tactic)
 
     def fast_runner_for(self, problem: Problem, tactic: Mapping[str, Any] | None = None) -> Runner:
         """The runner bound for the warm path, once this backend is proven on the problem."""

@@ -15,6 +15,7 @@ row's bits cannot depend on M or on its neighbours.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -26,9 +27,9 @@ NAME = "emulation"
 INVARIANT_ROWS = 16
 
 
-def _run(*args: object, b_layout: str) -> torch.Tensor:
+def _run(*args: Any, b_layout: str) -> torch.Tensor:
     """A runner: mm_fp4's positional order (without backend); enable_pdl means nothing here."""
-    return reference_mm_fp4(*args[:10], b_layout=b_layout)  # type: ignore[arg-type]
+    return reference_mm_fp4(*args[:10], b_layout=b_layout)
 
 
 def _chunked_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -42,9 +43,9 @@ def _chunked_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(chunks)[:m]
 
 
-def _run_invariant(*args: object, b_layout: str) -> torch.Tensor:
+def _run_invariant(*args: Any, b_layout: str) -> torch.Tensor:
     return reference_mm_fp4(
-        *args[:10],  # type: ignore[arg-type]
+        *args[:10],
         b_layout=b_layout,
         matmul=_chunked_matmul,
     )

@@ -134,10 +134,11 @@ def tuner_api() -> tuple[TunerAPI | None, str | None]:
         getattr(tuner_class, "choose_one", None)
     ):
         return None, f"flashinfer {version}'s AutoTuner has no get() or choose_one()"
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(autotune).parameters
     except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
+        params = {}
     if "tuning_buckets" not in params:
         return None, (
             f"flashinfer {version}'s autotune() takes no tuning_buckets, so it cannot tune one "
@@ -338,11 +339,11 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
     except ValueError as exc:  # a bad variable in this process's environment
         # Raised here it would read as "unsupported" for every backend (flashinfer's checks
         # raise ValueError): say it in each record and the log instead, and tune nothing.
-        why = f"{exc}; not tuned"
-        if why not in _warned:
-            _warned.add(why)
-            log.error(why)
-        return {"op": OP, "tactic": None, "reason": why}
+        bad = f"{exc}; not tuned"
+        if bad not in _warned:
+            _warned.add(bad)
+            log.error(bad)
+        return {"op": OP, "tactic": None, "reason": bad}
     if mode == "default":
         return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}=default"}
     if getattr(problem, "batch_invariant", False):

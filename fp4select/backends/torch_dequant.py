@@ -179,6 +179,7 @@ def _run(
     result = _mm_f32(x, w.T, _growing(_f32_workspaces, (device, n), m, n, torch.float32, device))
     if alpha is None:
         return out.copy_(result)
+    factor: torch.Tensor | float
     if isinstance(alpha, torch.Tensor):
         factor = alpha.reshape(m, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
     else:

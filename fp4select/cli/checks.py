@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fp4select.cli._common import parse_device, print_json, progress_bar, table
 from fp4select.reports import (
@@ -20,6 +20,9 @@ from fp4select.reports import (
     verify_problems,
     verify_report,
 )
+
+if TYPE_CHECKING:
+    from fp4select.selector import Decision
 
 __all__ = ["cmd_doctor", "cmd_verify", "tactics_cell"]
 
@@ -88,7 +91,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problems = verify_problems(args.shape or DEFAULT_VERIFY_SHAPES, args.m or VERIFY_BUCKETS)
     bar = progress_bar(len(problems), "fp4select verify", "problem", off=args.json)
 
-    def step(decision: Any) -> None:
+    def step(decision: Decision) -> None:
         if bar is not None:
             bar.set_postfix_str(f"{decision.problem.describe()}: {decision.winner or 'NONE'}")
             bar.update(1)

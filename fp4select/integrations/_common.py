@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -52,7 +52,7 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 # flashinfer backend name -> the layout family of the weights an engine prepares for it.
 # "auto" is what SGLang passes when no FP4 backend was configured; its weights are then plain,
 # and flashinfer's own auto never picks the trtllm layout.
-LAYOUT_OF_BACKEND: dict[str, str] = {
+LAYOUT_OF_BACKEND: dict[str, Literal["plain", "trtllm"]] = {
     "cutlass": "plain",
     "cudnn": "plain",
     "cute-dsl": "plain",
@@ -226,7 +226,7 @@ def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[
             extra = {k: v for k, v in kwargs.items() if k not in _DROPPED_KEYWORDS}
             unknown = [k for k in extra if k not in accepted]
         else:
-            extra, unknown = kwargs, ()
+            extra, unknown = kwargs, []
         why = None
         if layout is None:
             why = "no known weight layout for this backend"
@@ -234,7 +234,7 @@ def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[
             why = f"fp4select does not take {', '.join(sorted(unknown))}"
         elif layout == "trtllm" and b.shape[-1] % 128:
             why = f"N={b.shape[-1]} is not a multiple of 128 (trtllm row shuffle)"
-        if why is not None:
+        if why is not None or layout is None:  # no layout always comes with a why
             _note_once(engine, str(backend), f"passed to flashinfer unchanged: {why}")
             return original(
                 a,

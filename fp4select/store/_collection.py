@@ -29,6 +29,7 @@ by a lookup) sees the same records.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import os
@@ -166,6 +167,7 @@ class Root:
     ) -> dict[str, Any] | None:
         """The checked object in the file at ``path``, or None (with one warning if damaged)."""
         after = "the file is left in place until the next write to it replaces it"
+        problem: str | None
         try:
             self.check_dirs(path.parent)
             data = read_file(path)
@@ -209,7 +211,8 @@ class Root:
                 found[match.group(1)] = directory / name
         return found
 
-    def _list_dirs(self, directory: Path) -> list[str]:
+    # builtins.list: inside this class, ``list`` is the method above
+    def _list_dirs(self, directory: Path) -> builtins.list[str]:
         try:
             self.check_dirs(directory)
             with os.scandir(directory) as entries:
@@ -231,7 +234,7 @@ class Root:
                 )
         return [e.name for e in found if e.is_dir(follow_symlinks=False)]
 
-    def env_hashes(self) -> list[str]:
+    def env_hashes(self) -> builtins.list[str]:
         """Every environment with a directory, or with records in this process's memory."""
         hashes = {name for name in self._list_dirs(self.schema_dir) if _ENV_DIR.fullmatch(name)}
         with self.state.guard:

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import warnings
+from types import FrameType
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _WARNED: set[str] = set()
@@ -27,7 +28,7 @@ def warn_once(tag: str, message: str) -> None:
             return
         _WARNED.add(tag)
     # Point at the first caller outside this package, however deep the call came from.
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 2
     while frame is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE_DIR:
         frame = frame.f_back
