@@ -189,8 +189,9 @@ def best_mm_fp4(
     else emulation's fixed-shape chunked product); it needs ``backend="auto"``.
     """
     try:
-        # What the first call checked that could change between calls without the weight-side
-        # objects changing: the activation's metadata, its scales', out's, and the flags.
+        # The key separates one bound runner from another (shapes, device index, which optional
+        # tensors are given, the flags by identity); the entry's guard checks the rest of every
+        # tensor's metadata.
         if (
             use_8x4_sf_layout is False
             and use_nvfp4 is True
