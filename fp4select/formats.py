@@ -264,6 +264,22 @@ def unswizzle_sf(sf: torch.Tensor, rows: int, cols: int, layout: str) -> torch.T
     return out.contiguous().view(sf.dtype)
 
 
+def _without_spare_row_tiles(sf: torch.Tensor, rows: int, cols: int, layout: str) -> torch.Tensor:
+    """The buffer less whole row tiles beyond ``rows``, which engines allocate for a's scales.
+
+    Row tiles are the outermost order of both swizzled layouts, so the tiles the rows need are
+    a prefix of the buffer, as kernels read it. Anything else is left for unswizzle_sf to refuse.
+    """
+    if layout == "linear":
+        return sf
+    rp, cp = padded_sf_shape(rows, cols, layout)
+    spare = sf.numel() - rp * cp
+    tile = (128 if layout == "128x4" else 8) * cp
+    if spare <= 0 or spare % tile:
+        return sf
+    return sf.reshape(-1)[: rp * cp]
+
+
 def decode_scales(sf: torch.Tensor, use_nvfp4: bool) -> torch.Tensor:
     """Scale bytes -> float32.  UE8M0 is built from exponent bits so that it is exact.
 
@@ -462,7 +478,9 @@ def _dequantize(
         codes, sf = codes[:rows], sf[:rows]
     else:
         codes = codes[:rows]
-        sf = unswizzle_sf(scales, rows, cols, sf_layout)
+        sf = unswizzle_sf(
+            _without_spare_row_tiles(scales, rows, cols, sf_layout), rows, cols, sf_layout
+        )
     values = e2m1_decode(codes, dtype).reshape(rows, cols, block)
     return (values * decode_scales(sf, use_nvfp4).to(dtype).unsqueeze(-1)).reshape(rows, k)
 

@@ -150,6 +150,8 @@ def test_over_allocated_a_scales_are_accepted(inprocess):
     ).view(extra.dtype)
     problem = check_arguments(**kwargs)
     assert problem == PROBLEM
+    # and served: the reference reads the row tiles M needs, as kernels do
+    assert torch.equal(best_mm_fp4(**kwargs), best_mm_fp4(**inputs.kwargs(PROBLEM)))
 
 
 CHECK_SCRIPT = """
@@ -431,3 +433,4 @@ def test_the_warm_path_never_reads_alpha_s_value(inprocess, monkeypatch):
     for _ in range(3):
         assert not best_mm_fp4(**kwargs).any()
     assert read == [], "a zero alpha was not served by the warm path"
+
