@@ -434,3 +434,26 @@ def test_the_warm_path_never_reads_alpha_s_value(inprocess, monkeypatch):
         assert not best_mm_fp4(**kwargs).any()
     assert read == [], "a zero alpha was not served by the warm path"
 
+
+def test_alternating_variants_of_one_key_build_no_guard_after_the_first_two(inprocess, monkeypatch):
+    """Two a_descale allocations the checks both accept, call after call: no rebuilt guard."""
+    kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
+    tight = kwargs["a_descale"]
+    extra = torch.zeros(128, tight.shape[1], dtype=torch.uint8)
+    roomy = torch.cat([tight.view(torch.uint8), extra]).view(tight.dtype)
+    built, read = [], []
+    real_guard, real_signature = fp4select.tensor_guard.guard, fp4select.api._signature
+    monkeypatch.setattr(
+        fp4select.tensor_guard, "guard", lambda *t: built.append(1) or real_guard(*t)
+    )
+    monkeypatch.setattr(
+        fp4select.api, "_signature", lambda *a: read.append(1) or real_signature(*a)
+    )
+    first = best_mm_fp4(**dict(kwargs, a_descale=tight))
+    best_mm_fp4(**dict(kwargs, a_descale=roomy))
+    assert len(built) == 2
+    built.clear(), read.clear()
+    for _ in range(3):
+        assert torch.equal(best_mm_fp4(**dict(kwargs, a_descale=tight)), first)
+        best_mm_fp4(**dict(kwargs, a_descale=roomy))
+    assert built == [] and read == []
