@@ -264,19 +264,22 @@ def unswizzle_sf(sf: torch.Tensor, rows: int, cols: int, layout: str) -> torch.T
     return out.contiguous().view(sf.dtype)
 
 
-def _without_spare_row_tiles(sf: torch.Tensor, rows: int, cols: int, layout: str) -> torch.Tensor:
+def without_spare_row_tiles(sf: torch.Tensor, rows: int, cols: int, layout: str) -> torch.Tensor:
     """The buffer less whole row tiles beyond ``rows``, which engines allocate for a's scales.
 
-    Row tiles are the outermost order of both swizzled layouts, so the tiles the rows need are
-    a prefix of the buffer, as kernels read it. Anything else is left for unswizzle_sf to refuse.
+    fp4select's argument checks accept such a buffer, so every backend must read it as kernels
+    do: row tiles are the outermost order of both swizzled layouts, so the tiles the rows need
+    are a prefix of the buffer (a view; nothing is copied). Anything else is returned as is,
+    for the caller's own size check to refuse.
     """
     if layout == "linear":
         return sf
     rp, cp = padded_sf_shape(rows, cols, layout)
     spare = sf.numel() - rp * cp
-    tile = (128 if layout == "128x4" else 8) * cp
-    if spare <= 0 or spare % tile:
+    if spare <= 0 or spare % ((128 if layout == "128x4" else 8) * cp) or not sf.is_contiguous():
         return sf
+    if sf.dim() == 2 and sf.shape[1] == cp:
+        return sf[:rp]
     return sf.reshape(-1)[: rp * cp]
 
 
@@ -479,7 +482,7 @@ def _dequantize(
     else:
         codes = codes[:rows]
         sf = unswizzle_sf(
-            _without_spare_row_tiles(scales, rows, cols, sf_layout), rows, cols, sf_layout
+            without_spare_row_tiles(scales, rows, cols, sf_layout), rows, cols, sf_layout
         )
     values = e2m1_decode(codes, dtype).reshape(rows, cols, block)
     return (values * decode_scales(sf, use_nvfp4).to(dtype).unsqueeze(-1)).reshape(rows, k)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fp4select import formats
 from fp4select.backends.base import Backend, Capabilities, Runner
 from fp4select.keys import OUT_DTYPES, Problem
 
@@ -96,6 +97,8 @@ def scaled_mm_arguments(
     mat_a = a if a.dtype == fp4 else a.view(torch.uint8).view(fp4)
     mat_b = b if b.dtype == fp4 else b.view(torch.uint8).view(fp4)
     swizzle = f.SwizzleType.SWIZZLE_32_4_4
+    cols = 2 * a.shape[1] // (16 if use_nvfp4 else 32)
+    a_descale = formats.without_spare_row_tiles(a_descale, a.shape[0], cols, "128x4")
     if use_nvfp4:
         sa = (
             a_descale

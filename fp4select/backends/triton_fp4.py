@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from fp4select import formats
 from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
@@ -206,6 +207,8 @@ def _run(
     cp = _ceil4(2 * kh // block_size)
     mp = (m + 7) // 8 * 8 if use_8x4_sf_layout else (m + 127) // 128 * 128
     np_ = (n + 127) // 128 * 128
+    layout = "8x4" if use_8x4_sf_layout else "128x4"
+    a_descale = formats.without_spare_row_tiles(a_descale, m, 2 * kh // block_size, layout)
     if a_descale.numel() != mp * cp or not a_descale.is_contiguous():
         raise ValueError(
             f"a_descale must be a contiguous ({mp}, {cp}) scale buffer, got shape "
