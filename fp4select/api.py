@@ -2,17 +2,22 @@
 
 Design rules:
 
-* The warm path hashes one small tuple, looks it up once, runs one C++ metadata guard and
-  calls a bound runner: no device sync, no host-device copy, no logging, so it is safe inside
-  CUDA graph capture (benchmarks/bench_warm_path.py measures what it adds).
+* The warm path makes one small key, looks it up once and calls a bound runner: no device
+  sync, no host-device copy, no logging, so it is safe inside CUDA graph capture
+  (benchmarks/bench_warm_path.py measures what it adds).
+* Where the C++ key is loaded (fp4select.native_key: built on this machine, in the
+  background, the first time a process needs a selector), one C++ call turns the exact
+  metadata of every tensor into an int, and the key is that int with the flags: an exact
+  match is the whole check, so no guard runs. Until then (or with ``FP4SELECT_NATIVE=off``)
+  the Python path below serves, with the same answers.
 * Arguments are checked in full the first time a call signature is seen, before any kernel
   runs. A signature is every property those checks read that a later call could change with
   the same shapes: dtypes, devices, a's contiguity, b's strides, the scale sizes, alpha, the
   flags by identity. So a call the first call would refuse never finds a bound runner: the
   same bad call gets the same ``TypeError``/``ValueError`` naming the argument, first or
   thousandth.
-* The key is what separates one bound runner from another (the shapes of a and b, a's
-  device index, which optional tensors are given, the flags); everything else the checks read
+* The Python path's key is what separates one bound runner from another (the shapes of a and
+  b, a's device index, which optional tensors are given, the flags); everything else the checks read
   of every tensor (dtype, device, exact sizes and strides) is verified by a guard made from
   the call that bound the entry (fp4select.tensor_guard: one C++ call where PyTorch offers
   it). So nothing is taken by identity: engines that pass fresh views of the weight every
@@ -36,9 +41,9 @@ from typing import Any, Literal
 
 import torch
 
+from fp4select import native_key, tensor_guard
 from fp4select import record as _record
 from fp4select import settings as settings_mod
-from fp4select import tensor_guard
 from fp4select.arguments import check_arguments
 from fp4select.keys import Problem
 from fp4select.selector import Decision, Selector
@@ -50,6 +55,16 @@ from fp4select.timing import TimingOptions
 # runner; a miss there runs the full checks. Both grow with the problems seen, not the calls.
 _bound: dict[tuple, Any] = {}
 _lookup = _bound.get  # one global load on the warm path instead of two
+# The C++ key's table: (native key, out_dtype, backend, b_layout, flags) to the runner. The
+# native key is exact metadata, so an entry needs no guard.
+_native_bound: dict[tuple, Any] = {}
+_native_lookup = _native_bound.get
+# The loaded C++ key function (fp4select.native_key), or None: the Python path serves.
+_native_key: native_key.Key | None = None
+# Bumped whenever the settings change, so a background build finishing for old settings
+# does not install its key under new ones; _native_started: a miss has asked for the key.
+_native_generation = 0
+_native_started = False
 _checked: dict[tuple, Any] = {}
 # Entries a warm key held before its current one: a caller that alternates between two
 # variants the checks both accept (say, two over-allocations of a_descale) finds the other one
@@ -77,7 +92,52 @@ def selector() -> Selector:
                 made = Selector(settings=settings_mod.current())
                 _always_check = made.settings.check == "always"
                 _selector = made
+                _native_for(made.settings)
     return _selector
+
+
+def _native_for(settings: Settings) -> None:
+    """New settings: use their C++ key if it is built (a stat and an import, no build); the
+    first miss of best_mm_fp4 starts a build otherwise. Call with _table_lock held."""
+    global _native_key, _native_generation, _native_started
+    _native_generation += 1
+    _native_key = None
+    _native_started = False
+    if settings.native == "off":
+        return
+    try:
+        _native_key = native_key.load(settings.native_dir)
+    except Exception as exc:  # an unreadable folder, a torch without its headers: Python path
+        native_key.log.warning("fp4select: the native warm-path key is not used: %s", exc)
+    _native_started = _native_key is not None
+
+
+def _start_native(settings: Settings) -> None:
+    """On a miss of best_mm_fp4: load the C++ key, or start its build in the background.
+
+    Only calls of best_mm_fp4 start a build (not the command line's reads of the store), and
+    once per settings: a process that exits first leaves the compiler to finish on its own.
+    """
+    global _native_started
+    with _table_lock:
+        if _native_started or settings.native == "off":
+            return
+        _native_started = True
+        generation = _native_generation
+
+    def install(key: native_key.Key) -> None:
+        global _native_key
+        with _table_lock:
+            if _native_generation == generation:
+                _native_key = key
+
+    try:
+        key = native_key.start(settings.native_dir, install)
+    except Exception as exc:  # an unreadable folder, a torch without its headers: Python path
+        native_key.log.warning("fp4select: the native warm-path key is not used: %s", exc)
+        return
+    if key is not None:
+        install(key)
 
 
 def configure(
@@ -94,6 +154,8 @@ def configure(
     check: Literal["first", "always"] | None = None,
     tactics: Literal["tune", "default"] | None = None,
     record: str | os.PathLike[str] | None = None,
+    native: Literal["auto", "off"] | None = None,
+    native_dir: str | os.PathLike[str] | None = None,
 ) -> Selector:
     """Replace the process-wide settings and selector (and forget bound runners).
 
@@ -114,6 +176,8 @@ def configure(
         "check": check,
         "tactics": tactics,
         "record": record,
+        "native": native,
+        "native_dir": native_dir,
     }
     base = settings if settings is not None else Settings.from_env()
     if not isinstance(base, Settings):
@@ -126,6 +190,7 @@ def configure(
         _selector = Selector(timing=timing, settings=chosen)
         _always_check = chosen.check == "always"
         _forget_all()
+        _native_for(chosen)
     return _selector
 
 
@@ -139,6 +204,7 @@ def _forget_all() -> None:
     _checked.clear()
     _bound.clear()
     _spares.clear()
+    _native_bound.clear()
 
 
 def clear_blacklist(backend: str | None = None, device: torch.device | str | None = None) -> int:
@@ -195,9 +261,9 @@ def best_mm_fp4(
     else emulation's fixed-shape chunked product); it needs ``backend="auto"``.
     """
     try:
-        # The key separates one bound runner from another (shapes, device index, which optional
-        # tensors are given, the flags by identity); the entry's guard checks the rest of every
-        # tensor's metadata.
+        # The flags by identity; then either the C++ key (exact metadata of every tensor) or
+        # the Python key (shapes, device index, which optional tensors are given), whose entry's
+        # guard checks the rest of every tensor's metadata.
         if (
             use_8x4_sf_layout is False
             and use_nvfp4 is True
@@ -216,32 +282,37 @@ def best_mm_fp4(
                 id(batch_invariant),
                 id(allow_blacklisted),
             )
-        key = (
-            a.shape,
-            b.shape,
-            a.get_device(),
-            alpha is None,
-            out is None,
-            out_dtype,
-            backend,
-            b_layout,
-            flags,
-        )
-        entry = _lookup(key)
-        if entry is None:
-            runner = None
-        elif out is None:  # the common call: five tensors to guard, not six
-            runner = (
-                entry[1]
-                if entry[0](a, b, a_descale, b_descale, _NO_ALPHA if alpha is None else alpha)
-                else None
-            )
+        native = _native_key
+        exact = None if native is None else native(a, b, a_descale, b_descale, alpha, out)
+        if exact is not None:  # the tensors' exact metadata: a match is the whole check
+            key: Any = (exact, out_dtype, backend, b_layout, flags)
+            runner = _native_lookup(key)
         else:
-            runner = (
-                entry[1]
-                if entry[0](a, b, a_descale, b_descale, _NO_ALPHA if alpha is None else alpha, out)
-                else None
+            key = (
+                a.shape,
+                b.shape,
+                a.get_device(),
+                alpha is None,
+                out is None,
+                out_dtype,
+                backend,
+                b_layout,
+                flags,
             )
+            entry = _lookup(key)
+            if entry is None:
+                runner = None
+            elif out is None:  # the common call: five tensors to guard, not six
+                runner = (
+                    entry[1]
+                    if entry[0](a, b, a_descale, b_descale, _NO_ALPHA if alpha is None else alpha)
+                    else None
+                )
+            else:
+                alpha_or_not = _NO_ALPHA if alpha is None else alpha
+                runner = (
+                    entry[1] if entry[0](a, b, a_descale, b_descale, alpha_or_not, out) else None
+                )
     except Exception:  # not tensors, unhashable arguments, a guard refusing a non-tensor
         key, runner = None, None
     if runner is None:  # a first call, or tensors the bound entry's guard refused
@@ -322,7 +393,7 @@ def _guarded(args: tuple) -> tuple:
 
 def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
     """The runner for a call the warm table did not answer; binds it for the next call."""
-    if key is not None:
+    if key is not None and type(key[0]) is not int:  # the Python key's spare guards
         tensors = _guarded(args)
         for guard, runner in _spares.get(key, ()):
             try:
@@ -338,7 +409,10 @@ def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
             return runner
         with _table_lock:
             _checked[signature] = runner
-    if key is not None and not _always_check:
+    if key is not None and not _always_check and type(key[0]) is int:  # the C++ key's
+        with _table_lock:
+            _native_bound[key] = runner
+    elif key is not None and not _always_check:
         entry = (tensor_guard.guard(*_guarded(args)), runner)
         with _table_lock:
             previous = _bound.get(key)
@@ -369,6 +443,8 @@ def _miss(
     _record.note(problem)  # FP4SELECT_RECORD: the first call of a signature only
     a = args[0]
     sel = selector()
+    if not _native_started:
+        _start_native(sel.settings)
     device = a.device
     if backend != "auto":
         return sel.named_runner(backend, problem, device, allow_blacklisted), True

@@ -36,6 +36,7 @@ ISOLATIONS = ("subprocess", "inprocess")
 BLACKLIST_SCOPES = ("environment", "key")
 CHECK_MODES = ("first", "always")
 TACTIC_MODES = ("tune", "default")
+NATIVE_MODES = ("auto", "off")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -171,6 +172,20 @@ VARIABLES: tuple[Variable, ...] = (
         "`warm --from-record`",
     ),
     Variable(
+        "FP4SELECT_NATIVE",
+        "native",
+        "`auto`",
+        "`auto` loads the warm path's C++ key, building it in the background (about 15 s, needs "
+        "a C++ compiler) if this torch has no build yet; `off` keeps the Python path (about 1 µs "
+        "slower a call, same answers)",
+    ),
+    Variable(
+        "FP4SELECT_NATIVE_DIR",
+        "native_dir",
+        "`$TORCH_EXTENSIONS_DIR/fp4select` (PyTorch's extension folder)",
+        "where that C++ key is built; loaded only if it and its folder are this user's alone",
+    ),
+    Variable(
         "FP4SELECT_ENGINE_PLUGIN",
         None,
         "unset",
@@ -214,6 +229,8 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "check": _with_default(_choice(CHECK_MODES), "first"),
     "tactics": _with_default(_choice(TACTIC_MODES), "tune"),
     "record": _path,
+    "native": _with_default(_choice(NATIVE_MODES), "auto"),
+    "native_dir": _path,
 }
 
 
@@ -231,6 +248,8 @@ class Settings:
     check: str = "first"
     tactics: str = "tune"
     record: str | None = None
+    native: str = "auto"
+    native_dir: str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

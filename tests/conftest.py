@@ -6,6 +6,9 @@ lives in suite_selection.py; its hooks are registered here by importing them.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import injected_timing
 import pytest
 from suite_selection import (  # noqa: F401  (pytest finds hooks and fixtures by name here)
@@ -45,6 +48,12 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile("fp4select-all" if config.getoption("run_all") else "fp4select")
 
 
+# The warm path's C++ key is built in the background by the first miss of a process under
+# FP4SELECT_NATIVE=auto: the suite (and every process it starts) keeps the Python path unless a
+# test asks for the key (the ``warm_path`` and ``native_dir`` fixtures), so that no test
+# compiles behind another's back.
+os.environ["FP4SELECT_NATIVE"] = "off"
+
 FAST_TIMING = TimingOptions(budget_s=0.02, min_rounds=3, max_rounds=20, target_sample_s=1e-4)
 
 
@@ -60,6 +69,45 @@ def inprocess(cache_dir):
     """A selector that probes in this process, with a tiny timing budget."""
     selector = fp4select.configure(cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING)
     yield selector
+    fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
+
+
+def has_compiler() -> bool:
+    return shutil.which(os.environ.get("CXX") or "c++") is not None
+
+
+@pytest.fixture(scope="session")
+def native_dir(tmp_path_factory):
+    """A folder holding this torch's build of the warm path's C++ key (built once a session)."""
+    if not has_compiler():
+        pytest.skip("no C++ compiler here (c++ or $CXX): the C++ key cannot be built")
+    from fp4select import native_key
+
+    folder = tmp_path_factory.mktemp("native")
+    folder.chmod(0o700)
+    native_key.build(folder)
+    return folder
+
+
+@pytest.fixture(
+    params=["python", pytest.param("native", marks=[pytest.mark.slow, pytest.mark.subprocess])]
+)
+def warm_path(request, cache_dir):
+    """``inprocess``, served by the Python path or by the C++ key: the same answers from both."""
+    if request.param == "native":
+        folder = request.getfixturevalue("native_dir")
+        fp4select.configure(
+            cache_dir=cache_dir,
+            isolation="inprocess",
+            timing=FAST_TIMING,
+            native="auto",
+            native_dir=folder,
+        )
+    else:
+        fp4select.configure(
+            cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING, native="off"
+        )
+    yield request.param
     fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
 
 

@@ -247,7 +247,7 @@ SAME_SHAPE_BAD = [
     ("case", "change", "error", "message"), SAME_SHAPE_BAD, ids=[b[0] for b in SAME_SHAPE_BAD]
 )
 def test_the_warm_path_refuses_what_the_first_call_refuses(
-    inprocess, good, case, change, error, message, monkeypatch
+    warm_path, good, case, change, error, message, monkeypatch
 ):
     good = dict(good, out=torch.empty(13, 128, dtype=torch.bfloat16))
     best_mm_fp4(**good)  # binds this signature
@@ -255,6 +255,7 @@ def test_the_warm_path_refuses_what_the_first_call_refuses(
         best_mm_fp4(**_with(good, **change(good)))  # cold: nothing bound for it
     fp4select.reset()
     best_mm_fp4(**good)
+    assert _bound_entries(warm_path) == 1
     ran = _spy_on_bound_runners()
     with pytest.raises(error, match=message):
         best_mm_fp4(**_with(good, **change(good)))  # warm: the good call's runner is bound
@@ -279,7 +280,19 @@ def _spy_on_bound_runners(fail: BaseException | None = None) -> list:
         api._checked[signature] = spy(runner)
     for key, (guard, runner) in list(api._bound.items()):
         api._bound[key] = (guard, spy(runner))
+    for key, runner in list(api._native_bound.items()):
+        api._native_bound[key] = spy(runner)
     return ran
+
+
+def _bound_entries(warm_path: str) -> int:
+    """How many warm entries the path that serves this test holds (and that it is the one)."""
+    api = fp4select.api
+    if warm_path == "native":
+        assert api._native_key is not None and not api._bound, "the C++ key did not serve"
+        return len(api._native_bound)
+    assert api._native_key is None and not api._native_bound
+    return len(api._bound)
 
 
 def test_a_row_major_b_of_the_same_shape_is_refused():
@@ -292,7 +305,7 @@ def test_a_row_major_b_of_the_same_shape_is_refused():
         check_arguments(**dict(kwargs, b=kwargs["b"].contiguous()))
 
 
-def test_a_row_major_b_is_refused_on_the_warm_path_too(inprocess):
+def test_a_row_major_b_is_refused_on_the_warm_path_too(warm_path):
     square = Problem(n=128, k=256, m_bucket=16)
     kwargs = make_inputs(square, 13, "cpu").kwargs(square)
     best_mm_fp4(**kwargs)
@@ -300,7 +313,7 @@ def test_a_row_major_b_is_refused_on_the_warm_path_too(inprocess):
         best_mm_fp4(**dict(kwargs, b=kwargs["b"].contiguous()))
 
 
-def test_an_error_inside_the_backend_is_explained_by_the_checks(inprocess, good, monkeypatch):
+def test_an_error_inside_the_backend_is_explained_by_the_checks(warm_path, good, monkeypatch):
     """A bound runner that fails on arguments its signature did not cover: the checks speak."""
     best_mm_fp4(**good)
     ran = _spy_on_bound_runners(fail=KeyError("the kernel's own error"))
@@ -333,7 +346,7 @@ def test_flashinfer_runners_reach_flashinfers_own_checks():
             assert any("flashinfer" in f and "fp4select" not in f for f in frames), backend.name
 
 
-def test_a_new_view_of_the_same_weight_is_served_without_checking_again(inprocess, monkeypatch):
+def test_a_new_view_of_the_same_weight_is_served_without_checking_again(warm_path, monkeypatch):
     """vLLM passes a fresh weight.T every call: the full signature matches it, no re-check."""
     problem = Problem(n=128, k=256, m_bucket=16)
     inputs = make_inputs(problem, 13, "cpu")
@@ -353,7 +366,7 @@ def test_a_new_view_of_the_same_weight_is_served_without_checking_again(inproces
     assert check(out, inputs, torch.bfloat16).ok
 
 
-def test_a_weight_that_is_freed_and_replaced_is_not_mistaken_for_it(inprocess):
+def test_a_weight_that_is_freed_and_replaced_is_not_mistaken_for_it(warm_path):
     """Identity is checked through a weak reference: a new tensor at a reused id is new."""
     problem = Problem(n=128, k=256, m_bucket=16)
     kwargs = make_inputs(problem, 13, "cpu").kwargs(problem)
@@ -366,7 +379,7 @@ def test_a_weight_that_is_freed_and_replaced_is_not_mistaken_for_it(inprocess):
             best_mm_fp4(**dict(kwargs, b=kwargs["b"].contiguous()))
 
 
-def test_a_weight_changed_in_place_is_checked_again(inprocess):
+def test_a_weight_changed_in_place_is_checked_again(warm_path):
     """Nothing is taken by identity: the guard sees b's new strides on the warm path."""
     square = Problem(n=128, k=256, m_bucket=16)
     kwargs = make_inputs(square, 13, "cpu").kwargs(square)
@@ -388,19 +401,19 @@ def _engine_call(kwargs, weight, weight_scale, **changes):
     return best_mm_fp4(**dict(kwargs, b=weight.t(), b_descale=weight_scale.t(), **changes))
 
 
-def test_fresh_views_of_a_weight_are_served_without_the_full_signature(inprocess, monkeypatch):
+def test_fresh_views_of_a_weight_are_served_without_the_full_signature(warm_path, monkeypatch):
     problem = Problem(n=128, k=256, m_bucket=16)
     inputs = make_inputs(problem, 13, "cpu")
     kwargs = inputs.kwargs(problem)
     weight, weight_scale = kwargs["b"].t().clone(), kwargs["b_descale"].t().clone()
     first = _engine_call(kwargs, weight, weight_scale)
-    assert len(fp4select.api._bound) == 1
+    assert _bound_entries(warm_path) == 1
     read = []
     real = fp4select.api._signature
     monkeypatch.setattr(fp4select.api, "_signature", lambda *a: read.append(1) or real(*a))
     for _ in range(3):
         assert torch.equal(_engine_call(kwargs, weight, weight_scale), first)
-    assert read == [] and len(fp4select.api._bound) == 1
+    assert read == [] and _bound_entries(warm_path) == 1
 
 
 @pytest.mark.parametrize(
@@ -410,7 +423,7 @@ def test_fresh_views_of_a_weight_are_served_without_the_full_signature(inprocess
         ("int8 view", lambda w: w.view(torch.int8).t(), TypeError, "b must hold packed FP4"),
     ],
 )
-def test_another_view_of_a_bound_weight_is_checked_again(inprocess, case, view, error, message):
+def test_another_view_of_a_bound_weight_is_checked_again(warm_path, case, view, error, message):
     square = Problem(n=128, k=256, m_bucket=16)
     kwargs = make_inputs(square, 13, "cpu").kwargs(square)
     weight, weight_scale = kwargs["b"].t().clone(), kwargs["b_descale"].t().clone()
@@ -421,7 +434,7 @@ def test_another_view_of_a_bound_weight_is_checked_again(inprocess, case, view, 
     assert ran == []
 
 
-def test_the_warm_path_never_reads_alpha_s_value(inprocess, monkeypatch):
+def test_the_warm_path_never_reads_alpha_s_value(warm_path, monkeypatch):
     """alpha == 0 is an alpha like any other (truth-testing it would also sync the GPU)."""
     problem = Problem(n=128, k=256, m_bucket=16)
     kwargs = make_inputs(problem, 13, "cpu").kwargs(problem)
@@ -435,7 +448,7 @@ def test_the_warm_path_never_reads_alpha_s_value(inprocess, monkeypatch):
     assert read == [], "a zero alpha was not served by the warm path"
 
 
-def test_alternating_variants_of_one_key_build_no_guard_after_the_first_two(inprocess, monkeypatch):
+def test_alternating_variants_of_one_key_build_no_guard_after_the_first_two(warm_path, monkeypatch):
     """Two a_descale allocations the checks both accept, call after call: no rebuilt guard."""
     kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
     tight = kwargs["a_descale"]
@@ -451,7 +464,8 @@ def test_alternating_variants_of_one_key_build_no_guard_after_the_first_two(inpr
     )
     first = best_mm_fp4(**dict(kwargs, a_descale=tight))
     best_mm_fp4(**dict(kwargs, a_descale=roomy))
-    assert len(built) == 2
+    assert len(built) == (0 if warm_path == "native" else 2)  # the C++ key needs no guard
+    assert _bound_entries(warm_path) == (2 if warm_path == "native" else 1)
     built.clear(), read.clear()
     for _ in range(3):
         assert torch.equal(best_mm_fp4(**dict(kwargs, a_descale=tight)), first)

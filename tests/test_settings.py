@@ -96,7 +96,7 @@ def test_every_variable_is_read():
 def test_an_empty_variable_reads_as_unset():
     """As it always has; a blank one too, except a path (a blank path is a name, if odd)."""
     assert Settings.from_env({v.env: "" for v in VARIABLES if v.field is not None}) == Settings()
-    paths = ("cache_dir", "record")
+    paths = ("cache_dir", "record", "native_dir")
     blank = {v.env: "  " for v in VARIABLES if v.field is not None and v.field not in paths}
     assert Settings.from_env(blank) == Settings()
 
@@ -113,6 +113,7 @@ def test_an_empty_variable_reads_as_unset():
         ("FP4SELECT_EXPERIMENTAL", "maybe", "1 or 0 (also true/false, yes/no, on/off)"),
         ("FP4SELECT_CHECK", "sometimes", "one of ('first', 'always')"),
         ("FP4SELECT_TACTICS", "fastest", "one of ('tune', 'default')"),
+        ("FP4SELECT_NATIVE", "on", "one of ('auto', 'off')"),
     ],
 )
 def test_a_bad_variable_is_named_with_what_it_must_be(name, value, expected):

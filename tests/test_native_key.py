@@ -1,0 +1,220 @@
+"""The warm path's C++ key: exact, built on this machine, loaded only when it can be trusted."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import FAST_TIMING
+from test_tensor_guard import CHANGED, _pair
+
+import fp4select
+from fp4select import api, native_key
+from fp4select.keys import Problem
+from fp4select.validate import make_inputs
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+PROBLEM = Problem(n=128, k=256, m_bucket=16)
+
+
+@pytest.fixture(scope="module")
+def key(native_dir):
+    loaded = native_key.load(native_dir)
+    assert loaded is not None, native_key.status(native_dir)
+    return loaded
+
+
+def test_the_same_metadata_gives_the_same_key(key):
+    assert key(*_pair()) == key(*_pair())
+    assert isinstance(key(*_pair()), int)
+
+
+@pytest.mark.parametrize("change", CHANGED)
+def test_each_property_the_checks_read_changes_the_key(key, change):
+    """The ten changes the Python guard refuses: each one is another key."""
+    assert key(*CHANGED[change](*_pair())) != key(*_pair())
+
+
+def test_none_a_tensor_and_the_position_of_each_are_told_apart(key):
+    a, s = _pair()
+    keys = {key(a, s, None), key(a, s, s.clone()), key(a, None, s), key(s, a, None)}
+    assert len(keys) == 4
+
+
+def test_type_grad_and_dispatch_keys_are_part_of_the_key(key):
+    plain = torch.zeros(4, 4)
+    assert key(torch.nn.Parameter(plain.clone(), requires_grad=False)) != key(plain)
+    assert key(torch.zeros(4, 4, requires_grad=True)) != key(plain)
+    with torch.inference_mode():
+        inference = torch.zeros(4, 4)
+    assert key(inference) != key(plain)
+
+
+def test_what_it_cannot_read_exactly_is_left_to_the_python_path(key):
+    assert key(1.0) is None
+    assert key(torch.zeros(4, 4), "b") is None
+    assert key(torch.zeros(4, 4).to_sparse()) is None
+    assert key(torch.zeros([1] * 80)) is None  # more words than the key holds
+
+
+def test_the_library_is_named_after_the_torch_it_was_built_for(native_dir, monkeypatch):
+    built = native_key.library_path(native_dir)
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+another")
+    assert native_key.library_path(native_dir) != built
+    assert native_key.load(native_dir) is None, "a build for another torch was loaded"
+
+
+def _copy_of_build(native_dir, tmp_path):
+    """A private copy of the session's build (so a test may damage or expose it)."""
+    source = native_key.library_path(native_dir)
+    target = native_key.library_path(tmp_path / "copy")
+    target.parent.mkdir(mode=0o700, parents=True)
+    target.parent.parent.chmod(0o700)
+    target.write_bytes(source.read_bytes())
+    target.chmod(0o755)
+    return target
+
+
+def test_a_library_others_may_write_is_refused_once(native_dir, tmp_path, caplog):
+    library = _copy_of_build(native_dir, tmp_path)
+    folder = tmp_path / "copy"
+    assert native_key.load(folder) is not None  # trusted as it is
+    native_key._loaded.clear()
+    library.parent.chmod(0o770)
+    with caplog.at_level(logging.WARNING, logger="fp4select.native_key"):
+        assert native_key.load(folder) is None
+        assert native_key.load(folder) is None
+    refusals = [r for r in caplog.records if "not using the native" in r.getMessage()]
+    assert len(refusals) == 1 and "may be written by others" in refusals[0].getMessage()
+    assert native_key.status(folder)["status"].startswith("refused")
+    with pytest.raises(RuntimeError, match="will not build"):
+        native_key.build(folder)
+    assert library.exists(), "a library fp4select refused was deleted or replaced"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_a_library_that_belongs_to_another_user_is_refused(native_dir, tmp_path):
+    library = _copy_of_build(native_dir, tmp_path)
+    os.chown(library, 4242, 4242)
+    assert native_key.load(tmp_path / "copy") is None
+    assert "belongs to uid 4242" in native_key.status(tmp_path / "copy")["status"]
+
+
+def test_a_damaged_library_is_refused_and_the_python_path_serves(tmp_path, cache_dir):
+    folder = tmp_path / "native"
+    library = native_key.library_path(folder)
+    library.parent.mkdir(mode=0o700, parents=True)
+    folder.chmod(0o700)
+    library.write_bytes(b"\x7fELF but not really a library")
+    library.chmod(0o755)
+    fp4select.configure(
+        cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING, native_dir=folder,
+        native="auto",
+    )  # fmt: skip
+    kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
+    first = fp4select.best_mm_fp4(**kwargs)
+    assert torch.equal(fp4select.best_mm_fp4(**kwargs), first)
+    assert api._native_key is None and len(api._bound) == 1
+    assert "does not load" in native_key.status(folder)["status"]
+    assert not any(t.name == "fp4select-native-build" for t in threading.enumerate())
+    assert library.read_bytes().startswith(b"\x7fELF but not"), "a file we did not build changed"
+
+
+def test_no_compiler_means_a_clear_error_and_the_python_path(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        native_key.build(tmp_path / "direct")
+    fp4select.configure(
+        cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING,
+        native_dir=tmp_path / "auto", native="auto",
+    )  # fmt: skip
+    kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
+    fp4select.best_mm_fp4(**kwargs)
+    _wait_for(lambda: native_key.status(tmp_path / "auto")["status"].startswith("failed"))
+    fp4select.best_mm_fp4(**kwargs)
+    assert api._native_key is None and len(api._bound) == 1
+    assert not list((tmp_path / "auto").rglob("*.tmp")), "a failed build left a file"
+
+
+def _wait_for(condition, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_miss_builds_in_the_background_and_calls_never_wait(tmp_path, cache_dir, monkeypatch):
+    """The compiler is held at a gate: calls are served (Python path) while it waits."""
+    gate = threading.Event()
+    real_compile = native_key._compile
+    monkeypatch.setattr(native_key, "_compile", lambda path: gate.wait(300) and real_compile(path))
+    folder = tmp_path / "native"
+    fp4select.configure(
+        cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING, native_dir=folder,
+        native="auto",
+    )  # fmt: skip
+    kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
+    first = fp4select.best_mm_fp4(**kwargs)
+    for _ in range(3):
+        assert torch.equal(fp4select.best_mm_fp4(**kwargs), first)
+    assert native_key.status(folder)["status"] == "building in the background"
+    assert api._native_key is None
+    gate.set()
+    _wait_for(lambda: api._native_key is not None)
+    assert torch.equal(fp4select.best_mm_fp4(**kwargs), first)
+    assert torch.equal(fp4select.best_mm_fp4(**kwargs), first)
+    assert len(api._native_bound) == 1
+
+
+def test_a_build_that_ends_after_new_settings_is_not_installed(tmp_path, cache_dir, monkeypatch):
+    gate = threading.Event()
+    real_compile = native_key._compile
+    monkeypatch.setattr(native_key, "_compile", lambda path: gate.wait(300) and real_compile(path))
+    folder = tmp_path / "native"
+    fp4select.configure(
+        cache_dir=cache_dir, isolation="inprocess", native_dir=folder, native="auto"
+    )
+    assert native_key.status(folder)["status"] == "not built"
+    kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
+    fp4select.best_mm_fp4(**kwargs)
+    assert native_key.status(folder)["status"] == "building in the background"
+    fp4select.configure(cache_dir=cache_dir, isolation="inprocess", native="off")
+    gate.set()
+    _wait_for(lambda: native_key.status(folder)["loaded"])
+    fp4select.best_mm_fp4(**kwargs)
+    assert api._native_key is None, "the key was installed under settings that say off"
+
+
+BUILD_SCRIPT = """
+import sys
+from fp4select import native_key
+native_key.build(sys.argv[1])
+print("built", native_key.library_path(sys.argv[1]))
+"""
+
+
+def test_processes_building_at_once_share_one_library(tmp_path):
+    """Two builders, one folder (with a space in its name): one compiles, the other waits."""
+    folder = tmp_path / "a folder"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_SCRIPT, str(folder)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    library = native_key.library_path(folder)
+    assert all(f"built {library}" in out for out, _ in outputs)
+    assert sorted(p.name for p in library.parent.iterdir()) == ["build.lock", library.name]
+    assert (library.stat().st_mode & 0o777) == 0o755
