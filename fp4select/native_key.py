@@ -177,7 +177,7 @@ def load(folder: str | os.PathLike[str] | None = None) -> Key | None:
             _status[str(path.parent.parent)] = f"refused: {why}"
             return None
         _loaded[str(path)] = key
-        _status[str(path.parent.parent)] = f"loaded {path}"
+        _status[str(path.parent.parent)] = "loaded"
     return key
 
 

@@ -23,6 +23,7 @@ from fp4select.probe import Status
 
 if TYPE_CHECKING:  # the selector imports the registry: a report imports it only when it runs
     from fp4select.selector import Decision
+    from fp4select.settings import Settings
 
 __all__ = [
     "DEFAULT_VERIFY_SHAPES",
@@ -35,6 +36,7 @@ __all__ = [
     "TacticRow",
     "VerifyReport",
     "doctor_report",
+    "native_key_report",
     "signature_report",
     "verify_problems",
     "verify_report",
@@ -87,6 +89,16 @@ class DoctorCache(TypedDict):
     isolation: str
 
 
+class DoctorNativeKey(TypedDict):
+    """The warm path's C++ key (fp4select.native_key): its mode, library and state."""
+
+    mode: str  # FP4SELECT_NATIVE: auto or off
+    path: str
+    built: bool
+    loaded: bool
+    status: str
+
+
 class DoctorReport(TypedDict):
     """What ``doctor`` prints; ``--json`` prints exactly this."""
 
@@ -98,6 +110,7 @@ class DoctorReport(TypedDict):
     source_errors: dict[str, str]  # backend source (plugin, flashinfer) -> why it failed
     cache: DoctorCache
     blacklist: dict[str, dict[str, Any]]  # backend -> the record of its blacklisting
+    native_key: DoctorNativeKey
 
 
 def doctor_report(device: torch.device, what_if_cc: int | None = None) -> DoctorReport:
@@ -150,6 +163,23 @@ def doctor_report(device: torch.device, what_if_cc: int | None = None) -> Doctor
             root=str(sel.store.root), memory_only=sel.store.memory_only, isolation=sel.isolation
         ),
         blacklist=blacklist,
+        native_key=native_key_report(sel.settings),
+    )
+
+
+def native_key_report(settings: Settings) -> DoctorNativeKey:
+    """Where the warm path's C++ key is, and whether this process could load it."""
+    from fp4select import native_key
+
+    if settings.native != "off":
+        native_key.load(settings.native_dir)  # a refusal shows in the status
+    state = native_key.status(settings.native_dir)
+    return DoctorNativeKey(
+        mode=settings.native,
+        path=state["path"],
+        built=state["built"],
+        loaded=state["loaded"],
+        status=state["status"] if settings.native != "off" else "off (FP4SELECT_NATIVE=off)",
     )
 
 

@@ -218,3 +218,28 @@ def test_processes_building_at_once_share_one_library(tmp_path):
     assert all(f"built {library}" in out for out, _ in outputs)
     assert sorted(p.name for p in library.parent.iterdir()) == ["build.lock", library.name]
     assert (library.stat().st_mode & 0o777) == 0o755
+
+
+def _cli(*args, **env):
+    return subprocess.run(
+        [sys.executable, "-m", "fp4select", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **env},
+    )
+
+
+def test_the_command_line_shows_builds_and_explains_a_failed_build(native_dir, tmp_path):
+    done = _cli("native", "--build", FP4SELECT_NATIVE_DIR=str(native_dir), FP4SELECT_NATIVE="auto")
+    assert done.returncode == 0, done.stderr
+    assert f"native key: loaded ({native_key.library_path(native_dir)})" in done.stdout
+    empty = tmp_path / "empty"
+    done = _cli("native", "--json", FP4SELECT_NATIVE_DIR=str(empty), FP4SELECT_NATIVE="auto")
+    assert done.returncode == 0 and '"status": "not built"' in done.stdout
+    assert not empty.exists(), "showing the status created a folder"
+    done = _cli(
+        "native", "--build", FP4SELECT_NATIVE_DIR=str(empty), CXX=str(tmp_path / "no-compiler")
+    )
+    assert done.returncode == 1
+    assert "the build failed: no C++ compiler" in done.stdout

@@ -5,7 +5,8 @@ re-implemented here); every command takes ``--json`` for scripts, and a report i
 (``fp4select.reports``), printed here; exit status 0 means the command did what it said, 1 that
 it could not, 2 a usage error. Every option has help text (a test walks the parser).
 
-This package holds the parser and ``main``; the commands live in ``checks`` (doctor, verify),
+This package holds the parser and ``main``; the commands live in ``checks`` (doctor, verify,
+native),
 ``tune`` (warm, explain, with ``plan`` for the keys warm tunes) and ``cache`` (show,
 blacklist, export, import, clear); ``_common`` holds what they share.
 """
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from fp4select._version import __version__
 from fp4select.cli._common import UsageError, compute_capability, parse_shape, positive_int
 from fp4select.cli.cache import cmd_blacklist, cmd_clear, cmd_export, cmd_import, cmd_show
-from fp4select.cli.checks import cmd_doctor, cmd_verify
+from fp4select.cli.checks import cmd_doctor, cmd_native, cmd_verify
 from fp4select.cli.tune import cmd_explain, cmd_warm
 from fp4select.keys import A_SF_LAYOUTS, ALPHA_KINDS, B_LAYOUTS, OUT_DTYPES
 
@@ -28,7 +29,7 @@ __all__ = ["UsageError", "build_parser", "main"]
 
 DESCRIPTION = (
     "Pick the fastest correct FP4 GEMM backend, and inspect its decisions: "
-    "doctor, warm, show, explain, verify, blacklist, export/import, clear."
+    "doctor, warm, show, explain, verify, blacklist, export/import, native, clear."
 )
 Command = Callable[[argparse.Namespace], int]
 
@@ -180,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a batch size (tokens); repeatable (default 1, 16, 256, 3072)",
     )
     p.add_argument("--cache-dir", help="keep the decisions here instead of a scratch directory")
+    p = command(
+        "native",
+        cmd_native,
+        "show the warm path's C++ key (built with this machine's compiler) or build it now",
+    )
+    p.add_argument(
+        "--build", action="store_true", help="compile it now if this torch has no build yet"
+    )
     p = command("clear", cmd_clear, "delete stored decisions and blacklist of this environment")
     p.add_argument("--all", action="store_true", help="every environment")
     return parser

@@ -17,6 +17,7 @@ from fp4select.reports import (
     DEFAULT_VERIFY_SHAPES,
     VERIFY_BUCKETS,
     doctor_report,
+    native_key_report,
     verify_problems,
     verify_report,
 )
@@ -24,7 +25,7 @@ from fp4select.reports import (
 if TYPE_CHECKING:
     from fp4select.selector import Decision
 
-__all__ = ["cmd_doctor", "cmd_verify", "tactics_cell"]
+__all__ = ["cmd_doctor", "cmd_native", "cmd_verify", "tactics_cell"]
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -82,7 +83,39 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             )
     else:
         print("blacklist: empty")
+    print(native_key_line(report["native_key"]))
     return 0
+
+
+def native_key_line(state: Mapping[str, Any]) -> str:
+    return f"native key: {state['status']} ({state['path']})"
+
+
+def cmd_native(args: argparse.Namespace) -> int:
+    """Show the warm path's C++ key, or build it now (``--build``)."""
+    from fp4select import native_key, settings
+
+    chosen = settings.current()
+    failure = None
+    if args.build:
+        if not args.json:
+            print(
+                f"building the warm path's C++ key (about 15 s): {native_key.library_path(chosen.native_dir)}"
+            )
+        try:
+            native_key.build(chosen.native_dir)
+        except RuntimeError as exc:
+            failure = str(exc)
+    report = dict(native_key_report(chosen), error=failure)
+    if args.json:
+        print_json(report)
+    else:
+        print(native_key_line(report))
+        if failure:
+            print(f"native: the build failed: {failure}")
+        elif args.build and chosen.native == "off":
+            print("native: built, but FP4SELECT_NATIVE=off: best_mm_fp4 will not use it")
+    return 1 if failure else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 from fp4select.cli._common import parse_device, print_json, progress_bar, table
 from fp4select.cli.plan import WarmUsageError, warm_devices, warm_plan
 from fp4select.keys import Problem, environment_for, m_bucket
+from fp4select.settings import Settings
 
 __all__ = ["cmd_explain", "cmd_warm", "tactic_summary"]
 
@@ -40,6 +41,21 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
     print(f"{len(problems)} problem keys to tune")
 
 
+def warm_native_key(settings: Settings, quiet: bool) -> str:
+    """Deploy time is when to build the warm path's C++ key: the servers then load it."""
+    from fp4select import native_key
+
+    if settings.native == "off":
+        return "off"
+    try:
+        native_key.build(settings.native_dir)
+    except RuntimeError as exc:
+        if not quiet:
+            print(f"warm: the warm path's C++ key was not built ({exc}); the Python path serves")
+        return f"failed: {exc}"
+    return "built"
+
+
 def cmd_warm(args: argparse.Namespace) -> int:
     import time
 
@@ -60,6 +76,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print("warm: no FP4 problem keys to tune (see --dry-run for why)", file=sys.stderr)
         return 1
     sel = selector()
+    native = warm_native_key(sel.settings, quiet=args.quiet or args.json)
     started = time.perf_counter()
     if devices is not None:
         show = not (args.quiet or args.json)
@@ -119,6 +136,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
                 "devices": [str(d) for d in devices] if devices else [str(device)],
                 "wall_seconds": round(wall, 3),
                 "exported": exported,
+                "native_key": native,
             }
         )
     else:
