@@ -181,12 +181,20 @@ def load(folder: str | os.PathLike[str] | None = None) -> Key | None:
     return key
 
 
+def _compiler() -> str:
+    """$CXX, else the first C++ compiler on PATH (c++, g++, clang++)."""
+    chosen = os.environ.get("CXX")
+    if chosen:
+        return chosen
+    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), "c++")
+
+
 def _compile_command(source: Path, target: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     lib_dir = Path(torch.__file__).parent / "lib"
     command = [
-        os.environ.get("CXX") or "c++",
+        _compiler(),
         "-O2",
         "-std=c++17",
         "-shared",

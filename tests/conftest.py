@@ -73,7 +73,9 @@ def inprocess(cache_dir):
 
 
 def has_compiler() -> bool:
-    return shutil.which(os.environ.get("CXX") or "c++") is not None
+    from fp4select import native_key
+
+    return shutil.which(native_key._compiler()) is not None
 
 
 @pytest.fixture(scope="session")

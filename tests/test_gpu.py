@@ -30,13 +30,34 @@ pytestmark = [
 PROBLEM = Problem(n=4096, k=4096, m_bucket=16)
 
 
-@pytest.fixture
-def cuda_inprocess(tmp_path):
+@pytest.fixture(params=["python", "native"])
+def cuda_inprocess(request, tmp_path):
+    """In-process tuning, with the warm path served by the Python path or the C++ key."""
+    native = {"native": "off"}
+    if request.param == "native":
+        native = {"native": "auto", "native_dir": request.getfixturevalue("native_dir")}
     sel = fp4select.configure(
-        cache_dir=tmp_path, isolation="inprocess", timing=timing.TimingOptions(budget_s=0.3)
+        cache_dir=tmp_path,
+        isolation="inprocess",
+        timing=timing.TimingOptions(budget_s=0.3),
+        **native,
     )
+    assert (fp4select.api._native_key is not None) == (request.param == "native")
     yield sel
     fp4select.configure(cache_dir=tmp_path, isolation="inprocess")
+
+
+def test_the_native_key_tells_cuda_tensors_apart_and_never_syncs(native_dir):
+    from fp4select import native_key
+
+    key = native_key.load(native_dir)
+    a = torch.zeros(16, 64, dtype=torch.uint8, device="cuda")
+    assert key(a) == key(torch.ones(16, 64, dtype=torch.uint8, device="cuda"))
+    assert key(a) != key(a.cpu())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a sync or an allocation here would break the capture
+        inside = key(a, None, a)
+    assert inside == key(a, None, a)
 
 
 def test_a_proven_candidate_is_chosen_on_this_gpu(cuda_inprocess):
