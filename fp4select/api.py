@@ -96,6 +96,19 @@ def selector() -> Selector:
     return _selector
 
 
+def _after_fork_in_child() -> None:
+    """The child of a fork must not inherit a lock another thread held (a background build
+    installing its key, a binding); a build the parent was waiting for is not the child's."""
+    global _table_lock, _native_started
+    _table_lock = threading.Lock()
+    if _native_key is None:
+        _native_started = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _native_for(settings: Settings) -> None:
     """New settings: use their C++ key if it is built (a stat and an import, no build); the
     first miss of best_mm_fp4 starts a build otherwise. Call with _table_lock held."""

@@ -64,6 +64,20 @@ _status: dict[str, str] = {}  # folder -> what happened to it in this process
 _building: set[str] = set()  # folders a background thread is building
 
 
+def _after_fork_in_child() -> None:
+    """A fork while a build thread held the lock must not deadlock the child; the thread is
+    not in the child, so neither is its build: the child may start its own."""
+    global _state_lock
+    _state_lock = threading.Lock()
+    for name in _building:
+        _status.pop(name, None)
+    _building.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def default_dir() -> Path:
     """PyTorch's folder for extensions it compiles (TORCH_EXTENSIONS_DIR or its default)."""
     from torch.utils.cpp_extension import get_default_build_root

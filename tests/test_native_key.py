@@ -243,3 +243,45 @@ def test_the_command_line_shows_builds_and_explains_a_failed_build(native_dir, t
     )
     assert done.returncode == 1
     assert "the build failed: no C++ compiler" in done.stdout
+
+
+def test_a_fork_while_another_thread_holds_the_locks_does_not_deadlock(native_dir, cache_dir):
+    """Both locks held by a thread at the fork: the child can still configure and load the key."""
+    fp4select.configure(
+        cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING, native_dir=native_dir,
+        native="auto",
+    )  # fmt: skip
+    fp4select.best_mm_fp4(**make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM))
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with api._table_lock, native_key._state_lock:
+            holding.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child takes both locks (no tensor math: OpenMP hangs after a fork)
+        try:
+            settings = fp4select.configure(
+                cache_dir=cache_dir, isolation="inprocess", native_dir=native_dir,
+                native="auto",
+            ).settings  # fmt: skip
+            api._start_native(settings)
+            ok = api._native_key is not None and native_key.status(native_dir)["loaded"]
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    try:
+        deadline = time.monotonic() + 60
+        while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                pytest.fail("the child deadlocked on a lock held at the fork")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(waited[1]) == 0
+    finally:
+        release.set()
+        holder.join()
