@@ -79,10 +79,13 @@ if hasattr(os, "register_at_fork"):
 
 
 def default_dir() -> Path:
-    """PyTorch's folder for extensions it compiles (TORCH_EXTENSIONS_DIR or its default)."""
-    from torch.utils.cpp_extension import get_default_build_root
+    """PyTorch's folder for extensions it compiles (TORCH_EXTENSIONS_DIR or its default), found
+    as torch.utils.cpp_extension finds it, without importing that module on every start-up."""
+    import platformdirs
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(
+        platformdirs.user_cache_dir("torch_extensions", appauthor=False)
+    )
     return Path(root) / "fp4select"
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,3 +286,12 @@ def test_a_fork_while_another_thread_holds_the_locks_does_not_deadlock(native_di
     finally:
         release.set()
         holder.join()
+
+
+def test_the_default_folder_is_pytorchs_own_extension_folder(monkeypatch):
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert native_key.default_dir() == Path(get_default_build_root()) / "fp4select"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/else")
+    assert native_key.default_dir() == Path("/somewhere/else/fp4select")
