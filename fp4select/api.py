@@ -6,7 +6,7 @@ Design rules:
   sync, no host-device copy, no logging, so it is safe inside CUDA graph capture
   (benchmarks/bench_warm_path.py measures what it adds).
 * Where the C++ key is loaded (fp4select.native_key: built on this machine, in the
-  background, the first time a process needs a selector), one C++ call turns the exact
+  background after a process's first miss, or at deploy time), one C++ call turns the exact
   metadata of every tensor into an int, and the key is that int with the flags: an exact
   match is the whole check, so no guard runs. Until then (or with ``FP4SELECT_NATIVE=off``)
   the Python path below serves, with the same answers.
@@ -16,10 +16,10 @@ Design rules:
   flags by identity. So a call the first call would refuse never finds a bound runner: the
   same bad call gets the same ``TypeError``/``ValueError`` naming the argument, first or
   thousandth.
-* The Python path's key is what separates one bound runner from another (the shapes of a and
-  b, a's device index, which optional tensors are given, the flags); everything else the checks read
-  of every tensor (dtype, device, exact sizes and strides) is verified by a guard made from
-  the call that bound the entry (fp4select.tensor_guard: one C++ call where PyTorch offers
+* The Python path's key is what separates one bound runner from another (the shapes of a
+  and b, a's device index, which optional tensors are given, the flags); everything else the
+  checks read of every tensor (dtype, device, exact sizes and strides) is verified by a guard
+  made from the call that bound the entry (fp4select.tensor_guard: one C++ call where PyTorch offers
   it). So nothing is taken by identity: engines that pass fresh views of the weight every
   call (vLLM: ``b.t()``, ``b_descale.t()``) are served as fast, and a weight whose metadata is
   changed in place is noticed.

@@ -230,8 +230,8 @@ def _compile_command(source: Path, target: Path) -> list[str]:
         "-ltorch_python",
         f"-Wl,-rpath,{lib_dir}",
     ]
-    if sys.platform == "darwin":
-        command.append("-undefined dynamic_lookup")
+    if sys.platform == "darwin":  # Python's symbols come from the interpreter that loads it
+        command += ["-undefined", "dynamic_lookup"]
     return command
 
 
