@@ -2,6 +2,9 @@
 
 Design rules:
 
+* This serves best_mm_fp4's Python path: until the C++ key (fp4select.native_key) is loaded,
+  and wherever it cannot be built. The C++ key reads the same metadata exactly and needs no
+  guard.
 * best_mm_fp4's warm path must see, on every call, the dtype, device, sizes and strides of
   the tensors that are new every call (the activation, its scales, ``out``): a bad call must
   be refused as its first call was. Read one Python attribute at a time, that is seven
