@@ -4,9 +4,7 @@
 # tests and the warm path's tests on both paths. Carry .whl and .fi (python
 # benchmarks/h200_carry.py). Writes its log and the benchmark's JSON under $OUT.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/.fi:$PWD PYTHONUNBUFFERED=1 FP4SELECT_CACHE_DIR=/tmp/fp4select-cache
-OUT=${OUT:-benchmarks/results}
+. benchmarks/h200_env.sh
 {
   echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

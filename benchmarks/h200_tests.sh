@@ -3,13 +3,11 @@
 # and the guard's tests, the sandbox's fault tests with a real CUDA fault. Carry .whl and .fi
 # (python benchmarks/h200_carry.py). Writes its log under $OUT.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/.fi:$PWD PYTHONUNBUFFERED=1 FP4SELECT_CACHE_DIR=/tmp/fp4select-cache
-OUT=${OUT:-benchmarks/results}
+. benchmarks/h200_env.sh
 {
   echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  timeout 400 python3 -m pytest --all -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_batch_invariant.py tests/test_api.py tests/test_tensor_guard.py tests/test_startup.py
+  timeout 400 python3 -m pytest --all -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_batch_invariant.py tests/test_api.py tests/test_tensor_guard.py tests/test_native_key.py tests/test_startup.py
   echo "== $(date -u +%FT%TZ) done"
 } 2>&1 | tee "$OUT/h200_tests_log.txt"

@@ -151,8 +151,9 @@ def _wait_for(condition, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_miss_builds_in_the_background_and_calls_never_wait(tmp_path, cache_dir, monkeypatch):
-    """The compiler is held at a gate: calls are served (Python path) while it waits."""
+@pytest.fixture
+def gated_build(tmp_path, cache_dir, monkeypatch):
+    """Settings whose key is not built, and a gate the background compiler waits at."""
     gate = threading.Event()
     real_compile = native_key._compile
     monkeypatch.setattr(native_key, "_compile", lambda path: gate.wait(300) and real_compile(path))
@@ -161,6 +162,13 @@ def test_a_miss_builds_in_the_background_and_calls_never_wait(tmp_path, cache_di
         cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING, native_dir=folder,
         native="auto",
     )  # fmt: skip
+    assert native_key.status(folder)["status"] == "not built"
+    return folder, gate
+
+
+def test_a_miss_builds_in_the_background_and_calls_never_wait(gated_build):
+    """The compiler is held at a gate: calls are served (Python path) while it waits."""
+    folder, gate = gated_build
     kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
     first = fp4select.best_mm_fp4(**kwargs)
     for _ in range(3):
@@ -174,15 +182,8 @@ def test_a_miss_builds_in_the_background_and_calls_never_wait(tmp_path, cache_di
     assert len(api._native_bound) == 1
 
 
-def test_a_build_that_ends_after_new_settings_is_not_installed(tmp_path, cache_dir, monkeypatch):
-    gate = threading.Event()
-    real_compile = native_key._compile
-    monkeypatch.setattr(native_key, "_compile", lambda path: gate.wait(300) and real_compile(path))
-    folder = tmp_path / "native"
-    fp4select.configure(
-        cache_dir=cache_dir, isolation="inprocess", native_dir=folder, native="auto"
-    )
-    assert native_key.status(folder)["status"] == "not built"
+def test_a_build_that_ends_after_new_settings_is_not_installed(gated_build, cache_dir):
+    folder, gate = gated_build
     kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
     fp4select.best_mm_fp4(**kwargs)
     assert native_key.status(folder)["status"] == "building in the background"
