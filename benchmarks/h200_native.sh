@@ -18,6 +18,6 @@ set -u
     cp benchmarks/results/warm_path_cuda.json "$OUT/warm_path_cuda_run$run.json"
   done
   echo "== GPU tests and the warm path's tests, both paths"
-  timeout 420 python3 -m pytest --all -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_api.py tests/test_native_key.py tests/test_tensor_guard.py tests/test_batch_invariant.py
+  timeout 420 python3 -m pytest --all -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_api.py tests/test_native_key.py tests/test_tensor_guard.py tests/test_batch_invariant.py tests/test_startup.py
   echo "== $(date -u +%FT%TZ) done"
 } 2>&1 | tee "$OUT/h200_native_log.txt"
