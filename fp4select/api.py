@@ -19,8 +19,8 @@ Design rules:
 * The Python path's key is what separates one bound runner from another (the shapes of a
   and b, a's device index, which optional tensors are given, the flags); everything else the
   checks read of every tensor (dtype, device, exact sizes and strides) is verified by a guard
-  made from the call that bound the entry (fp4select.tensor_guard: one C++ call where PyTorch offers
-  it). So nothing is taken by identity: engines that pass fresh views of the weight every
+  made from the call that bound the entry (fp4select.tensor_guard: one C++ call where PyTorch
+  offers it). So nothing is taken by identity: engines that pass fresh views of the weight every
   call (vLLM: ``b.t()``, ``b_descale.t()``) are served as fast, and a weight whose metadata is
   changed in place is noticed.
 * The flags are matched by identity (``True``, ``False``, 16 and 32 are singletons), so a 1 or

@@ -37,6 +37,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -198,12 +199,12 @@ def load(folder: str | os.PathLike[str] | None = None) -> Key | None:
     return key
 
 
-def _compiler() -> str:
-    """$CXX, else the first C++ compiler on PATH (c++, g++, clang++)."""
-    chosen = os.environ.get("CXX")
+def _compiler() -> list[str]:
+    """$CXX (split as a shell would: ``ccache g++``), else the first C++ compiler on PATH."""
+    chosen = shlex.split(os.environ.get("CXX") or "")
     if chosen:
         return chosen
-    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), "c++")
+    return [next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), "c++")]
 
 
 def _compile_command(source: Path, target: Path) -> list[str]:
@@ -211,7 +212,7 @@ def _compile_command(source: Path, target: Path) -> list[str]:
 
     lib_dir = Path(torch.__file__).parent / "lib"
     command = [
-        _compiler(),
+        *_compiler(),
         "-O2",
         "-std=c++17",
         "-shared",

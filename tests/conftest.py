@@ -75,7 +75,7 @@ def inprocess(cache_dir):
 def has_compiler() -> bool:
     from fp4select import native_key
 
-    return shutil.which(native_key._compiler()) is not None
+    return shutil.which(native_key._compiler()[0]) is not None
 
 
 @pytest.fixture(scope="session")

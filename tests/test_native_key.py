@@ -304,3 +304,10 @@ def test_the_default_folder_is_pytorchs_own_extension_folder(monkeypatch):
     assert native_key.default_dir() == Path(get_default_build_root()) / "fp4select"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/else")
     assert native_key.default_dir() == Path("/somewhere/else/fp4select")
+
+
+def test_cxx_may_name_a_wrapper_and_its_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "ccache g++ -fdiagnostics-color=never")
+    assert native_key._compiler() == ["ccache", "g++", "-fdiagnostics-color=never"]
+    command = native_key._compile_command(native_key.SOURCE, Path("/tmp/x.so"))
+    assert command[:3] == ["ccache", "g++", "-fdiagnostics-color=never"]
