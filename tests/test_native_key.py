@@ -311,3 +311,15 @@ def test_cxx_may_name_a_wrapper_and_its_compiler(monkeypatch):
     assert native_key._compiler() == ["ccache", "g++", "-fdiagnostics-color=never"]
     command = native_key._compile_command(native_key.SOURCE, Path("/tmp/x.so"))
     assert command[:3] == ["ccache", "g++", "-fdiagnostics-color=never"]
+
+
+def test_doctor_reports_the_key(native_dir):
+    import json
+
+    done = _cli("doctor", "--json", FP4SELECT_NATIVE_DIR=str(native_dir), FP4SELECT_NATIVE="auto")
+    assert done.returncode == 0, done.stderr
+    state = json.loads(done.stdout)["native_key"]
+    assert state["mode"] == "auto" and state["loaded"] and state["status"] == "loaded"
+    assert state["path"] == str(native_key.library_path(native_dir))
+    done = _cli("doctor", FP4SELECT_NATIVE_DIR=str(native_dir), FP4SELECT_NATIVE="off")
+    assert "native key: off (FP4SELECT_NATIVE=off)" in done.stdout
