@@ -73,14 +73,9 @@ PyObject* key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLongLong(id);
 }
 
-PyObject* size(PyObject*, PyObject*) {
-  return PyLong_FromSize_t(interned == nullptr ? 0 : interned->size());
-}
-
 PyMethodDef methods[] = {
     {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(key)), METH_FASTCALL,
      "key(*tensors_or_none) -> int | None: one int per exact set of tensor metadata"},
-    {"size", size, METH_NOARGS, "size() -> int: how many metadata sets have been interned"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "fp4select_native_key", nullptr, -1, methods};
