@@ -91,43 +91,39 @@ def main() -> None:
 
         w, ws = b.t(), bd.t()  # the layer's stored weight and scales, (N, K/2) row-major
 
-        def on(path, fn):
-            """fn served by the C++ key ("native") or by the Python path ("python")."""
-
-            def call():
-                api._native_key = key if path == "native" else None
-                return fn()
-
-            return call
-
         def held():
             return fp4select.best_mm_fp4(a, b, ad, bd, al)
 
         def fresh():
             return fp4select.best_mm_fp4(a, w.t(), ad, ws.t(), al)
 
+        # name -> (the C++ key to serve with, or None for the Python path; the call). The
+        # switch is set once per batch, not per call; the direct calls ignore it.
         calls = {
-            "direct": lambda: runner(a, b, ad, bd, al, torch.bfloat16, None, 16, False, True, True),
-            "C++ key": on("native", held),
-            "Python path": on("python", held),
-            "direct, fresh views": lambda: runner(
-                a, w.t(), ad, ws.t(), al, torch.bfloat16, None, 16, False, True, True
+            "direct": (
+                None,
+                lambda: runner(a, b, ad, bd, al, torch.bfloat16, None, 16, False, True, True),
             ),
-            "C++ key, fresh views": on("native", fresh),
-            "Python path, fresh views": on("python", fresh),
+            "C++ key": (key, held),
+            "Python path": (None, held),
+            "direct, fresh views": (
+                None,
+                lambda: runner(
+                    a, w.t(), ad, ws.t(), al, torch.bfloat16, None, 16, False, True, True
+                ),
+            ),
+            "C++ key, fresh views": (key, fresh),
+            "Python path, fresh views": (None, fresh),
         }
-        for name, fn in calls.items():
-            assert torch.equal(fn(), calls["direct"]()), name
+        expected = calls["direct"][1]()
+        for name, (serving, fn) in calls.items():
+            api._native_key = serving
+            assert torch.equal(fn(), expected), name
             per_call_ns(fn, args.calls)  # warm-up
-        # Time each path with its switch set once per batch, not per call.
-        timed = {
-            name: (held if "fresh" not in name else fresh) if name.startswith(("C++", "Py")) else fn
-            for name, fn in calls.items()
-        }
         samples: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.batches):
-            for name, fn in timed.items():
-                api._native_key = key if name.startswith("C++") else None
+            for name, (serving, fn) in calls.items():
+                api._native_key = serving
                 samples[name].append(per_call_ns(fn, args.calls))
         api._native_key = None
         stats = {name: quantiles(values) for name, values in samples.items()}
