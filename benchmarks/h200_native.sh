@@ -6,7 +6,7 @@
 set -u
 . benchmarks/h200_env.sh
 {
-  echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "== $(date -u +%FT%TZ) (the tree the device tool sent; its git HEAD there is not that tree)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
   echo "compiler: $(command -v c++ || command -v g++) $(c++ --version 2>/dev/null | head -1)"

@@ -5,7 +5,7 @@
 set -u
 . benchmarks/h200_env.sh
 {
-  echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "== $(date -u +%FT%TZ) (the tree the device tool sent; its git HEAD there is not that tree)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   timeout 400 python3 -m pytest --all -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_batch_invariant.py tests/test_api.py tests/test_tensor_guard.py tests/test_native_key.py tests/test_startup.py
