@@ -35,7 +35,7 @@ OPTIONS = TimingOptions(budget_s=0.12, min_rounds=5, max_rounds=15)
 
 GEMV = [
     triton_hopper.GemvConfig(r, bk, w)
-    for r, bk, w in [(2, 128, 1), (4, 128, 1), (8, 128, 1), (4, 256, 1), (4, 128, 2), (8, 64, 1)]
+    for r, bk, w in [(4, 128, 2), (4, 256, 2), (8, 128, 2), (4, 256, 4), (2, 256, 2), (8, 64, 1)]
 ]
 MMA = [
     triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
@@ -46,16 +46,16 @@ MMA = [
         (64, 32, 32, 4, 3, 0),
         (64, 64, 32, 4, 3, 0),
         (128, 64, 32, 8, 3, 0),
-        (64, 16, 32, 4, 3, 1),
+        (128, 16, 32, 4, 4, 0),
     ]
 ]
 PREFILL = [
     triton_hopper.PrefillConfig(bn, bt, bkw, w, st, g)
     for bn, bt, bkw, w, st, g in [
         (128, 128, 16, 8, 3, 8),
-        (128, 256, 16, 8, 3, 8),
-        (128, 128, 32, 8, 3, 8),
+        (128, 128, 16, 8, 2, 8),
         (64, 128, 16, 4, 3, 8),
+        (64, 64, 16, 4, 3, 8),
         (128, 64, 16, 4, 3, 8),
     ]
 ]
@@ -72,9 +72,9 @@ def variants(m: int) -> dict[str, functools.partial]:
         for c in MMA:
             if c.block_t >= 2 * max(16, m) and c.block_t > 16:
                 continue
-            out[
-                f"mma n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} s{c.split}"
-            ] = functools.partial(triton_hopper.run_mma, cfg=c)
+            out[f"mma n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} s{c.split}"] = (
+                functools.partial(triton_hopper.run_mma, cfg=c)
+            )
     if m >= 64:
         for c in PREFILL:
             out[f"prefill n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps}"] = (
@@ -117,7 +117,9 @@ def point(n: int, k: int, m: int, device: torch.device) -> dict:
         validate.make_inputs(problem, m, device, seed=11 + i, with_reference=False)
         for i in range(1, timing.input_sets_for_cold_l2(device, nbytes, True))
     ]
-    calls = {nm: [functools.partial(fn, *s.args(problem)) for s in sets] for nm, fn in passed.items()}
+    calls = {
+        nm: [functools.partial(fn, *s.args(problem)) for s in sets] for nm, fn in passed.items()
+    }
     dq = []
     for s in sets[: min(len(sets), 4)]:
         a = formats.dequantize(s.a, s.a_descale, k, use_nvfp4=True, sf_layout="128x4")
@@ -157,13 +159,22 @@ def main() -> None:
                 f = family(nm)
                 if f not in best or t < best[f][0]:
                     best[f] = (t, nm)
-            new = min((t for nm, t in us.items() if family(nm) in ("gemv", "mma", "prefill")), default=float("nan"))
+            new = min(
+                (t for nm, t in us.items() if family(nm) in ("gemv", "mma", "prefill")),
+                default=float("nan"),
+            )
             wrong = [nm for nm, v in row["verdicts"].items() if not v[0].startswith(("ok", "unch"))]
             print(
                 f"{n:5d}x{k:5d} M={m:5d} bf16={us['bf16']:7.1f} new={new:7.1f} "
                 f"ratio={new / us['bf16']:5.2f} | "
-                + " ".join(f"{f}={t:.1f}[{nm[len(f):].strip()}]" for f, (t, nm) in sorted(best.items()))
-                + (f" | BAD {wrong}: {[row['verdicts'][w][0][:120] for w in wrong]}" if wrong else ""),
+                + " ".join(
+                    f"{f}={t:.1f}[{nm[len(f) :].strip()}]" for f, (t, nm) in sorted(best.items())
+                )
+                + (
+                    f" | BAD {wrong}: {[row['verdicts'][w][0][:120] for w in wrong]}"
+                    if wrong
+                    else ""
+                ),
                 flush=True,
             )
     record = {

@@ -381,6 +381,63 @@ def e4m3_bytes_f32(b):
 
 
 @triton.jit
+def _gemv_row(
+    p0,
+    p1,
+    p2,
+    p3,
+    n0,
+    n1,
+    n2,
+    n3,
+    sw,
+    a_ptr,
+    sa_ptr,
+    r,
+    M,
+    k,
+    k_ok,
+    a_col,
+    stride_am,
+    cp,
+    A_8X4: tl.constexpr,
+    ASM: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One row of a against the decoded weight tile: float32 (R, BK) block contributions.
+
+    SPLIT: p and n hold the weight's positive and negative magnitudes (``decode_w``); else p
+    holds its signed values (``decode_s8``) and n is unused.
+    """
+    row = tl.minimum(r, M - 1)
+    x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
+    sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col)
+    sa = e4m3_bytes_f32(sa.to(tl.uint8, bitcast=True))
+    x0, x1, x2, x3 = decode_s8(x, ASM)
+    if SPLIT:
+        d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
+    else:
+        d = dot4(p0, p1, p2, p3, x0, x1, x2, x3, ASM)
+    return d.to(tl.float32) * (sw * sa)
+
+
+@triton.jit
+def _gemv_store(
+    acc, r, M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA: tl.constexpr
+):
+    if r < M:
+        row = tl.sum(acc, axis=1) * 0.25  # dp4a multiplied 2w by 2x
+        if ALPHA == 1:
+            row = row * alpha_value
+        elif ALPHA == 2:
+            row = row * tl.load(alpha_ptr).to(tl.float32)
+        elif ALPHA == 3:
+            row = row * tl.load(alpha_ptr + r).to(tl.float32)
+        ptrs = out_ptr + r * stride_om + rows * stride_on
+        tl.store(ptrs, row.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
 def gemv_dp4a(
     a_ptr,  # int64 view of a: (M, K/16), one word per block
     w_ptr,  # int64 view of the weight: (N, K/16)
@@ -399,7 +456,7 @@ def gemv_dp4a(
     alpha_value,
     A_8X4: tl.constexpr,
     ALPHA: tl.constexpr,
-    BM: tl.constexpr,  # rows of a (M <= BM)
+    BM: tl.constexpr,  # rows of a: 1, 2, 4 or 8 (M <= BM)
     R: tl.constexpr,  # weight rows per program
     BK: tl.constexpr,  # blocks per step
     ASM: tl.constexpr,
@@ -407,48 +464,238 @@ def gemv_dp4a(
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
     Per block: the exact integer dot product (``dp4a``) of the weight's positive and negative
-    magnitudes with a's signed values, then both block scales once, in float32. No tensor
-    cores, no shared memory, no split-K. Rows of a are unrolled (BM is small).
+    magnitudes with a's signed values, then both block scales once, in float32. Each row of a
+    has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
+    cores, no shared memory, no split-K.
     """
     pid = tl.program_id(0)
     rows = pid * R + tl.arange(0, R)
     rows_c = tl.where(rows < N, rows, N - 1)
     kk = tl.arange(0, BK)
-    offs_m = tl.arange(0, BM)
     w_rows = w_ptr + rows_c[:, None].to(tl.int64) * stride_wn
     sw_rows = sw_ptr + sf_row_part(rows_c, cp, False)[:, None]
+    acc0 = tl.zeros((R, BK), dtype=tl.float32)
     acc1 = tl.zeros((R, BK), dtype=tl.float32)
-    accm = tl.zeros((BM, R), dtype=tl.float32)
+    acc2 = tl.zeros((R, BK), dtype=tl.float32)
+    acc3 = tl.zeros((R, BK), dtype=tl.float32)
+    acc4 = tl.zeros((R, BK), dtype=tl.float32)
+    acc5 = tl.zeros((R, BK), dtype=tl.float32)
+    acc6 = tl.zeros((R, BK), dtype=tl.float32)
+    acc7 = tl.zeros((R, BK), dtype=tl.float32)
     for k0 in range(0, KW, BK):
         k = k0 + kk
         k_ok = k < KW
         kc = tl.where(k_ok, k, 0)
         w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
-        sw = e4m3_bytes_f32(tl.load(sw_rows + sf_col_part(kc, False)[None, :]).to(tl.uint8, bitcast=True))
-        p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM)
+        sw = tl.load(sw_rows + sf_col_part(kc, False)[None, :])
+        sw = e4m3_bytes_f32(sw.to(tl.uint8, bitcast=True))
+        # One row of a: split magnitudes (fewer integer ops, twice the dp4a). Several rows
+        # share the weight's decode, so each dp4a counts more: signed values.
+        if BM == 1:
+            p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM)
+        else:
+            p0, p1, p2, p3 = decode_s8(w, ASM)
+            n0, n1, n2, n3 = p0, p1, p2, p3
         a_col = sf_col_part(kc, A_8X4)[None, :]
-        for r in tl.static_range(BM):
-            row = tl.minimum(r, M - 1)
-            x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
-            sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col)
-            sa = e4m3_bytes_f32(sa.to(tl.uint8, bitcast=True))
-            x0, x1, x2, x3 = decode_s8(x, ASM)
-            d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
-            contrib = d.to(tl.float32) * (sw * sa)
-            if BM == 1:
-                acc1 += contrib
-            else:
-                part = tl.sum(contrib, axis=1)
-                accm = tl.where((offs_m == r)[:, None], accm + part[None, :], accm)
-    if BM == 1:
-        acc = tl.sum(acc1, axis=1)[None, :] * 0.25  # dp4a multiplied 2w by 2x
-    else:
-        acc = accm * 0.25
-    mask_m = offs_m < M
-    acc = acc * _alpha_scale(offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)[:, None]
-    mask = mask_m[:, None] & (rows[None, :] < N)
-    ptrs = out_ptr + offs_m[:, None] * stride_om + rows[None, :] * stride_on
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc0 += _gemv_row(
+            p0,
+            p1,
+            p2,
+            p3,
+            n0,
+            n1,
+            n2,
+            n3,
+            sw,
+            a_ptr,
+            sa_ptr,
+            0,
+            M,
+            k,
+            k_ok,
+            a_col,
+            stride_am,
+            cp,
+            A_8X4,
+            ASM,
+            BM == 1,
+        )
+        if BM > 1:
+            acc1 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                1,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+        if BM > 2:
+            acc2 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                2,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc3 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                3,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+        if BM > 4:
+            acc4 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                4,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc5 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                5,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc6 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                6,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc7 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                7,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+    args = (M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA)
+    _gemv_store(acc0, 0, *args)
+    if BM > 1:
+        _gemv_store(acc1, 1, *args)
+    if BM > 2:
+        _gemv_store(acc2, 2, *args)
+        _gemv_store(acc3, 3, *args)
+    if BM > 4:
+        _gemv_store(acc4, 4, *args)
+        _gemv_store(acc5, 5, *args)
+        _gemv_store(acc6, 6, *args)
+        _gemv_store(acc7, 7, *args)
 
 
 @triton.jit
@@ -459,7 +706,9 @@ def word_to_f16_tile(q, s2, ASM: tl.constexpr):
     operands of a dot use this function, so they agree, and the sum does not care.
     """
     p0, p1, p2, p3, p4, p5, p6, p7 = word_to_f16(q, s2, ASM)
-    t = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+    t = tl.join(
+        tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7))
+    )
     return tl.reshape(t, (q.shape[0], q.shape[1] * 8))
 
 
@@ -535,7 +784,9 @@ def mma_swap(
         ws2 = e4m3_f16x2(sw.to(tl.uint8, bitcast=True).to(tl.int32))
         xs2 = e4m3_f16x2(sa.to(tl.uint8, bitcast=True).to(tl.int32))
         if JOIN:
-            acc = tl.dot(word_to_f16_tile(wq, ws2, ASM), tl.trans(word_to_f16_tile(xq, xs2, ASM)), acc)
+            acc = tl.dot(
+                word_to_f16_tile(wq, ws2, ASM), tl.trans(word_to_f16_tile(xq, xs2, ASM)), acc
+            )
         else:
             acc = _planes_dot(acc, wq, ws2, xq, xs2, ASM)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
