@@ -20,7 +20,7 @@ import torch
 from fp4select import formats
 
 pytest.importorskip("triton", reason="the kernels' module imports triton")
-from fp4select.backends import _hopper_kernels as hk  # noqa: E402
+from fp4select.backends import _hopper_kernels as hk
 
 U32 = np.uint32
 

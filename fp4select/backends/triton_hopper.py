@@ -85,9 +85,22 @@ class PrefillConfig:
     group: int
 
 
-GEMV = GemvConfig(4, 128, 1)
-MMA = MmaConfig(64, 16, 32, 4, 3, 0)
-PREFILL = PrefillConfig(128, 128, 16, 8, 3, 8)
+# Chosen per M from benchmarks/hopper_sweep.py on the H200 (results/hopper_sweep.json): the
+# fastest configuration at N x K = 8192 x 8192, 28672 x 4096 and 4096 x 14336, or within 3%.
+GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1)))
+MMA_BY_M = (
+    (16, MmaConfig(128, 16, 32, 4, 3, 0)),
+    (32, MmaConfig(64, 32, 32, 4, 3, 0)),
+    (None, MmaConfig(128, 64, 32, 8, 3, 0)),
+)
+PREFILL = PrefillConfig(128, 64, 16, 4, 3, 8)
+
+
+def _for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
+    for limit, cfg in table:
+        if limit is None or m <= limit:
+            return cfg
+    return table[-1][1]
 
 
 def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -108,7 +121,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def run_gemv(*args: Any, cfg: GemvConfig = GEMV) -> torch.Tensor:
+def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     """``hopper-gemv``: mm_fp4's positional order (without backend)."""
     a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
     c = triton_fp4.check_call(
@@ -123,6 +136,7 @@ def run_gemv(*args: Any, cfg: GemvConfig = GEMV) -> torch.Tensor:
     a64, w64 = _words(a, torch.int64), _words(b.T, torch.int64)
     if a64 is None or w64 is None:
         return _fallback(args)
+    cfg = cfg or _for_m(GEMV_BY_M, c.m)
     k = kernels()
     k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
         a64,
@@ -161,7 +175,7 @@ def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
     return math.ceil(steps / per)
 
 
-def run_mma(*args: Any, cfg: MmaConfig = MMA) -> torch.Tensor:
+def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     """``hopper-mma``: mm_fp4's positional order (without backend)."""
     a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
     c = triton_fp4.check_call(
@@ -174,6 +188,7 @@ def run_mma(*args: Any, cfg: MmaConfig = MMA) -> torch.Tensor:
     a32, w32 = _words(a, torch.int32), _words(b.T, torch.int32)
     if a32 is None or w32 is None:
         return _fallback(args)
+    cfg = cfg or _for_m(MMA_BY_M, c.m)
     k = kernels()
     kw = c.kh // 4
     sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
@@ -310,11 +325,11 @@ def _caps(max_m: int | None) -> Capabilities:
 
 
 def make_runner_gemv(problem: Problem) -> Runner:
-    return functools.partial(run_gemv, cfg=GEMV)
+    return run_gemv
 
 
 def make_runner_mma(problem: Problem) -> Runner:
-    return functools.partial(run_mma, cfg=MMA)
+    return run_mma
 
 
 def make_runner_prefill(problem: Problem) -> Runner:
