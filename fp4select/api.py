@@ -46,9 +46,9 @@ from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
 from fp4select.keys import Problem
-from fp4select.selector import Decision, Selector
+from fp4select.records import Decision, TimingOptions
+from fp4select.selector import Selector
 from fp4select.settings import Settings
-from fp4select.timing import TimingOptions
 
 # Two tables. _bound: the warm key (see best_mm_fp4) to (guard, runner); a call whose tensors
 # fail the guard takes the slow path. _checked: the full metadata of every tensor to the
