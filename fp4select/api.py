@@ -45,7 +45,7 @@ from fp4select import native_key, tensor_guard
 from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
-from fp4select.keys import Problem
+from fp4select.keys import Problem, environment_for
 from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
 from fp4select.settings import Settings
@@ -226,8 +226,6 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
     The blacklist is per environment, so an upgrade clears it by itself; this is for the
     driver update or the fix that fp4select cannot see.
     """
-    from fp4select.keys import environment_for
-
     if device is None:
         device = (
             torch.device("cuda", torch.cuda.current_device())

@@ -145,12 +145,13 @@ def levels(edges: dict[str, set[str]]) -> dict[str, int]:
     return level
 
 
-def long_files(limit: int = 500) -> list[tuple[str, int]]:
-    return [
-        (str(p.relative_to(ROOT)), n)
+def long_files(limit: int = 500) -> dict[str, int]:
+    """Path -> line count of each fp4select file longer than ``limit`` lines."""
+    return {
+        str(p.relative_to(ROOT)): n
         for p in sorted((ROOT / PACKAGE).rglob("*.py"))
         if (n := len(p.read_text().splitlines())) > limit
-    ]
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "lines": total,
         "depth": max(level.values()),
         "circles": found,
-        "files_over_500_lines": dict(long_files()),
+        "files_over_500_lines": long_files(),
         "levels": {m: level[m] for m in sorted(edges, key=lambda m: (-level[m], m))},
     }
     if args.json:
