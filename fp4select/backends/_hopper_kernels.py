@@ -1,5 +1,9 @@
 """Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
 
+Why one file of ~880 lines: Triton resolves a kernel's helpers through its module's globals,
+and the three kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
+asm strings and the twins they must agree with read best side by side.
+
 Design rules:
 
 * Decode whole words, never single nibbles. Weights and activations are read as 32-bit words
@@ -56,11 +60,11 @@ def _decode_s8(word: str, lo: str, hi: str, tag: str) -> str:
 
 # $0..$3 = the 16 codes of the 64-bit word $4 as int8 (2 * value), 4 per word, in order.
 _DECODE_S8 = tl.constexpr(
-    """{
+    f"""{{
     .reg .b32 tp0, tp1, tn0, tn1, w0, w1, mw, sw, pw, nw;
-    mov.b32 tp0, %d; mov.b32 tp1, %d; mov.b32 tn0, %d; mov.b32 tn1, %d;
-    mov.b64 {w0, w1}, $4;"""
-    % (*TABLE_POS, *TABLE_NEG)
+    mov.b32 tp0, {TABLE_POS[0]}; mov.b32 tp1, {TABLE_POS[1]};
+    mov.b32 tn0, {TABLE_NEG[0]}; mov.b32 tn1, {TABLE_NEG[1]};
+    mov.b64 {{w0, w1}}, $4;"""
     + _decode_s8("w0", "$0", "$1", "w")
     + _decode_s8("w1", "$2", "$3", "w")
     + """
@@ -96,11 +100,10 @@ def _split_w(word: str, p_lo: str, p_hi: str, n_lo: str, n_hi: str) -> str:
 
 # $0..$3 = magnitudes of w's positive codes, $4..$7 of its negative codes (16 codes of $8).
 _DECODE_W = tl.constexpr(
-    """{
+    f"""{{
     .reg .b32 tp0, tp1, w0, w1, f, h;
-    mov.b32 tp0, %d; mov.b32 tp1, %d;
-    mov.b64 {w0, w1}, $8;"""
-    % TABLE_POS
+    mov.b32 tp0, {TABLE_POS[0]}; mov.b32 tp1, {TABLE_POS[1]};
+    mov.b64 {{w0, w1}}, $8;"""
     + _split_w("w0", "$0", "$1", "$4", "$5")
     + _split_w("w1", "$2", "$3", "$6", "$7")
     + """
@@ -699,20 +702,6 @@ def gemv_dp4a(
 
 
 @triton.jit
-def word_to_f16_tile(q, s2, ASM: tl.constexpr):
-    """(R, W) words -> (R, 8 * W) float16: each word's 8 values side by side.
-
-    Within a word the values come in the order 0 4 2 6 1 5 3 7 (the join tree below); both
-    operands of a dot use this function, so they agree, and the sum does not care.
-    """
-    p0, p1, p2, p3, p4, p5, p6, p7 = word_to_f16(q, s2, ASM)
-    t = tl.join(
-        tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7))
-    )
-    return tl.reshape(t, (q.shape[0], q.shape[1] * 8))
-
-
-@triton.jit
 def _planes_dot(acc, wq, ws2, xq, xs2, ASM: tl.constexpr):
     """acc (BN, BT) += decoded w (BN, BKW words) . decoded x (BT, BKW words), plane by plane."""
     w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
@@ -754,7 +743,6 @@ def mma_swap(
     BT: tl.constexpr,  # tokens per tile (the MMA's small side)
     BKW: tl.constexpr,  # words per step (8 * BKW values of K)
     ASM: tl.constexpr,
-    JOIN: tl.constexpr,
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T.
 
@@ -783,12 +771,7 @@ def mma_swap(
         sa = tl.load(sa_ptr + sf_offset(rows_t[:, None], blk[None, :], cp, A_8X4))
         ws2 = e4m3_f16x2(sw.to(tl.uint8, bitcast=True).to(tl.int32))
         xs2 = e4m3_f16x2(sa.to(tl.uint8, bitcast=True).to(tl.int32))
-        if JOIN:
-            acc = tl.dot(
-                word_to_f16_tile(wq, ws2, ASM), tl.trans(word_to_f16_tile(xq, xs2, ASM)), acc
-            )
-        else:
-            acc = _planes_dot(acc, wq, ws2, xq, xs2, ASM)
+        acc = _planes_dot(acc, wq, ws2, xq, xs2, ASM)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
     mask_t = offs_t < M
     mask = (offs_n[:, None] < N) & mask_t[None, :]

@@ -227,7 +227,6 @@ def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
         BT=cfg.block_t,
         BKW=cfg.words_per_step,
         ASM=ASM,
-        JOIN=False,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
