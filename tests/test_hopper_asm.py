@@ -6,7 +6,7 @@ shifts and masks, ``mul.rn.f16x2``, the register splits), vectorized over every 
 matters: each decode over all 65,536 patterns of a 16-bit half-word (every pair of bytes, so
 every code at every nibble position), the float16 decode at every e4m3 scale too. The expected
 values come from ``fp4select.formats`` (the reference everything else is checked against). The
-compiled kernels are checked on a GPU by tests/test_hopper_gpu.py.
+compiled kernels are checked on a GPU by tests/test_hopper_kernels_gpu.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The interpreter cannot run inline asm, so ``triton_hopper.ASM = False`` selects each decode's
 twin; tests/test_hopper_asm.py proves the asm computes the same bits, and
-tests/test_hopper_gpu.py runs the asm itself on a GPU. TRITON_INTERPRET must be set before
+tests/test_hopper_kernels_gpu.py runs the asm itself on a GPU. TRITON_INTERPRET must be set before
 triton is imported, so the kernels run in a child process.
 """
 
