@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -48,6 +48,7 @@ from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
 from fp4select.probe import InProcessProber, Prober
 from fp4select.records import (
+    CAUSE_EXPERIMENTAL,
     FATAL_STATUSES,
     Decision,
     MalformedRecord,
@@ -57,14 +58,12 @@ from fp4select.records import (
     Verdict,
     _now,
 )
-from fp4select.settings import Settings
+from fp4select.settings import Isolation, Settings
 from fp4select.store import CacheWarning, Store, digest
 from fp4select.timing import TimingOptions, preference_ranking, rank
 
 log = logging.getLogger("fp4select")
 
-Isolation = Literal["subprocess", "inprocess"]
-ISOLATIONS: tuple[Isolation, ...] = ("subprocess", "inprocess")  # as fp4select.settings
 # Never blacklisted beyond one key, and never by an imported archive: every supported problem
 # must keep a correct answer.
 PROTECTED_BACKENDS = frozenset({emulation.NAME})
@@ -76,14 +75,6 @@ class BlacklistedBackendError(RuntimeError):
 
 class NoCorrectBackendError(RuntimeError):
     """No candidate passed validation for a problem (not even emulation)."""
-
-
-def _isolation(value: str, what: str) -> Isolation:
-    """``value`` as one of ``ISOLATIONS``; a ValueError naming ``what`` otherwise."""
-    for known in ISOLATIONS:
-        if value == known:
-            return known
-    raise ValueError(f"{what} must be one of {ISOLATIONS}, got {value!r}")
 
 
 _warned: set[str] = set()
@@ -127,7 +118,10 @@ class Selector:
         # What is not given comes from ``settings``, by default the process-wide ones.
         self.settings = settings if settings is not None else settings_mod.current()
         self.store = store if store is not None else Store(self.settings.cache_dir)
-        self.isolation = _isolation(isolation or self.settings.isolation, "isolation")
+        # A bad ``isolation`` is a SettingError naming it, as a bad setting is.
+        self.isolation: Isolation = (
+            self.settings.replace(isolation=isolation) if isolation else self.settings
+        ).isolation
         self.timing = timing or TimingOptions(budget_s=self.settings.time_budget_s)
         self.lock_timeout = lock_timeout
         self.counters = Counters()
@@ -219,7 +213,8 @@ class Selector:
                 continue
             why = backend.unavailable_reason(env)
             if why:
-                excluded[name] = Verdict(name, Status.UNAVAILABLE, why)
+                cause = getattr(why, "cause", "")  # a records.Reason says why as data
+                excluded[name] = Verdict(name, Status.UNAVAILABLE, str(why), cause=cause)
                 continue
             why = backend.rejects(problem, env)
             if why:
@@ -317,7 +312,7 @@ class Selector:
                 entry and _blacklist_applies(entry, problem)
             ):
                 return False  # its blacklisting was cleared since: it may compete now
-            experimental = flashinfer_backends.EXPERIMENTAL_ENV in verdict.reason
+            experimental = verdict.cause == CAUSE_EXPERIMENTAL
             if verdict.status == Status.UNAVAILABLE and experimental and allowed:
                 return False  # experimental backends were allowed since: it may compete now
         return True
