@@ -435,14 +435,15 @@ def _miss(
     if not _native_started:
         _start_native(sel.settings)
     device = a.device
+    env = sel.environment(device)  # once per miss, passed down
     if backend != "auto":
-        return sel.named_runner(backend, problem, device, allow_blacklisted), True
-    decision = sel.lookup(problem, device)
+        return sel.named_runner(backend, problem, device, allow_blacklisted, env=env), True
+    decision = sel.lookup(problem, device, env=env)
     if decision is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        runner, _ = sel.fallback(problem, device)
+        runner, _ = sel.fallback(problem, device, env=env)
         return runner, False  # not bound: the next eager call tunes this key properly
     if decision is None:
-        decision = sel.decide(problem, device)
+        decision = sel.decide(problem, device, env=env)
     return sel.runner_for(decision, device), True
 
 
@@ -464,10 +465,11 @@ def explain(
         device = args[0].device if args else kwargs["a"].device
     device = torch.device(device or "cpu")
     sel = selector()
-    source = "memory" if sel.in_memory(problem, device) else "disk"
-    decision: Decision | None = sel.lookup(problem, device)
+    env = sel.environment(device)
+    source = "memory" if sel.in_memory(problem, device, env=env) else "disk"
+    decision: Decision | None = sel.lookup(problem, device, env=env)
     if decision is None and tune:
-        decision = sel.decide(problem, device)
+        decision = sel.decide(problem, device, env=env)
         source = decision.source  # "tuned", or "disk" when another process finished first
     if decision is None:
         return {"problem": problem.to_json(), "source": "none", "winner": None}

@@ -224,13 +224,25 @@ class Selector:
         return runnable, excluded
 
     # -- decisions ----------------------------------------------------------------------------
-    def in_memory(self, problem: Problem, device: torch.device) -> bool:
-        with self._lock:
-            return self._memory_key(environment_for(device), problem) in self._memory
+    # Each takes the ``env`` of ``device`` when its caller knows it already (computed once per
+    # miss, by ``environment``, and passed down); without it, it computes it.
+    @staticmethod
+    def environment(device: torch.device) -> dict[str, Any]:
+        """The environment fingerprint of ``device``: what decisions and blacklists are kept for."""
+        return environment_for(device)
 
-    def lookup(self, problem: Problem, device: torch.device) -> Decision | None:
+    def in_memory(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> bool:
+        env = env if env is not None else environment_for(device)
+        with self._lock:
+            return self._memory_key(env, problem) in self._memory
+
+    def lookup(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> Decision | None:
         """Memory, then disk; no tuning."""
-        env = environment_for(device)
+        env = env if env is not None else environment_for(device)
         mkey = self._memory_key(env, problem)
         with self._lock:
             decision = self._memory.get(mkey)
@@ -327,23 +339,27 @@ class Selector:
         with self._lock:
             self._memory[self._memory_key(decision.env, decision.problem)] = decision
 
-    def decide(self, problem: Problem, device: torch.device) -> Decision:
-        decision = self.lookup(problem, device)
+    def decide(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> Decision:
+        env = env if env is not None else environment_for(device)
+        decision = self.lookup(problem, device, env=env)
         if decision is not None:
             return decision
-        env = environment_for(device)
         with self.store.lock(env, problem.to_json(), timeout=self.lock_timeout):
             decision = self._read(env, problem)
             if decision is not None:  # another process tuned it while we waited for the lock
                 self.counters.add("waited_for_other_process")
             else:
-                decision = self.tune(problem, device)
+                decision = self.tune(problem, device, env=env)
         with self._lock:
             self._memory[self._memory_key(env, problem)] = decision
         return decision
 
-    def tune(self, problem: Problem, device: torch.device) -> Decision:
-        env = environment_for(device)
+    def tune(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> Decision:
+        env = env if env is not None else environment_for(device)
         registry = self.registry()
         runnable, excluded = self.candidates(problem, env, registry)
         log.info(
@@ -436,7 +452,9 @@ class Selector:
             )
         return backend.fast_runner_for(decision.problem, decision.tactic(decision.winner))
 
-    def fallback(self, problem: Problem, device: torch.device) -> tuple[Runner, str]:
+    def fallback(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> tuple[Runner, str]:
         """A runner that needs no probing, for a miss while a CUDA graph is being captured.
 
         In order: a backend proven on the same shape class in another M bucket; with
@@ -449,7 +467,7 @@ class Selector:
                 "is being captured; a fallback now could compute these rows with another kernel "
                 "than the one chosen later. Call once eagerly (or `fp4select warm`) before capture."
             )
-        env = environment_for(device)
+        env = env if env is not None else environment_for(device)
         self.counters.add("fallbacks")
         with self._lock:
             self.pending.add((problem, str(device)))
@@ -464,16 +482,22 @@ class Selector:
             if backend is not None:
                 return backend.fast_runner_for(problem), d.winner  # type: ignore[return-value]
         if self.isolation == "inprocess":
-            runner = flashinfer_backends.auto_runner(environment_for(device), problem)
+            runner = flashinfer_backends.auto_runner(env, problem)
             if runner is not None:
                 return runner, "flashinfer:auto"
         return emulation.BACKEND.fast_runner_for(problem), emulation.NAME
 
     def named_runner(
-        self, name: str, problem: Problem, device: torch.device, allow_blacklisted: bool
+        self,
+        name: str,
+        problem: Problem,
+        device: torch.device,
+        allow_blacklisted: bool,
+        *,
+        env: Mapping[str, Any] | None = None,
     ) -> Runner:
         """A caller-named backend: refused if blacklisted, proven before it runs in this process."""
-        env = environment_for(device)
+        env = env if env is not None else environment_for(device)
         backend = self.backend(name)
         if backend is None:
             raise ValueError(
@@ -486,7 +510,7 @@ class Selector:
                 f"({entry.get('kind')}: {entry.get('reason')}); pass allow_blacklisted=True to use it anyway"
             )
         self.counters.add("explicit")
-        decision = self.lookup(problem, device)
+        decision = self.lookup(problem, device, env=env)
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
             return backend.fast_runner_for(problem, decision.tactic(name))
         if self.isolation == "inprocess" or backend.family == "builtin":
