@@ -138,5 +138,5 @@ def test_a_verdicts_cause_is_kept_and_left_out_when_empty():
     skipped = Verdict("cake", Status.UNAVAILABLE, "any words", cause="experimental")
     assert skipped.to_json()["cause"] == "experimental"
     assert Verdict.from_json(skipped.to_json()) == skipped
-    with pytest.raises(MalformedRecord, match="verdict.cause must be a string"):
+    with pytest.raises(MalformedRecord, match=r"verdict\.cause must be a string"):
         Verdict.from_json({**skipped.to_json(), "cause": 3})
