@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +58,7 @@ from fp4select.records import (
     _now,
 )
 from fp4select.settings import Isolation, Settings
-from fp4select.store import CacheWarning, Store, digest
+from fp4select.store import Store, digest, warn_once
 from fp4select.timing import TimingOptions, preference_ranking, rank
 
 log = logging.getLogger("fp4select")
@@ -75,15 +74,6 @@ class BlacklistedBackendError(RuntimeError):
 
 class NoCorrectBackendError(RuntimeError):
     """No candidate passed validation for a problem (not even emulation)."""
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, CacheWarning, stacklevel=3)
 
 
 @dataclass
@@ -268,10 +258,11 @@ class Selector:
         try:
             decision = Decision.from_json(record, source="disk")
         except MalformedRecord as exc:
-            _warn_once(
+            message = (
                 f"fp4select cache: ignoring the stored decision for {problem.describe()}: {exc}. "
                 "Treated as a miss; tuning again replaces it."
             )
+            warn_once(message, message)
             return None
         if decision.problem != problem or (decision.imported and not unproven):
             return None

@@ -848,3 +848,13 @@ def test_add_to_blacklist_rejects_bad_records(
     with pytest.raises(ValueError, match=match):
         store.add_to_blacklist(ENV, backend, record)
     assert not store.root.exists()
+
+
+def test_first_time_says_yes_once_per_tag_and_set():
+    """fp4select's one say-it-once helper (the selector, tactics and plugins use it too)."""
+    from fp4select.store import first_time
+
+    tag = f"test-{os.getpid()}-{id(object())}"
+    assert first_time(tag) and not first_time(tag)
+    mine: set[str] = set()
+    assert first_time(tag, mine) and not first_time(tag, mine) and mine == {tag}

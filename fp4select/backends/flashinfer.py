@@ -40,8 +40,6 @@ FAMILY = "flashinfer"
 KNOWN_CCS = (75, 80, 86, 87, 89, 90, 100, 103, 107, 110, 120, 121)
 EXPERIMENTAL_ENV = "FP4SELECT_EXPERIMENTAL"  # named in the reason an experimental one is skipped
 
-_PLAIN = frozenset({"plain"})
-_128 = frozenset({"128x4"})
 _NV = frozenset({"nvfp4"})
 _BF16 = frozenset({"bfloat16"})
 

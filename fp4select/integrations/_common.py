@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 from fp4select.settings import engine_setting
+from fp4select.store import first_time
 
 log = logging.getLogger("fp4select.integrations")
 
@@ -82,8 +83,7 @@ def version_allowed(engine: str, version: str | None, tested: Sequence[str]) -> 
     if version is not None and version in tested:
         return True
     allow = bool(engine_setting(UNTESTED_ENV))
-    if engine not in _warned_untested:
-        _warned_untested.add(engine)
+    if first_time(engine, _warned_untested):
         action = (
             f"patching anyway because {UNTESTED_ENV}=1"
             if allow
