@@ -47,3 +47,17 @@ def test_a_module_over_500_lines_says_why_at_its_top():
     for path, lines in import_graph.long_files(500).items():
         head = (ROOT / path).read_text().split('"""')[1]
         assert "Why one file" in head, f"{path} has {lines} lines and no reason at its top"
+
+
+def test_benchmark_results_hold_no_local_paths_and_parse():
+    import json
+    import re
+
+    results = ROOT / "benchmarks" / "results"
+    for path in sorted(results.iterdir()):
+        if path.suffix == ".png":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"/(work|home|root|Users)/", text), f"{path.name} names a local path"
+        if path.suffix == ".json":
+            json.loads(text)
