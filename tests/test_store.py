@@ -55,11 +55,6 @@ from fp4select.store import (
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "cache")
-
-
-@pytest.fixture
 def open_dir() -> Iterator[Path]:
     """A directory that an unprivileged uid can reach (pytest's tmp_path is 0o700 root-only)."""
     path = Path(tempfile.mkdtemp(prefix="fp4select-test-"))
