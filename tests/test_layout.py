@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
 assert _spec is not None and _spec.loader is not None
@@ -61,3 +63,16 @@ def test_benchmark_results_hold_no_local_paths_and_parse():
         assert not re.search(r"/(work|home|root|Users)/", text), f"{path.name} names a local path"
         if path.suffix == ".json":
             json.loads(text)
+
+
+def test_the_quantizer_kernel_keeps_the_quantizers_constants():
+    """_quantize_triton restates three of quantize's values rather than import it back."""
+    pytest.importorskip("triton")
+    from fp4select import _quantize_triton as kernel
+    from fp4select import quantize
+
+    assert (kernel.C_SIXTH, kernel.F32_MAX, kernel.BLOCK) == (
+        quantize.C_SIXTH,
+        quantize.F32_MAX,
+        quantize.BLOCK,
+    )
