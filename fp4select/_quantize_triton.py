@@ -26,11 +26,9 @@ import triton.language as tl
 
 from fp4select import formats
 
-# The same values as fp4select.quantize's (tests/test_layout.py checks): this module is the lower
-# layer, which quantize imports on first use, so it does not import quantize back.
+# The same constants as fp4select.quantize (which imports this module, so not from there).
 C_SIXTH = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
 F32_MAX = float(torch.finfo(torch.float32).max)
-BLOCK = 16
 
 
 @triton.jit
@@ -139,7 +137,7 @@ def _tile(m: int) -> tuple[int, int, int]:
 def quantize(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (M, K) bf16/fp16/fp32, ``gs`` one float32 element on x's device."""
     m, k = x.shape
-    rp, cp = formats.padded_sf_shape(m, k // BLOCK, "128x4")  # quantize.scale_shape
+    rp, cp = formats.padded_sf_shape(m, k // 16, "128x4")
     out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     sf = torch.empty((rp, cp), dtype=torch.uint8, device=x.device)
     block_m, block_c, warps = _tile(m)

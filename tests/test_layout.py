@@ -66,13 +66,9 @@ def test_benchmark_results_hold_no_local_paths_and_parse():
 
 
 def test_the_quantizer_kernel_keeps_the_quantizers_constants():
-    """_quantize_triton restates three of quantize's values rather than import it back."""
+    """_quantize_triton restates two of quantize's values rather than import it back."""
     pytest.importorskip("triton")
     from fp4select import _quantize_triton as kernel
     from fp4select import quantize
 
-    assert (kernel.C_SIXTH, kernel.F32_MAX, kernel.BLOCK) == (
-        quantize.C_SIXTH,
-        quantize.F32_MAX,
-        quantize.BLOCK,
-    )
+    assert (kernel.C_SIXTH, kernel.F32_MAX) == (quantize.C_SIXTH, quantize.F32_MAX)
