@@ -1,5 +1,9 @@
-"""The README and docs/: every Python block runs as written, every link resolves, and the
+"""The README and docs/: every Python block runs as written, in a fresh process with its own
+cache, and prints what the page says it prints; every link and cited result file exists; the
 numbers a test can check come from one source.
+
+A block's output is the ```text block that comes next, before any other fenced block; ``...``
+in it stands for any text. A block that prints must show its output that way.
 
 The README is a user's page (what and why, install, quick start, engines, deploying, command
 line, configuration, known limits); design notes, the verification record and measurements
@@ -19,34 +23,73 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-BLOCKS = [
-    (page.relative_to(ROOT).as_posix(), block)
-    for page in PAGES
-    for block in re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)
-]
 README_LINES_AT_MOST = 300
 
 
+def _blocks(page: Path) -> list[tuple[str, str, str | None]]:
+    """(page, code, expected output or None), one per Python block, in the page's order."""
+    fences = re.findall(r"^```(\w*)\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)
+    name = page.relative_to(ROOT).as_posix()
+    return [
+        (
+            name,
+            code,
+            fences[i + 1][1] if i + 1 < len(fences) and fences[i + 1][0] == "text" else None,
+        )
+        for i, (lang, code) in enumerate(fences)
+        if lang == "python"
+    ]
+
+
+BLOCKS = [block for page in PAGES for block in _blocks(page)]
+
+
+def printed_as_shown(stdout: str, expected: str) -> bool:
+    """Every line of ``expected`` matches the line printed there (``...``: any text)."""
+    got = stdout.rstrip("\n").splitlines()
+    want = expected.rstrip("\n").splitlines()
+    pattern = [re.escape(w).replace(re.escape("..."), ".*") for w in want]
+    return len(got) == len(want) and all(re.fullmatch(p, g) for p, g in zip(pattern, got))
+
+
 def test_the_readme_has_python_blocks():
-    assert any(page == "README.md" for page, _ in BLOCKS), (
+    assert any(page == "README.md" for page, _, _ in BLOCKS), (
         "the README's Python examples are what a new user tries first"
     )
+
+
+def test_a_block_that_prints_shows_what_it_prints():
+    for page, code, expected in BLOCKS:
+        if "print(" in code:
+            assert expected is not None, f"{page}: no ```text block shows what this prints:\n{code}"
+
+
+def test_the_output_match_can_fail():
+    assert printed_as_shown("emulation {'a': 'x', 'emulation': 'passed'}\n", "emulation {...}")
+    assert not printed_as_shown("cutlass {'emulation': 'passed'}", "emulation {...}")
+    assert not printed_as_shown("emulation {}\nmore", "emulation {...}")
+    assert not printed_as_shown("a*b", "a...c")
 
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: f"{BLOCKS[i][0]}-{i}")
 def test_a_python_block_runs(index, tmp_path):
-    page, block = BLOCKS[index]
+    page, code, expected = BLOCKS[index]
     env = {**os.environ, "FP4SELECT_CACHE_DIR": str(tmp_path), "FP4SELECT_TIME_BUDGET_S": "0.05"}
     proc = subprocess.run(
-        [sys.executable, "-c", block],
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, f"{page} block {index}:\n{block}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{page} block {index}:\n{code}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if expected is not None:
+        assert printed_as_shown(proc.stdout, expected), (
+            f"{page} block {index} printed:\n{proc.stdout}\nthe page shows:\n{expected}"
+        )
 
 
 def test_the_readme_is_a_short_page():
@@ -83,6 +126,14 @@ def test_every_link_to_a_file_of_ours_resolves(page):
         assert file.exists(), f"{page.name}: link to {target}: no such file"
         if anchor:
             assert anchor in _anchors(file), f"{page.name}: link to {target}: no such heading"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_result_file_cited_exists(page):
+    """A number is only as good as the file it comes from: a cited result must be there."""
+    text = page.read_text(encoding="utf-8")
+    for cited in re.findall(r"benchmarks/results/([\w.\-]+\.(?:json|txt|png))", text):
+        assert (ROOT / "benchmarks" / "results" / cited).exists(), f"{page.name} cites {cited}"
 
 
 def test_the_stated_versions_are_the_declared_ones():

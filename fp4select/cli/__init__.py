@@ -274,7 +274,7 @@ def _load_settings() -> None:
 
     try:
         settings.current()
-    except ValueError as exc:  # the message names the variable and what it must be
+    except settings.SettingError as exc:  # its message names the variable and what it must be
         raise UsageError(str(exc)) from None
 
 
