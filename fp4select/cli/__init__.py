@@ -19,7 +19,8 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from typing import TextIO
 
 from fp4select._version import __version__
 from fp4select.cli._common import UsageError, compute_capability, parse_shape, positive_int
@@ -251,14 +252,12 @@ def _plain_warnings() -> Iterator[None]:
         category: type[Warning],
         filename: str,
         lineno: int,
-        file: object = None,
+        file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
         stream = file if file is not None else sys.stderr
-        try:
-            stream.write(f"warning: {' '.join(str(message).split())}\n")  # type: ignore[union-attr]
-        except (OSError, AttributeError):
-            pass
+        with suppress(OSError, ValueError):  # a closed or gone stderr: say nothing
+            stream.write(f"warning: {' '.join(str(message).split())}\n")
 
     warnings.showwarning = show
     try:
