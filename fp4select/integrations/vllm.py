@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import sys
 from typing import Any
 
 import torch
@@ -72,9 +73,9 @@ def plugin() -> None:
 
 
 def is_patched() -> bool:
-    import flashinfer
-
-    return _patches.holds(flashinfer, "mm_fp4")
+    """Whether ``patch()`` holds ``flashinfer.mm_fp4``; never imports flashinfer."""
+    flashinfer = sys.modules.get("flashinfer")
+    return flashinfer is not None and _patches.holds(flashinfer, "mm_fp4")
 
 
 def patch(*, tune_at_load: bool | None = None) -> bool:
@@ -83,6 +84,10 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     ``tune_at_load`` (default: ``FP4SELECT_WARM_AT_LOAD``, on) wraps ``Worker.load_model`` to
     tune the loaded model's FP4 layers before vLLM profiles memory.
     """
+    if engine_version() is None:
+        # flashinfer.mm_fp4 is process-wide: without vLLM there is nothing of vLLM's to route.
+        log.info("fp4select: vLLM is not installed; flashinfer.mm_fp4 left alone")
+        return False
     if not _common.version_allowed(ENGINE, engine_version(), TESTED_VERSIONS):
         return False
     try:
