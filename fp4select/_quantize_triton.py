@@ -27,8 +27,8 @@ import triton.language as tl
 from fp4select import formats
 
 # The same constants as fp4select.quantize (which imports this module, so not from there).
-C_SIXTH = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
-F32_MAX = float(torch.finfo(torch.float32).max)
+C_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))
+F32_MAX = tl.constexpr(float(torch.finfo(torch.float32).max))
 
 
 @triton.jit

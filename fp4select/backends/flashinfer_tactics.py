@@ -69,6 +69,7 @@ import torch
 from fp4select import settings as settings_mod
 from fp4select.backends.base import Runner
 from fp4select.keys import Problem
+from fp4select.store import first_time
 from fp4select.timing import MIN_TIE_TOLERANCE
 
 log = logging.getLogger("fp4select")
@@ -82,7 +83,6 @@ _MAX_TACTIC_DEPTH = 8
 
 _state = threading.local()  # .pin: (tactic, runner class or None) | None; .capture: list | None
 _install_lock = threading.Lock()
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -267,18 +267,12 @@ def tactic_of(record: Any) -> tuple[Any, str | None] | None:
     value, runner = record.get("tactic"), record.get("runner")
     if record.get("op", OP) != OP or not _plain(value) or not isinstance(runner, (str, type(None))):
         key = repr(record)[:200]
-        if key not in _warned:
-            _warned.add(key)
+        if first_time(f"flashinfer tactic record: {key}"):
             log.warning("ignoring a malformed flashinfer tactic record: %s", key)
         return None
     api, _ = tuner_api()
     decode = api.json_to_tactic if api is not None else _json_to_tactic
     return decode(value), runner
-
-
-def default_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record that pins flashinfer's default tactic on the runner ``record`` tuned."""
-    return {**record, "tactic": DEFAULT_TACTIC}
 
 
 def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
@@ -292,8 +286,7 @@ def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
         return runner
     why = install()
     if why is not None:
-        if why not in _warned:
-            _warned.add(why)
+        if first_time(f"flashinfer tactics: {why}"):
             log.warning("cannot pin flashinfer tactics (%s); flashinfer chooses", why)
         return runner
     pin = decoded
@@ -340,8 +333,7 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
         # Raised here it would read as "unsupported" for every backend (flashinfer's checks
         # raise ValueError): say it in each record and the log instead, and tune nothing.
         bad = f"{exc}; not tuned"
-        if bad not in _warned:
-            _warned.add(bad)
+        if first_time(f"flashinfer tactics: {bad}"):
             log.error(bad)
         return {"op": OP, "tactic": None, "reason": bad}
     if mode == "default":
