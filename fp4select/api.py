@@ -165,7 +165,8 @@ def configure(
     blacklist_scope: Literal["environment", "key"] | None = None,
     experimental: bool | None = None,
     check: Literal["first", "always"] | None = None,
-    tactics: Literal["tune", "default"] | None = None,
+    tactics: str | None = None,
+    tune_timeout_s: float | None = None,
     record: str | os.PathLike[str] | None = None,
     native: Literal["auto", "off"] | None = None,
     native_dir: str | os.PathLike[str] | None = None,
@@ -188,6 +189,7 @@ def configure(
         "experimental": experimental,
         "check": check,
         "tactics": tactics,
+        "tune_timeout_s": tune_timeout_s,
         "record": record,
         "native": native,
         "native_dir": native_dir,
@@ -238,8 +240,14 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
 
 
 def stats() -> dict[str, int]:
+    """Counters of this process: hits, tunings, fallbacks, bound signatures, and
+    ``tactic_fallbacks``: calls run at flashinfer's default tactic because the stored one could
+    not serve their problem (``explain`` names them and why)."""
+    from fp4select.backends import flashinfer_tactics
+
     counters = selector().counters.as_dict()
     counters["bound_signatures"] = len(_checked)
+    counters["tactic_fallbacks"] = flashinfer_tactics.fallback_calls()
     return counters
 
 
@@ -496,6 +504,10 @@ def explain(
     if decision is None:
         return {"problem": problem.to_json(), "source": "none", "winner": None}
     record = decision.to_json()
+    from fp4select.backends import flashinfer_tactics
+
+    # Calls of this problem served at flashinfer's default instead of the stored tactic.
+    record["tactic_fallbacks"] = flashinfer_tactics.tactic_fallbacks(problem)
     record["source"] = source  # how this call was served
     record["origin"] = decision.source  # how the decision entered this process
     return record

@@ -51,6 +51,21 @@ def _seconds(value: Any, what: str) -> float:
     return seconds
 
 
+def _tactic_mode(value: Any, what: str) -> str:
+    """``tune``, ``default``, or ``default:NAME[,NAME...]`` (those backends untuned only)."""
+    word = value.strip() if isinstance(value, str) else value
+    if isinstance(word, str) and word.lower().startswith("default:"):
+        names = [n.strip() for n in word.split(":", 1)[1].split(",") if n.strip()]
+        if names:
+            return "default:" + ",".join(names)
+    if isinstance(word, str) and word.lower() in TACTIC_MODES:
+        return word.lower()
+    raise ValueError(
+        f"{what} must be one of {TACTIC_MODES}, got {value!r} (or 'default:' and backend "
+        "names, as in 'default:cute-dsl,b12x')"
+    )
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
     def parse(value: Any, what: str) -> str:
         word = value.strip().lower() if isinstance(value, str) else value
@@ -162,7 +177,14 @@ VARIABLES: tuple[Variable, ...] = (
         "tactics",
         "`tune`",
         "`default` times and serves every flashinfer backend at flashinfer's default tactic (no "
-        "tuning): for backends whose per-tactic JIT outlasts `FP4SELECT_PROBE_TIMEOUT_S`",
+        "tuning); `default:cute-dsl,cutedsl_low_latency` does so for the backends named only",
+    ),
+    Variable(
+        "FP4SELECT_TUNE_TIMEOUT_S",
+        "tune_timeout_s",
+        "`300`",
+        "one backend's tactic tuning stops after this long (checked between tactics); the "
+        "backend is then kept at flashinfer's default tactic, with the reason, not blacklisted",
     ),
     Variable(
         "FP4SELECT_RECORD",
@@ -227,7 +249,8 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "blacklist_scope": _with_default(_choice(BLACKLIST_SCOPES), "environment"),
     "experimental": _switch,
     "check": _with_default(_choice(CHECK_MODES), "first"),
-    "tactics": _with_default(_choice(TACTIC_MODES), "tune"),
+    "tactics": _with_default(_tactic_mode, "tune"),
+    "tune_timeout_s": _with_default(_seconds, "300"),
     "record": _path,
     "native": _with_default(_choice(NATIVE_MODES), "auto"),
     "native_dir": _path,
@@ -247,6 +270,7 @@ class Settings:
     experimental: bool = False
     check: str = "first"
     tactics: str = "tune"
+    tune_timeout_s: float = 300.0
     record: str | None = None
     native: str = "auto"
     native_dir: str | None = None
