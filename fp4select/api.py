@@ -501,13 +501,19 @@ def explain(
     if decision is None and tune:
         decision = sel.decide(problem, device)
         source = decision.source  # "tuned", or "disk" when another process finished first
-    if decision is None:
-        return {"problem": problem.to_json(), "source": "none", "winner": None}
-    record = decision.to_json()
     from fp4select.backends import flashinfer_tactics
 
     # Calls of this problem served at flashinfer's default instead of the stored tactic.
-    record["tactic_fallbacks"] = flashinfer_tactics.tactic_fallbacks(problem)
+    fallbacks = flashinfer_tactics.tactic_fallbacks(problem)
+    if decision is None:
+        return {
+            "problem": problem.to_json(),
+            "source": "none",
+            "winner": None,
+            "tactic_fallbacks": fallbacks,
+        }
+    record = decision.to_json()
+    record["tactic_fallbacks"] = fallbacks
     record["source"] = source  # how this call was served
     record["origin"] = decision.source  # how the decision entered this process
     return record

@@ -492,10 +492,10 @@ def test_explain_shows_the_tactic_and_the_default_time_beside_the_tuned_one(inpr
     header, *rows = [line for line in out.splitlines() if line.startswith(("backend", tb.NAME))]
     assert "tactic" in header.split()
     [row] = rows
-    assert "passed" in row and "1 (default " in row and " us)" in row
+    assert "passed" in row and "1 (default, unknown: " in row and " us)" in row
     record = fp4select.explain(problem=PROBLEM, device="cpu", tune=False)
     verdict = record["verdicts"][tb.NAME]
-    assert tactic_summary(verdict)[0].startswith("1 (default ")
+    assert tactic_summary(verdict)[0].startswith("1 (default, unknown: ")
     untuned = {"detail": {"tactic": {"tactic": None, "reason": "no tuning_buckets"}}}
     assert tactic_summary(untuned) == ("default", "untuned: no tuning_buckets")
     assert tactic_summary({"detail": {}}) == ("-", "")
@@ -519,6 +519,9 @@ def test_verify_reports_per_backend_the_tactics_and_default_versus_tuned_time(
     timed = [r for r in rows if r["tuned_us"] is not None]
     assert timed and all(r["default_us"] > 0 for r in timed)
     assert report["backends"]["emulation"]["tactics"] == []  # no tactics: nothing claimed
-    assert tactics_cell(rows).startswith(f"{len(rows)}/{len(rows)} (")
-    assert tactics_cell([{"tactic": None, "tuned_us": 2.0, "default_us": 2.0}]) == "0/1"
+    # the fake's default is of an unknown kind: no speed-up is claimed against it
+    assert tactics_cell(rows) == f"{len(rows)}/{len(rows)} tuned"
+    assert all(r["served"] == "tuned" and r["default_kind"] == "unknown" for r in rows)
+    assert report["backends"][tb.NAME]["tactic_counts"] == {"tuned": len(rows)}
+    assert tactics_cell([{"tactic": None, "tuned_us": 2.0, "default_us": 2.0}]) == "0/1 tuned"
     assert tactics_cell([]) == "-"

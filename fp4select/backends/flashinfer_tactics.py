@@ -589,6 +589,7 @@ class _Tuning:
         self.tuner, self.limit_s, self.progress = tuner, limit_s, progress
         self.profiled = 0
         self.timed_out = False
+        self.oom = ""  # the out-of-memory error a tactic's profiling raised, if any
         self.deadline = 0.0
         self.watch = _Watch()
         self._group: Any = None
@@ -609,7 +610,7 @@ class _Tuning:
             if self._group is not None:  # an engine's group: fp4select's tuning never joins it
                 set_group(None)
                 self._set_group = set_group
-        logger = getattr(autotuner, "logger", None)
+        logger = getattr(sys.modules.get(type(tuner).__module__), "logger", None)
         if isinstance(logger, logging.Logger):
             self._logger = logger
             logger.addHandler(self.watch)
@@ -626,7 +627,11 @@ class _Tuning:
             if time.monotonic() > watched.deadline:
                 watched.timed_out = True
                 raise _TuneTimeout("fp4select's tuning time limit is reached")
-            return type(tuner)._profile_single_kernel(tuner, *args, **kwargs)
+            try:
+                return type(tuner)._profile_single_kernel(tuner, *args, **kwargs)
+            except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+                watched.oom = f"{type(exc).__name__}: {exc}"[:200]
+                raise
 
         if not self._had_profile:
             tuner._profile_single_kernel = profile
@@ -643,8 +648,9 @@ class _Tuning:
     def gave_up(self, runner_class: str) -> str:
         """Why flashinfer's autotuner answered its default tactic (-1) after tuning."""
         oom = [m for m in self.watch.messages if "OOM" in m or "out of memory" in m.lower()]
-        if oom:
-            return f"flashinfer's autotuner ran out of memory and fell back ({oom[-1]})"
+        if oom or self.oom:
+            said = "; ".join(x for x in (self.oom, oom[-1] if oom else "") if x)
+            return f"flashinfer's autotuner ran out of memory and fell back ({said})"
         stats = getattr(self.tuner, "stats", None)
         failed = (
             sum(len(v) for v in getattr(stats, "failed_tactics", {}).values()) - self._failed_before
