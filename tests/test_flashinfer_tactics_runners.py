@@ -259,3 +259,54 @@ def test_tuning_goes_through_the_real_mm_fp4_with_its_ten_inputs(register):
     assert timed == [("independent",)]  # M=16: no TMA tile, no raw tile
     assert record["tactic"] == ["independent"] and record["runner"] == "Sm12xCuTeFp4GemmRunner"
     assert fr.ran and all(r[4] == 10 for r in fr.ran)
+
+
+# -- 6. engines that autotune under a process group --------------------------------------------
+def _two_ranks(scenario: str) -> list[dict]:
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).parent / "_tactics_group_worker.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(rank), "2", str(port), scenario],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{scenario}: a rank hung (a collective joined by one rank only)")
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.subprocess
+def test_ranks_that_disagree_on_what_is_pinned_meet_the_same_collectives():
+    rank0, rank1 = _two_ranks("pinned")
+    assert rank0["ran"][0] == 0  # the stored tactic
+    assert rank1["ran"][0] == -1  # untuned, and no group tuning joined for it
+    assert rank0["ran"][1] == rank1["ran"][1] == 1  # the engine's op, tuned across the group
+    assert rank0["profiled"] == rank1["profiled"] != []  # only the engine's op was tuned
+
+
+@pytest.mark.subprocess
+def test_in_process_tuning_never_joins_the_engine_group():
+    rank0, rank1 = _two_ranks("tune")
+    assert rank0["profiled"] == [0, 1, *rank1["profiled"]]  # its own tuning, then the engine's
