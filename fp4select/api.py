@@ -45,10 +45,10 @@ from fp4select import native_key, tensor_guard
 from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
-from fp4select.keys import Problem
-from fp4select.selector import Decision, Selector
+from fp4select.keys import Problem, environment_for
+from fp4select.records import Decision, TimingOptions
+from fp4select.selector import Selector
 from fp4select.settings import Settings
-from fp4select.timing import TimingOptions
 
 # Two tables. _bound: the warm key (see best_mm_fp4) to (guard, runner); a call whose tensors
 # fail the guard takes the slow path. _checked: the full metadata of every tensor to the
@@ -228,8 +228,6 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
     The blacklist is per environment, so an upgrade clears it by itself; this is for the
     driver update or the fix that fp4select cannot see.
     """
-    from fp4select.keys import environment_for
-
     if device is None:
         device = (
             torch.device("cuda", torch.cuda.current_device())

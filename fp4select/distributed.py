@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from fp4select.keys import Problem, environment_for
-from fp4select.selector import Decision, Selector
+from fp4select.records import Decision
+from fp4select.selector import Selector
 from fp4select.store import digest
 
 __all__ = [

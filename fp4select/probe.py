@@ -10,8 +10,7 @@ Design rules:
   ``unsupported``; out of memory is ``oom``; a CUDA error is ``cuda-error`` and ends the probe,
   because the CUDA context of this process is now unusable (the sandbox restarts the child);
   anything else is ``error``. Wrong numbers are ``wrong``.
-* A status is a ``Status`` member, never a bare string: one enum names every outcome, and as a
-  ``str`` enum it is written to JSON as the same string it always was, so caches stay readable.
+* The records it returns (``Verdict``, ``ProbeResult``, ``Status``) live in ``records``.
 * The output is checked with ``out=None`` at every validation M, and once more into a
   caller-supplied ``out`` poisoned with NaN, so a backend that ignores ``out=`` or leaves
   elements unwritten fails. A repeat run records whether the backend is bit-for-bit
@@ -24,13 +23,11 @@ Design rules:
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,167 +35,23 @@ import torch
 from fp4select import timing, validate
 from fp4select.backends.base import Backend
 from fp4select.keys import Problem
+from fp4select.records import (  # noqa: F401  (re-exported: the names plugins and tests know)
+    FATAL_STATUSES,
+    STATUSES,
+    MalformedRecord,
+    ProbeOptions,
+    ProbeResult,
+    Report,
+    Status,
+    Timing,
+    Verdict,
+    is_int,
+    is_number,
+    need,
+)
 
-Report = Callable[[Mapping[str, Any]], None]
-
-
-class Status(str, enum.Enum):
-    """What became of one backend on one key: the ``status`` of its verdict.
-
-    A ``str`` enum, so a member *is* its string: it equals and hashes as ``"passed"``, and JSON
-    (store entries, archives, the sandbox's pipe) holds the plain string, as it did before
-    there was an enum. Reading one back goes through ``Status(text)``, which refuses a string
-    that is not a member.
-    """
-
-    PASSED = "passed"
-    WRONG = "wrong"  # ran, and its numbers are outside the bound (or it ignored ``out=``)
-    ERROR = "error"  # raised something that is neither of the two below
-    OOM = "oom"
-    UNSUPPORTED = "unsupported"  # the backend itself said "not my problem"
-    CUDA_ERROR = "cuda-error"  # its CUDA context broke: the process cannot go on
-    CRASH = "crash"  # the sandbox child died (given by the parent, never by the child)
-    HANG = "hang"  # the sandbox child made no progress in time (given by the parent)
-    UNAVAILABLE = "unavailable"  # not a candidate here (no GPU, wrong GPU, not installed)
-    BLACKLISTED = "blacklisted"  # not a candidate: condemned in this environment earlier
-
-    # Python 3.12 formats a mixed-in enum as "Status.PASSED"; messages and tables want the text.
-    def __str__(self) -> str:
-        return str.__str__(self)
-
-    def __format__(self, spec: str) -> str:
-        return str.__format__(self.value, spec)
-
-
-PASSED = Status.PASSED
-# Statuses that condemn a backend for the whole environment (the process died or its CUDA
-# context broke); the rest are about one key only.
-FATAL_STATUSES = frozenset({Status.CRASH, Status.HANG, Status.CUDA_ERROR})
 # Timing key of a tuned backend's run at its default tactic (moved into its verdict's detail).
 DEFAULT_SUFFIX = "@default"
-STATUSES = frozenset(Status)
-
-
-class MalformedRecord(ValueError):
-    """A record read from disk, an archive or a pipe is not what fp4select writes."""
-
-
-def need(ok: bool, what: str) -> None:
-    """Refuse a field read from outside before anything uses it."""
-    if not ok:
-        raise MalformedRecord(what)
-
-
-def is_int(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def is_number(value: Any) -> bool:
-    """A finite, non-negative JSON number (NaN and infinity never come from fp4select)."""
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
-
-
-@dataclass
-class Verdict:
-    backend: str
-    status: Status  # a plain string that names a member is turned into it
-    reason: str = ""
-    m: int | None = None
-    worst_ratio: float | None = None
-    deterministic: bool | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        # Code written before the enum (plugins, tests) passes the string: same value, checked.
-        self.status = Status(self.status)
-
-    @property
-    def passed(self) -> bool:
-        return self.status == Status.PASSED
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "status": self.status.value}
-
-    @classmethod
-    def from_json(cls, data: Any) -> Verdict:
-        """Rebuild from JSON read from outside; raises MalformedRecord field by field."""
-        need(isinstance(data, Mapping), f"a verdict must be an object, got {type(data).__name__}")
-        need(
-            set(data) <= _VERDICT_FIELDS and {"backend", "status"} <= set(data),
-            f"a verdict has the fields {sorted(_VERDICT_FIELDS)}, got {sorted(map(str, data))}",
-        )
-        backend, status = data["backend"], data["status"]
-        need(isinstance(backend, str) and bool(backend), "verdict.backend must be a name")
-        need(
-            isinstance(status, str) and status in _STATUS_VALUES,
-            f"verdict.status must be one of {sorted(_STATUS_VALUES)}: {status!r}",
-        )
-        need(isinstance(data.get("reason", ""), str), "verdict.reason must be a string")
-        m = data.get("m")
-        need(m is None or is_int(m, 1), f"verdict.m must be null or a positive int: {m!r}")
-        worst = data.get("worst_ratio")
-        need(worst is None or is_number(worst), f"verdict.worst_ratio must be finite: {worst!r}")
-        deterministic = data.get("deterministic")
-        need(deterministic in (None, True, False), "verdict.deterministic must be a bool or null")
-        need(isinstance(data.get("detail", {}), dict), "verdict.detail must be an object")
-        return cls(**data)
-
-
-_VERDICT_FIELDS = frozenset(
-    {"backend", "status", "reason", "m", "worst_ratio", "deterministic", "detail"}
-)
-_STATUS_VALUES = frozenset(s.value for s in Status)
-
-
-@dataclass(frozen=True)
-class ProbeOptions:
-    timing: timing.TimingOptions = field(default_factory=timing.TimingOptions)
-    seed: int = 0
-    validate_only: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "timing": self.timing.to_json(),
-            "seed": self.seed,
-            "validate_only": self.validate_only,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ProbeOptions:
-        return cls(timing.TimingOptions(**data["timing"]), data["seed"], data["validate_only"])
-
-
-@dataclass
-class ProbeResult:
-    verdicts: dict[str, Verdict] = field(default_factory=dict)
-    timings: dict[str, timing.Timing] = field(default_factory=dict)
-    method: str = "none"
-    seconds: float = 0.0
-    aborted: bool = False  # a CUDA error ended the probe early; remaining candidates unprobed
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "verdicts": {k: v.to_json() for k, v in self.verdicts.items()},
-            "timings": {k: v.to_json() for k, v in self.timings.items()},
-            "method": self.method,
-            "seconds": self.seconds,
-            "aborted": self.aborted,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ProbeResult:
-        return cls(
-            verdicts={k: Verdict.from_json(v) for k, v in data["verdicts"].items()},
-            timings={k: timing.Timing.from_json(v) for k, v in data["timings"].items()},
-            method=data["method"],
-            seconds=data["seconds"],
-            aborted=data["aborted"],
-        )
 
 
 def _is_cuda_error(exc: BaseException) -> bool:
@@ -365,7 +218,7 @@ def time_backends(
     options: ProbeOptions,
     report: Report,
     tactics: Mapping[str, Mapping[str, Any] | None] | None = None,
-) -> tuple[dict[str, timing.Timing], str]:
+) -> tuple[dict[str, Timing], str]:
     """Time at the bucket's largest M (the heaviest the decision must serve).
 
     A backend with a tuned tactic (``tactics[name]``) is timed at it, and at its ``default``

@@ -19,10 +19,10 @@ import torch
 
 from fp4select._version import __version__
 from fp4select.keys import Problem, environment_for, m_bucket
-from fp4select.probe import Status
+from fp4select.records import Status
 
 if TYPE_CHECKING:  # the selector imports the registry: a report imports it only when it runs
-    from fp4select.selector import Decision
+    from fp4select.records import Decision
     from fp4select.settings import Settings
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Miss handling: candidates -> probe -> decide -> store -> the winner's runner.
 
-Why one file of ~640 lines: like Triton's ``autotuner.py``, the whole mechanism (lookup order,
+Why one file of ~540 lines: like Triton's ``autotuner.py``, the whole mechanism (lookup order,
 candidates, locking, probing, the decision, the blacklist, binding) reads in one place; the
 parts it uses (keys, timing, probe, sandbox, store, backends) are modules of their own.
 
@@ -30,9 +30,7 @@ Design rules:
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
-import math
 import threading
 import time
 import warnings
@@ -44,26 +42,24 @@ import torch
 
 from fp4select import backends as registry_mod
 from fp4select import settings as settings_mod
-from fp4select._version import __version__
 from fp4select.backends import emulation, flashinfer_invariant
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
-from fp4select.probe import (
+from fp4select.probe import InProcessProber, Prober
+from fp4select.records import (
     FATAL_STATUSES,
-    InProcessProber,
+    Decision,
     MalformedRecord,
     ProbeOptions,
-    Prober,
     ProbeResult,
     Status,
     Verdict,
-    is_number,
-    need,
+    _now,
 )
 from fp4select.settings import Settings
 from fp4select.store import CacheWarning, Store, digest
-from fp4select.timing import Timing, TimingOptions, preference_ranking, rank
+from fp4select.timing import TimingOptions, preference_ranking, rank
 
 log = logging.getLogger("fp4select")
 
@@ -82,110 +78,12 @@ class NoCorrectBackendError(RuntimeError):
     """No candidate passed validation for a problem (not even emulation)."""
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def _isolation(value: str, what: str) -> Isolation:
     """``value`` as one of ``ISOLATIONS``; a ValueError naming ``what`` otherwise."""
     for known in ISOLATIONS:
         if value == known:
             return known
     raise ValueError(f"{what} must be one of {ISOLATIONS}, got {value!r}")
-
-
-@dataclass
-class Decision:
-    """The record of one choice; ``to_json`` is what the store keeps and ``explain`` returns."""
-
-    problem: Problem
-    env: dict[str, Any]
-    winner: str | None
-    verdicts: dict[str, Verdict]
-    timings: dict[str, Timing] = field(default_factory=dict)
-    ranking: Mapping[str, Any] | None = None  # a timing.RankingRecord, or as read from disk
-    method: str = ""
-    considered: list[str] = field(default_factory=list)
-    created: str = field(default_factory=_now)
-    tuning_seconds: float = 0.0
-    isolation: str = ""
-    source: str = "tuned"  # memory | disk | tuned | fallback | explicit
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "problem": self.problem.to_json(),
-            "env": self.env,
-            "winner": self.winner,
-            "verdicts": {k: v.to_json() for k, v in self.verdicts.items()},
-            "timings": {k: v.to_json() for k, v in self.timings.items()},
-            "ranking": self.ranking,
-            "method": self.method,
-            "considered": self.considered,
-            "created": self.created,
-            "tuning_seconds": self.tuning_seconds,
-            "isolation": self.isolation,
-            "fp4select": __version__,
-            "source": self.source,
-        }
-
-    def tactic(self, name: str | None) -> dict[str, Any] | None:
-        """The tactic record ``name`` was validated and timed at (served with it), if any."""
-        verdict = self.verdicts.get(name) if name else None
-        record = verdict.detail.get("tactic") if verdict is not None else None
-        return record if isinstance(record, dict) else None
-
-    @classmethod
-    def from_json(cls, data: Any, source: str) -> Decision:
-        """Rebuild from a store record or an import, checking every field before it is used.
-
-        Raises ``MalformedRecord`` (a ValueError) naming the field: a record that is not what
-        fp4select writes (NaN, wrong types, a winner that never passed) is never served.
-        """
-        need(isinstance(data, Mapping), f"a decision must be an object, not {type(data).__name__}")
-        for name, kind in (("problem", dict), ("env", dict), ("verdicts", dict), ("timings", dict)):
-            need(isinstance(data.get(name), kind), f"decision.{name} must be an object")
-        try:
-            problem = Problem.from_json(data["problem"])
-        except (TypeError, ValueError) as exc:
-            raise MalformedRecord(f"decision.problem: {exc}") from None
-        verdicts = {k: Verdict.from_json(v) for k, v in data["verdicts"].items()}
-        for name, verdict in verdicts.items():
-            need(verdict.backend == name, f"verdicts[{name!r}] is about {verdict.backend!r}")
-        timings = {k: Timing.from_json(v) for k, v in data["timings"].items()}
-        winner = data.get("winner")
-        need(winner is None or isinstance(winner, str), "decision.winner must be a name or null")
-        if winner is not None:
-            chosen = verdicts.get(winner)
-            need(chosen is not None and chosen.passed, f"winner {winner!r} never passed")
-        ranking = data.get("ranking")
-        need(ranking is None or isinstance(ranking, dict), "decision.ranking must be an object")
-        if ranking is not None:
-            need(ranking.get("winner") == winner, "decision.ranking names another winner")
-            margin = ranking.get("margin")
-            need(margin is None or _finite(margin), f"ranking.margin must be finite: {margin!r}")
-        considered = data.get("considered", [])
-        need(
-            isinstance(considered, list) and all(isinstance(n, str) for n in considered),
-            "decision.considered must be a list of names",
-        )
-        seconds = data.get("tuning_seconds", 0.0)
-        need(is_number(seconds), f"decision.tuning_seconds must be finite: {seconds!r}")
-        for name in ("method", "created", "isolation"):
-            need(isinstance(data.get(name, ""), str), f"decision.{name} must be a string")
-        return cls(
-            problem=problem,
-            env=dict(data["env"]),
-            winner=winner,
-            verdicts=verdicts,
-            timings=timings,
-            ranking=ranking,
-            method=data.get("method", ""),
-            considered=list(considered),
-            created=data.get("created", ""),
-            tuning_seconds=float(seconds),
-            isolation=data.get("isolation", ""),
-            source=source,
-        )
 
 
 _warned: set[str] = set()
@@ -195,10 +93,6 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, CacheWarning, stacklevel=3)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass

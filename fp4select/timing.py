@@ -27,58 +27,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
 
+from fp4select.records import Timing, TimingOptions
+
 MIN_TIE_TOLERANCE = 0.02
 MAX_TIE_TOLERANCE = 0.05
-
-
-@dataclass(frozen=True)
-class TimingOptions:
-    use_cuda_graph: bool = True
-    cold_l2: bool = True
-    budget_s: float = 3.0
-    min_rounds: int = 5
-    max_rounds: int = 100
-    target_sample_s: float = 2e-4  # choose R so one sample lasts about this long
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class Timing:
-    median_us: float
-    p10_us: float
-    p90_us: float
-    samples: int
-    calls_per_sample: int
-    method: str
-
-    @property
-    def half_spread(self) -> float:
-        return (self.p90_us - self.p10_us) / (2 * self.median_us) if self.median_us > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> Timing:
-        """Rebuild from JSON read from outside: finite non-negative times, positive counts."""
-        from fp4select.probe import is_int, is_number, need
-
-        need(isinstance(data, Mapping), f"a timing must be an object, got {type(data).__name__}")
-        names = {"median_us", "p10_us", "p90_us", "samples", "calls_per_sample", "method"}
-        need(set(data) == names, f"a timing has the fields {sorted(names)}")
-        for name in ("median_us", "p10_us", "p90_us"):
-            need(is_number(data[name]), f"timing.{name} must be a finite number: {data[name]!r}")
-        for name in ("samples", "calls_per_sample"):
-            need(is_int(data[name], 1), f"timing.{name} must be a positive int: {data[name]!r}")
-        need(isinstance(data["method"], str), "timing.method must be a string")
-        return cls(**data)
 
 
 def input_sets_for_cold_l2(device: torch.device, bytes_per_set: int, cold_l2: bool) -> int:

@@ -594,7 +594,7 @@ def test_a_death_that_no_candidate_reproduces_alone_blames_no_one(sandboxed):
 
 
 def _stream(*names: str, finished: tuple[str, ...] = ()):
-    from fp4select.sandbox_protocol import Stream
+    from fp4select.sandbox.protocol import Stream
 
     stream = Stream("7-abc", names)
     stream.finished.update(finished)
@@ -918,7 +918,7 @@ def test_the_fallbacks_timeout_scales_with_the_problem():
 
 
 def test_only_the_builtin_fallback_and_our_own_steps_get_the_scaled_window():
-    from fp4select.sandbox_attempt import Job, event_window
+    from fp4select.sandbox.attempt import Job, event_window
 
     registry = discover()
     problem = Problem(n=4096, k=4096, m_bucket=512)

@@ -13,7 +13,7 @@ import fp4select
 from fp4select import api, settings
 from fp4select.backends import flashinfer as fi
 from fp4select.keys import Problem
-from fp4select.sandbox_process import child_environment
+from fp4select.sandbox.process import child_environment
 from fp4select.selector import Selector
 from fp4select.settings import VARIABLES, Settings
 from fp4select.validate import make_inputs

@@ -24,8 +24,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print_json(items)
         return 0
-    from fp4select.probe import MalformedRecord
-    from fp4select.selector import Decision
+    from fp4select.records import Decision, MalformedRecord
 
     keyed: list[tuple[tuple[Any, ...], list[Any]]] = []  # (sort key, row): by N, K, M
     for item in items:
@@ -99,8 +98,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _entry_problem(key: dict[str, Any], record: dict[str, Any]) -> str | None:
     """Why an archived decision must not be imported: it is data from another machine."""
-    from fp4select.probe import MalformedRecord
-    from fp4select.selector import Decision
+    from fp4select.records import Decision, MalformedRecord
 
     try:
         decision = Decision.from_json(record, source="import")

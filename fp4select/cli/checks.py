@@ -23,7 +23,7 @@ from fp4select.reports import (
 )
 
 if TYPE_CHECKING:
-    from fp4select.selector import Decision
+    from fp4select.records import Decision
 
 __all__ = ["cmd_doctor", "cmd_native", "cmd_verify", "tactics_cell"]
 

@@ -10,27 +10,52 @@ Archives are explicit user actions, so problems raise (unlike lookups, which mis
   refuses blacklist records for ``protected_backends``, and returns what it did, record by
   record.
 
-This module only reads and writes through a ``Store``'s public methods.
+This module only reads and writes through a ``Store``'s public methods, named by the
+``ArchiveStore`` protocol below, so it needs no import of ``_store`` (which imports it).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from ._collection import SCHEMA_VERSION
 from ._jsonfile import Damage, atomic_write, decode, digest_or_none, file_bytes, json_type
 from ._jsonfile import read_named_file as _read_named_file
 from ._records import blacklist_record
 
-if TYPE_CHECKING:
-    from ._store import Store
-
 __all__ = ["ExportResult", "ImportResult", "export_archive", "import_archive", "read_archive"]
+
+
+class ArchiveStore(Protocol):
+    """What an archive reads and writes through: the part of ``Store`` it uses."""
+
+    def iter_entries(
+        self, env: Mapping[str, Any] | None = None
+    ) -> Iterator[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]: ...
+
+    def blacklist_items(
+        self, env: Mapping[str, Any] | None = None
+    ) -> Iterator[tuple[dict[str, Any], str, dict[str, Any]]]: ...
+
+    def read_entry(
+        self, env: Mapping[str, Any], key: Mapping[str, Any]
+    ) -> dict[str, Any] | None: ...
+
+    def write_entry(
+        self, env: Mapping[str, Any], key: Mapping[str, Any], record: Mapping[str, Any]
+    ) -> bool: ...
+
+    def blacklist(self, env: Mapping[str, Any]) -> dict[str, dict[str, Any]]: ...
+
+    def add_to_blacklist(
+        self, env: Mapping[str, Any], backend: str, record: Mapping[str, Any]
+    ) -> bool: ...
+
 
 KIND_ARCHIVE: Final = "fp4select.archive"
 _MAX_ARCHIVE_BYTES: Final = 256 << 20
@@ -77,7 +102,7 @@ class ImportResult:
 
 
 def export_archive(
-    store: Store,
+    store: ArchiveStore,
     path: str | os.PathLike[str],
     env: Mapping[str, Any] | None = None,
     *,
@@ -116,7 +141,7 @@ def export_archive(
 
 
 def import_archive(
-    store: Store,
+    store: ArchiveStore,
     path: str | os.PathLike[str],
     *,
     overwrite: bool = False,

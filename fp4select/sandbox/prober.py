@@ -1,9 +1,9 @@
 """Probing in a child process: a candidate that crashes, hangs or breaks CUDA takes only the child.
 
-Four modules, one job each: this one decides (what each candidate's verdict is, whom to blame);
-``sandbox_attempt.py`` reads one request's events; ``sandbox_protocol.py`` checks them;
-``sandbox_process.py`` starts, reuses and ends the worker processes. The child's own code is
-``sandbox_worker.py``.
+The package's modules, one job each: this one decides (what each candidate's verdict is, whom
+to blame); ``attempt.py`` reads one request's events; ``protocol.py`` checks them;
+``process.py`` starts, reuses and ends the worker processes. The child's own code is
+``worker.py``.
 
 Design rules:
 
@@ -46,6 +46,7 @@ import math
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,24 +56,20 @@ from fp4select.backends import discover
 from fp4select.backends.base import Backend, NotImportableError
 from fp4select.backends.emulation import NAME as EMULATION
 from fp4select.keys import Problem
-from fp4select.probe import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Status, Verdict
-from fp4select.sandbox_attempt import (
+from fp4select.records import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Status, Verdict
+from fp4select.sandbox.attempt import (
     STRAY_LINES_KEPT,
+    Attempt,
     Failure,
     Job,
     run_attempt,
     scaled_timeout_s,
     timing_failure,
 )
-from fp4select.sandbox_process import WorkerPool
-from fp4select.sandbox_worker import PROTOCOL_FD_ENV
+from fp4select.sandbox.process import WorkerPool
 from fp4select.settings import Settings
 
-__all__ = [
-    "PROTOCOL_FD_ENV",
-    "SandboxProber",
-    "scaled_timeout_s",
-]
+__all__ = ["SandboxProber", "scaled_timeout_s"]
 
 # How long a candidate re-run alone is watched after its last step, for faults fired late.
 ALONE_LINGER_S = 1.0
@@ -134,11 +131,12 @@ class SandboxProber:
         """``probe.probe``'s contract, whatever the candidates do to the child.
 
         Verdicts come from every attempt, in candidate order; timings from the last attempt
-        that timed; ``seconds`` is the wall time of all attempts and restarts together.
+        that timed; ``seconds`` is the wall time of all attempts and restarts together. Each
+        attempt ends one of four ways, each handled by its own method: the stream went out of
+        step, a result came back, the child died or hung, or it was lost before anything ran.
         """
         started = time.perf_counter()
         device = _normalise(device)
-        key = str(device)
         report = report or (lambda event: None)
         verdicts: dict[str, Verdict] = {}
         job = Job(
@@ -151,105 +149,103 @@ class SandboxProber:
             timeout_s=self.timeout_s,
             linger_s=self.linger_s,
         )
-        pending = [b.name for b in backends if b.name not in verdicts]
-        timings: dict[str, Any] = {}
-        method = "none"
-        stray: dict[str, list[str]] = {}
-        unexplained = 0
-        strikes: dict[str | None, int] = {}
-        spared: set[str] = set()  # built-in candidates already given a second chance
-        rounds_left = 4 * len(pending) + 4  # each round settles one; this is a backstop
-        with self._pool.lock(key):
-            while pending:
+        run = _Run(str(device), job, verdicts, [b.name for b in backends if b.name not in verdicts])
+        rounds_left = 4 * len(run.pending) + 4  # each round settles one; this is a backstop
+        with self._pool.lock(run.key):
+            while run.pending:
                 rounds_left -= 1
                 if rounds_left < 0:
-                    self._settle_all(
-                        verdicts, pending, "the sandbox gave up after too many restarts"
-                    )
+                    run.settle_all("the sandbox gave up after too many restarts")
                     break
-                attempt = run_attempt(self._pool.get(key), self._request(job, pending), job)
+                attempt = run_attempt(self._pool.get(run.key), self._request(job, run.pending), job)
                 for name, lines in attempt.stray.items():
                     if name is not None:
-                        stray.setdefault(name, []).extend(lines)
+                        run.stray.setdefault(name, []).extend(lines)
                 if attempt.out_of_step is not None:
-                    self._pool.retire(key)
-                    running = (attempt.last_run or {}).get("backend")
-                    strikes[running] = strikes.get(running, 0) + 1
-                    if strikes[running] >= PROTOCOL_STRIKES:
-                        why = f"the sandbox protocol went out of step ({attempt.out_of_step})"
-                        if running is None:
-                            self._settle_all(verdicts, pending, why)
-                            break
-                        verdicts[running] = Verdict(
-                            running,
-                            Status.ERROR,
-                            f"{why} twice while it ran"[:2000],
-                            detail={"phase": "protocol"},
-                        )
-                        report({"event": "verdict", "verdict": verdicts[running].to_json()})
-                    pending = [n for n in pending if n not in verdicts or verdicts[n].passed]
-                    continue
-                failure: Failure | None = None
-                for verdict in attempt.verdicts.values():
-                    if verdict.status not in FATAL_STATUSES:
-                        verdicts[verdict.backend] = verdict
-                if attempt.result is not None:
-                    result = attempt.result
-                    for name, verdict in result.verdicts.items():
-                        if verdict.status in FATAL_STATUSES:
-                            failure = Failure(
-                                verdict.status, verdict.reason, name, verdict.m, verdict.detail
-                            )
-                        else:
-                            verdicts[name] = verdict
-                    if result.timings:
-                        timings, method = result.timings, result.method
-                    elif result.method != "none":
-                        method = result.method
-                    if not result.aborted and failure is None:
-                        break
-                    self._pool.retire(key)  # its CUDA context is gone, and the child with it
-                    failure = failure or timing_failure(attempt)
-                elif attempt.failure is not None:
-                    self._pool.retire(key)
-                    failure = attempt.failure
+                    done = self._out_of_step(run, attempt)
                 else:
-                    # The child failed before anything ran: once may be bad luck (it died
-                    # while idle); twice, or an error it reported itself, will not go away.
-                    unexplained += 1
-                    if attempt.lost and attempt.lost.startswith("child:"):
-                        unexplained = 2
+                    for verdict in attempt.verdicts.values():
+                        if verdict.status not in FATAL_STATUSES:
+                            verdicts[verdict.backend] = verdict
+                    if attempt.result is not None:
+                        done = self._returned(run, attempt, attempt.result)
+                    elif attempt.failure is not None:
+                        self._pool.retire(run.key)
+                        self._settle(run, attempt.failure, attempt.ran)
+                        done = False
                     else:
-                        self._pool.retire(key)
-                    if unexplained >= 2:
-                        self._settle_all(verdicts, pending, f"the sandbox failed: {attempt.lost}")
-                        break
-                if failure is not None:
-                    self._settle(key, failure, attempt.ran, job, verdicts, spared)
-                pending = [n for n in pending if n not in verdicts or verdicts[n].passed]
-            if key in self._pool.workers:
-                self._pool.arm_idle_timer(key, self._pool.workers[key])
+                        done = self._lost(run, attempt)
+                if done:
+                    break
+                run.pending = [n for n in run.pending if n not in verdicts or verdicts[n].passed]
+            if run.key in self._pool.workers:
+                self._pool.arm_idle_timer(run.key, self._pool.workers[run.key])
 
-        for name, lines in stray.items():
+        for name, lines in run.stray.items():
             if name in verdicts:
                 verdicts[name].detail["stdout"] = lines[-STRAY_LINES_KEPT:]
         ordered = {b.name: verdicts[b.name] for b in backends if b.name in verdicts}
         passed = {n for n, v in ordered.items() if v.passed}
         return ProbeResult(
             verdicts=ordered,
-            timings={n: t for n, t in timings.items() if n in passed},
-            method=method,
+            timings={n: t for n, t in run.timings.items() if n in passed},
+            method=run.method,
             seconds=time.perf_counter() - started,
             aborted=False,
         )
 
-    @staticmethod
-    def _settle_all(verdicts: dict[str, Verdict], pending: Sequence[str], reason: str) -> None:
-        for name in pending:
-            if name not in verdicts or verdicts[name].passed:
-                verdicts[name] = Verdict(
-                    name, Status.ERROR, reason[:2000], detail={"phase": "sandbox"}
-                )
+    # -- the four ways an attempt ends (True: the probe is over) ----------------------------
+    def _out_of_step(self, run: _Run, attempt: Attempt) -> bool:
+        """The stream went out of step: a fresh worker, and a strike against the one running."""
+        self._pool.retire(run.key)
+        running = (attempt.last_run or {}).get("backend")
+        run.strikes[running] = run.strikes.get(running, 0) + 1
+        if run.strikes[running] >= PROTOCOL_STRIKES:
+            why = f"the sandbox protocol went out of step ({attempt.out_of_step})"
+            if running is None:
+                run.settle_all(why)
+                return True
+            run.verdicts[running] = Verdict(
+                running,
+                Status.ERROR,
+                f"{why} twice while it ran"[:2000],
+                detail={"phase": "protocol"},
+            )
+            run.job.report({"event": "verdict", "verdict": run.verdicts[running].to_json()})
+        return False
+
+    def _returned(self, run: _Run, attempt: Attempt, result: ProbeResult) -> bool:
+        """The child returned a result: done, unless it holds a fatal verdict or was aborted."""
+        failure: Failure | None = None
+        for name, verdict in result.verdicts.items():
+            if verdict.status in FATAL_STATUSES:
+                failure = Failure(verdict.status, verdict.reason, name, verdict.m, verdict.detail)
+            else:
+                run.verdicts[name] = verdict
+        if result.timings:
+            run.timings, run.method = result.timings, result.method
+        elif result.method != "none":
+            run.method = result.method
+        if not result.aborted and failure is None:
+            return True
+        self._pool.retire(run.key)  # its CUDA context is gone, and the child with it
+        failure = failure or timing_failure(attempt)
+        if failure is not None:
+            self._settle(run, failure, attempt.ran)
+        return False
+
+    def _lost(self, run: _Run, attempt: Attempt) -> bool:
+        """The child failed before anything ran: once may be bad luck (it died while idle);
+        twice, or an error it reported itself, will not go away."""
+        run.unexplained += 1
+        if attempt.lost and attempt.lost.startswith("child:"):
+            run.unexplained = 2
+        else:
+            self._pool.retire(run.key)
+        if run.unexplained >= 2:
+            run.settle_all(f"the sandbox failed: {attempt.lost}")
+            return True
+        return False
 
     def _request(self, job: Job, names: Sequence[str], alone: bool = False) -> dict[str, Any]:
         request: dict[str, Any] = {
@@ -289,16 +285,9 @@ class SandboxProber:
         return specs
 
     # -- blame ------------------------------------------------------------------------------
-    def _settle(
-        self,
-        key: str,
-        failure: Failure,
-        ran: Sequence[str],
-        job: Job,
-        verdicts: dict[str, Verdict],
-        spared: set[str],
-    ) -> None:
+    def _settle(self, run: _Run, failure: Failure, ran: Sequence[str]) -> None:
         """Find who reproduces ``failure`` alone; blame only that one, or nobody."""
+        key, job, verdicts, spared = run.key, run.job, run.verdicts, run.spared
         suspects = [failure.suspect] if failure.suspect is not None else []
         order = [n for n in dict.fromkeys([*suspects, *reversed(ran)]) if n in job.specs]
         alone: dict[str, Verdict] = {}
@@ -380,7 +369,25 @@ def _normalise(device: torch.device | str) -> torch.device:
     return device
 
 
-if __name__ == "__main__":  # ``python -m fp4select.sandbox`` still starts a worker by hand
-    from fp4select.sandbox_worker import main
+@dataclass
+class _Run:
+    """What one ``SandboxProber.probe`` call has learnt so far, across its attempts."""
 
-    main()
+    key: str  # the device, as the worker pool names it
+    job: Job
+    verdicts: dict[str, Verdict]
+    pending: list[str]  # candidates still to run: no verdict yet, or passed (run again)
+    timings: dict[str, Any] = field(default_factory=dict)
+    method: str = "none"
+    stray: dict[str, list[str]] = field(default_factory=dict)
+    unexplained: int = 0  # attempts lost before anything ran
+    strikes: dict[str | None, int] = field(default_factory=dict)  # out of step, per backend
+    spared: set[str] = field(default_factory=set)  # built-ins already given a second chance
+
+    def settle_all(self, reason: str) -> None:
+        """An ``error`` verdict for every pending candidate that has none (or passed)."""
+        for name in self.pending:
+            if name not in self.verdicts or self.verdicts[name].passed:
+                self.verdicts[name] = Verdict(
+                    name, Status.ERROR, reason[:2000], detail={"phase": "sandbox"}
+                )

@@ -1,7 +1,7 @@
 """Sandbox worker processes, parent side: start them, talk to them, end them, decode deaths.
 
-The child's own code is ``sandbox_worker.py``; what its events may say is
-``sandbox_protocol.py``; what is probed in it and who is blamed is ``sandbox.py``.
+The child's own code is ``worker.py``; what its events may say is
+``protocol.py``; what is probed in it and who is blamed is ``prober.py``.
 
 Design rules:
 
@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from fp4select.sandbox_protocol import MAX_LINE_BYTES, OutOfStep, parse
+from fp4select.sandbox.protocol import MAX_LINE_BYTES, OutOfStep, parse
 from fp4select.settings import Settings
 
 __all__ = ["START_TIMEOUT_S", "Worker", "WorkerPool", "death"]
@@ -54,7 +54,7 @@ _BOOTSTRAP = (
     "import sys\n"
     "if sys.path and sys.path[0] == '':\n"  # -c puts the working directory first, unless -P
     "    del sys.path[0]\n"
-    "from fp4select.sandbox_worker import main\n"
+    "from fp4select.sandbox.worker import main\n"
     "main()\n"
 )
 

@@ -1,6 +1,6 @@
 """The sandbox child: reads probe requests, runs them, and reports on a private channel.
 
-The parent half (``sandbox.py``) starts this module in a fresh interpreter and trusts nothing
+The parent half (``prober.py``) starts this module in a fresh interpreter and trusts nothing
 it says until it has checked it; this half only has to be honest and unambiguous.
 
 Design rules:
@@ -43,7 +43,7 @@ from fp4select import probe as probe_mod
 from fp4select.backends import Registry, discover
 from fp4select.backends.base import Backend
 from fp4select.keys import Problem
-from fp4select.probe import ProbeOptions, ProbeResult, Status, Verdict
+from fp4select.records import ProbeOptions, ProbeResult, Status, Verdict
 
 # Set in the child: the file descriptor of the protocol channel (for tests that corrupt it).
 PROTOCOL_FD_ENV = "FP4SELECT_SANDBOX_FD"
@@ -206,7 +206,3 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: it can hang on a broken CUDA context
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """The sandbox protocol, parent side: what a worker's event stream may say, checked.
 
-The child half is ``sandbox_worker.py``; the prober that acts on the events is ``sandbox.py``.
+The child half is ``worker.py``; the prober that acts on the events is ``prober.py``.
 
 Design rules:
 
@@ -10,7 +10,7 @@ Design rules:
   every event must echo it; every event's shape is checked here (kinds, names from this request,
   statuses the child may give, finite numbers, a ``passed`` verdict only after that backend's
   ``out=`` step ran). A check returns why an event cannot belong to its request, or None; the
-  prober decides what that costs (see ``sandbox.py``).
+  prober decides what that costs (see ``prober.py``).
 * A line over ``MAX_LINE_BYTES`` is garbage, not an event: reading it raises ``OutOfStep``.
 * Lines that are not JSON objects are not events (``parse`` returns None): a backend's stray
   output, which the prober keeps as detail.
@@ -24,8 +24,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fp4select.probe import Status, Verdict
-from fp4select.timing import Timing
+from fp4select.records import Status, Timing, Verdict
 
 __all__ = ["CHILD_STATUSES", "MAX_LINE_BYTES", "OutOfStep", "Stream", "parse"]
 
@@ -36,7 +35,9 @@ MAX_LINE_BYTES = 8 << 20
 CHILD_STATUSES = frozenset(
     {Status.PASSED, Status.WRONG, Status.ERROR, Status.UNSUPPORTED, Status.OOM, Status.CUDA_ERROR}
 )
-_VERDICT_KEYS = frozenset(f.name for f in dataclasses.fields(Verdict))
+# Exactly what a child's ``Verdict.to_json`` holds: a child never gives a ``cause`` (only the
+# parent's candidate filter does), and an empty one is left out.
+_VERDICT_KEYS = frozenset(f.name for f in dataclasses.fields(Verdict)) - {"cause"}
 _TIMING_KEYS = frozenset(f.name for f in dataclasses.fields(Timing))
 _RESULT_KEYS = frozenset({"verdicts", "timings", "method", "seconds", "aborted"})
 # The last step of validation: a "passed" verdict for a backend that never reached it is forged.

@@ -1,9 +1,9 @@
 """One request to one sandbox worker: send it, read its events, and say what it produced.
 
-``sandbox.py`` decides what to do with an ``Attempt`` (keep its verdicts, start again, look for
+``prober.py`` decides what to do with an ``Attempt`` (keep its verdicts, start again, look for
 whom to blame); this module only reads one, under these rules:
 
-* Every event is checked against its request (``sandbox_protocol.Stream``). One that cannot
+* Every event is checked against its request (``protocol.Stream``). One that cannot
   belong to it puts the stream out of step: the worker is killed and the attempt keeps none of
   its verdicts (``Attempt.out_of_step`` says why).
 * Silence is timed per event: after each ``run`` event the child gets that step's window. The
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from fp4select.keys import Problem
-from fp4select.probe import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Status, Verdict
-from fp4select.sandbox_process import START_TIMEOUT_S, Worker, death
-from fp4select.sandbox_protocol import OutOfStep, Stream, parse
+from fp4select.records import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Status, Verdict
+from fp4select.sandbox.process import START_TIMEOUT_S, Worker, death
+from fp4select.sandbox.protocol import OutOfStep, Stream, parse
 
 __all__ = [
     "Attempt",

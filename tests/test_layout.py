@@ -1,0 +1,49 @@
+"""The package's shape: no import circles, the records a leaf, long files say why they are long.
+
+Read from the source by tools/import_graph.py (nothing is imported), so these run in a blink.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
+assert _spec is not None and _spec.loader is not None
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
+
+
+def test_the_import_graph_has_no_circles_lazy_imports_included():
+    assert import_graph.circles(import_graph.graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_graph.circles(edges) == [["a", "b", "c"]]
+    assert import_graph.levels({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == {
+        "a": 2,
+        "b": 1,
+        "c": 3,
+    }
+
+
+def test_the_records_are_a_leaf():
+    """records imports nothing of ours but what it holds (Problem) and the version."""
+    edges = import_graph.graph()
+    assert edges["fp4select.records"] <= {"fp4select.keys", "fp4select._version"}
+    # and the sandbox's protocol, which checks records, needs no probing or validation
+    below: set[str] = set()
+    todo = ["fp4select.sandbox.protocol"]
+    while todo:
+        for name in edges[todo.pop()] - below:
+            below.add(name)
+            todo.append(name)
+    assert not below & {"fp4select.probe", "fp4select.validate", "fp4select.formats"}
+
+
+def test_a_module_over_500_lines_says_why_at_its_top():
+    for path, lines in import_graph.long_files(500).items():
+        head = (ROOT / path).read_text().split('"""')[1]
+        assert "Why one file" in head, f"{path} has {lines} lines and no reason at its top"
