@@ -45,6 +45,7 @@ from fp4select import native_key, tensor_guard
 from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
+from fp4select.backends import flashinfer_tactics
 from fp4select.keys import Problem, environment_for
 from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
@@ -238,11 +239,8 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
 
 
 def stats() -> dict[str, int]:
-    """Counters of this process: hits, tunings, fallbacks, bound signatures, and
-    ``tactic_fallbacks``: calls run at flashinfer's default tactic because the stored one could
-    not serve their problem (``explain`` names them and why)."""
-    from fp4select.backends import flashinfer_tactics
-
+    """This process's counters; ``tactic_fallbacks``: calls run at flashinfer's default tactic
+    because the stored one cannot serve their M (``explain`` names them and why)."""
     counters = selector().counters.as_dict()
     counters["bound_signatures"] = len(_checked)
     counters["tactic_fallbacks"] = flashinfer_tactics.fallback_calls()
@@ -499,19 +497,12 @@ def explain(
     if decision is None and tune:
         decision = sel.decide(problem, device)
         source = decision.source  # "tuned", or "disk" when another process finished first
-    from fp4select.backends import flashinfer_tactics
-
-    # Calls of this problem served at flashinfer's default instead of the stored tactic.
-    fallbacks = flashinfer_tactics.tactic_fallbacks(problem)
+    fallbacks = flashinfer_tactics.tactic_fallbacks(problem)  # calls served at the default
     if decision is None:
-        return {
-            "problem": problem.to_json(),
-            "source": "none",
-            "winner": None,
-            "tactic_fallbacks": fallbacks,
+        return {"problem": problem.to_json(), "source": "none", "winner": None} | {
+            "tactic_fallbacks": fallbacks
         }
-    record = decision.to_json()
-    record["tactic_fallbacks"] = fallbacks
+    record = decision.to_json() | {"tactic_fallbacks": fallbacks}
     record["source"] = source  # how this call was served
     record["origin"] = decision.source  # how the decision entered this process
     return record

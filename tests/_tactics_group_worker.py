@@ -18,13 +18,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tactic_backends as tb  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from flashinfer import autotuner  # noqa: E402
+import tactic_backends as tb
+import torch.distributed as dist
+from flashinfer import autotuner
 
-from fp4select.backends import flashinfer_tactics as tactics  # noqa: E402
-from fp4select.keys import Problem  # noqa: E402
-from fp4select.validate import make_inputs  # noqa: E402
+from fp4select.backends import flashinfer_tactics as tactics
+from fp4select.keys import Problem
+from fp4select.validate import make_inputs
 
 PROBLEM = Problem(n=64, k=128, m_bucket=16)
 

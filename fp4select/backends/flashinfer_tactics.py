@@ -1,5 +1,9 @@
 """flashinfer tactics: compare backends at their best tactic for the bucket, serve that tactic.
 
+Why one file of ~770 lines: like Triton's ``autotuner.py``, the whole tactic mechanism (what the
+installed flashinfer offers, tuning through its autotuner, the stored record, the per-call hook
+that serves and checks it) reads in one place, against flashinfer's source it mirrors.
+
 ``flashinfer.mm_fp4`` asks ``AutoTuner.get().choose_one("fp4_gemm", runners, tuning_config,
 inputs)`` on every call and then runs ``runner(inputs=inputs, tactic=tactic)``. Outside a
 ``flashinfer.autotune(True)`` context choose_one returns a cached tactic or the default (-1), so
