@@ -27,7 +27,7 @@ import torch
 from _common import quantiles, table, write
 
 import fp4select
-from fp4select import api, native_key, tensor_guard
+from fp4select import api, native_build, native_key, tensor_guard
 from fp4select.formats import reference_mm_fp4
 from fp4select.keys import Problem
 from fp4select.timing import TimingOptions
@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     start = time.perf_counter()
-    key = native_key.build(args.native_dir)
+    key = native_build.build(args.native_dir)
     print(
         f"C++ key ready in {time.perf_counter() - start:.1f} s: {native_key.library_path(args.native_dir)}"
     )

@@ -5,9 +5,9 @@ Design rules:
 * The warm path makes one small key, looks it up once and calls a bound runner: no device
   sync, no host-device copy, no logging, so it is safe inside CUDA graph capture
   (benchmarks/bench_warm_path.py measures what it adds).
-* Where the C++ key is loaded (fp4select.native_key: built on this machine, in the
-  background after a process's first miss, or at deploy time), one C++ call turns the exact
-  metadata of every tensor into an int, and the key is that int with the flags: an exact
+* Where the C++ key is loaded (fp4select.native_key: built on this machine at deploy time,
+  loaded when the settings are made; a serving process never builds it), one C++ call turns
+  the exact metadata of every tensor into an int, and the key is that int with the flags: an exact
   match is the whole check, so no guard runs. Until then (or with ``FP4SELECT_NATIVE=off``)
   the Python path below serves, with the same answers.
 * Arguments are checked in full the first time a call signature is seen, before any kernel
@@ -60,12 +60,9 @@ _lookup = _bound.get  # one global load on the warm path instead of two
 # native key is exact metadata, so an entry needs no guard.
 _native_bound: dict[tuple, Any] = {}
 _native_lookup = _native_bound.get
-# The loaded C++ key function (fp4select.native_key), or None: the Python path serves.
+# The loaded C++ key function (fp4select.native_key.for_settings), or None: the Python path
+# serves. Set with the settings, read once per call.
 _native_key: native_key.Key | None = None
-# Bumped whenever the settings change, so a background build finishing for old settings
-# does not install its key under new ones; _native_started: a miss has asked for the key.
-_native_generation = 0
-_native_started = False
 _checked: dict[tuple, Any] = {}
 # Entries a warm key held before its current one: a caller that alternates between two
 # variants the checks both accept (say, two over-allocations of a_descale) finds the other one
@@ -98,12 +95,9 @@ def selector() -> Selector:
 
 
 def _after_fork_in_child() -> None:
-    """The child of a fork must not inherit a lock another thread held (a background build
-    installing its key, a binding); a build the parent was waiting for is not the child's."""
-    global _table_lock, _native_started
+    """The child of a fork must not inherit a lock another thread held (a binding)."""
+    global _table_lock
     _table_lock = threading.Lock()
-    if _native_key is None:
-        _native_started = False
 
 
 if hasattr(os, "register_at_fork"):
@@ -111,47 +105,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _native_for(settings: Settings) -> None:
-    """New settings: use their C++ key if it is built (a stat and an import, no build); the
-    first miss of best_mm_fp4 starts a build otherwise. Call with _table_lock held."""
-    global _native_key, _native_generation, _native_started
-    _native_generation += 1
-    _native_key = None
-    _native_started = False
-    if settings.native == "off":
-        return
-    try:
-        _native_key = native_key.load(settings.native_dir)
-    except Exception as exc:  # an unreadable folder, a torch without its headers: Python path
-        native_key.log.warning("fp4select: the native warm-path key is not used: %s", exc)
-    _native_started = _native_key is not None
-
-
-def _start_native(settings: Settings) -> None:
-    """On a miss of best_mm_fp4: load the C++ key, or start its build in the background.
-
-    Only calls of best_mm_fp4 start a build (not the command line's reads of the store), and
-    once per settings: a process that exits first leaves the compiler to finish on its own.
-    """
-    global _native_started
-    with _table_lock:
-        if _native_started or settings.native == "off":
-            return
-        _native_started = True
-        generation = _native_generation
-
-    def install(key: native_key.Key) -> None:
-        global _native_key
-        with _table_lock:
-            if _native_generation == generation:
-                _native_key = key
-
-    try:
-        key = native_key.start(settings.native_dir, install)
-    except Exception as exc:  # an unreadable folder, a torch without its headers: Python path
-        native_key.log.warning("fp4select: the native warm-path key is not used: %s", exc)
-        return
-    if key is not None:
-        install(key)
+    """New settings: the C++ key they serve with (fp4select.native_key.for_settings: a
+    trusted existing build, or None; never a build). Call with _table_lock held."""
+    global _native_key
+    _native_key = native_key.for_settings(settings)
 
 
 def configure(
@@ -460,8 +417,6 @@ def _miss(
     _record.note(problem)  # FP4SELECT_RECORD: the first call of a signature only
     a = args[0]
     sel = selector()
-    if not _native_started:
-        _start_native(sel.settings)
     device = a.device
     if backend != "auto":
         return sel.named_runner(backend, problem, device, allow_blacklisted), True

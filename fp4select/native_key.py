@@ -1,4 +1,5 @@
-"""The warm path's C++ key: every tensor's metadata in one call, built on the user's machine.
+"""The warm path's C++ key: every tensor's metadata in one call, loaded only from a file nobody
+else could have written.
 
 Design rules:
 
@@ -11,23 +12,39 @@ Design rules:
 * Exact, never hashed. The C++ side interns each distinct encoding: two calls share an int
   only if every word of every tensor is equal. The int *is* the full metadata, so the warm
   path needs no separate guard, and no collision can admit a call.
-* Optional and never in the way. It is compiled with the machine's C++ compiler against
-  PyTorch's own headers (every torch wheel ships them), in about 15 s. With
-  ``FP4SELECT_NATIVE=auto`` (the default) a process loads a build that exists, and otherwise
-  starts one in a background thread the first time it needs a selector, so no call waits for
-  it; ``fp4select native --build`` (and ``fp4select warm``) build it up front. Until it is
-  loaded, or where it cannot be built, the Python path (fp4select.tensor_guard) serves with
-  the same answers. ``FP4SELECT_NATIVE=off`` never builds or loads it.
+* A serving process never starts a compiler. This module only finds, checks and loads a
+  build; building is fp4select.native_build's job, run by ``fp4select native --build`` and
+  ``fp4select warm`` (deploy time), never by best_mm_fp4. With ``FP4SELECT_NATIVE=auto`` (the
+  default) a process loads a build that exists and passes the checks below, and otherwise the
+  Python path (fp4select.tensor_guard) serves with the same answers; ``off`` never loads it.
+* The lifecycle is one function: ``for_settings(settings)`` is the key the warm path uses
+  under those settings (or None), computed when the settings are made (api.configure and the
+  first selector); api keeps the result in one module global, read once per call.
 * Code, not data. The decision cache holds data only; this library is code, so it lives
   apart from it, in ``FP4SELECT_NATIVE_DIR`` (default: PyTorch's own folder for extensions
   it compiles, ``torch_extensions``), in a folder named from the source, torch's version and
   build, and Python's ABI: an upgrade builds anew and never loads a build made for another
-  torch. A library is loaded only if it and its folder belong to this user and nobody else
-  may write them, and it is used only after a self-test on real tensors passes.
-* Builds are atomic and shared: one process compiles at a time (a file lock); the compiler
-  writes a temporary file that is renamed into place, so a reader never sees half a library,
-  and a failed build leaves nothing behind. A failure is reported once per process (a warning
-  and ``status()``), never raised into a caller of best_mm_fp4.
+  torch.
+* Who may have written it (docs/native_key.md says why each rule is there). Loading runs
+  the library's start-up code, so the checks come first and are made on what is loaded:
+  - every folder from ``/`` down to the library's own (symbolic links resolved first, then
+    each folder ``lstat``-ed: none may be a link) belongs to root or to this user, and is not
+    writable by group or others, unless it is a root-owned sticky folder such as ``/tmp``
+    (there only an entry's owner may rename or delete it, so our folders inside cannot be
+    swapped); the two folders fp4select makes (the tag folder and the one above it) must be
+    this user's own, mode without group/other write;
+  - the library is opened once (``O_NOFOLLOW``: a symbolic link is refused; ``O_NONBLOCK``:
+    a FIFO cannot stall the open) and checked on that descriptor (``fstat``: a regular file,
+    this user's, not writable by group or others);
+  - that same open file is what the dynamic loader maps: Python's extension loader is given
+    ``/proc/self/fd/N``, so a file swapped after the checks is never the one loaded. This
+    needs Linux's ``/proc``; elsewhere the key is refused and the Python path serves. The
+    descriptor stays open while the process lives (so its number, which CPython's extension
+    cache remembers, is never reused for another file).
+  A refusal is one line in ``doctor`` and ``fp4select native`` and one warning per process.
+* After loading, a self-test on real tensors decides whether the warm path *uses* it (it
+  guards against a build that is wrong, not against one that is hostile: by then its
+  start-up code has run, which is why the checks above come first).
 """
 
 from __future__ import annotations
@@ -37,42 +54,45 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-import shlex
-import shutil
-import subprocess
+import stat
 import sys
 import sysconfig
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["Key", "build", "default_dir", "library_path", "load", "start", "status"]
+if TYPE_CHECKING:
+    from fp4select.settings import Settings
+
+__all__ = [
+    "Key",
+    "default_dir",
+    "for_settings",
+    "library_path",
+    "load",
+    "status",
+    "why_untrusted_folder",
+]
 
 log = logging.getLogger(__name__)
 
 Key = Callable[..., "int | None"]
 MODULE = "fp4select_native_key"  # the C++ file's PyInit_ name
 SOURCE = Path(__file__).with_name("native_key.cpp")
-BUILD_TIMEOUT_S = 600.0
-_LOCK_TIMEOUT_S = BUILD_TIMEOUT_S + 60.0
 
 _state_lock = threading.Lock()
 _loaded: dict[str, Key] = {}  # library path -> its key function
 _status: dict[str, str] = {}  # folder -> what happened to it in this process
-_building: set[str] = set()  # folders a background thread is building
+_kept_open: list[int] = []  # descriptors of libraries handed to the loader (never closed)
 
 
 def _after_fork_in_child() -> None:
-    """A fork while a build thread held the lock must not deadlock the child; the thread is
-    not in the child, so neither is its build: the child may start its own."""
+    """A fork while another thread held the lock must not deadlock the child."""
     global _state_lock
     _state_lock = threading.Lock()
-    for name in _building:
-        _status.pop(name, None)
-    _building.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -113,21 +133,87 @@ def library_path(folder: str | os.PathLike[str] | None = None) -> Path:
     return root / _tag() / f"{MODULE}{suffix}"
 
 
-def _why_untrusted(path: Path) -> str | None:
-    """Refuse a file or folder that someone other than this user could have written."""
+def _why_mode(what: str, info: os.stat_result, *, own: bool) -> str | None:
+    """``own``: a folder or file fp4select made (this user's alone); else an ancestor folder
+    (root's or this user's; group/other-writable only as a root-owned sticky folder)."""
+    uid = os.geteuid()
+    if own and info.st_uid != uid:
+        return f"{what} belongs to uid {info.st_uid}, not to this user ({uid})"
+    if not own and info.st_uid not in (0, uid):
+        return f"{what} belongs to uid {info.st_uid}, neither root nor this user ({uid})"
+    if info.st_mode & 0o022:
+        sticky_root = not own and info.st_uid == 0 and info.st_mode & stat.S_ISVTX
+        if not sticky_root:
+            mode = oct(info.st_mode & 0o7777)
+            return f"{what} may be written by others (mode {mode})"
+    return None
+
+
+def why_untrusted_folder(folder: Path, own_levels: int) -> str | None:
+    """None if nobody but root and this user could have changed ``folder`` or what is in it:
+    every folder from ``/`` down, after resolving symbolic links; the last ``own_levels``
+    (the folders fp4select made) must be this user's own."""
     if not hasattr(os, "geteuid"):
         return "only POSIX systems can check who owns the library"
-    try:
-        info = os.stat(path, follow_symlinks=False)
-    except OSError as exc:
-        return f"cannot stat {path}: {exc.strerror}"
-    if os.path.islink(path):
-        return f"{path} is a symbolic link"
-    if info.st_uid != os.geteuid():
-        return f"{path} belongs to uid {info.st_uid}, not to this user ({os.geteuid()})"
-    if info.st_mode & 0o022:
-        return f"{path} may be written by others (mode {oct(info.st_mode & 0o777)})"
+    real = Path(os.path.realpath(folder))
+    chain = [*reversed(real.parents), real]
+    for depth, part in enumerate(chain):
+        try:
+            info = os.lstat(part)
+        except OSError as exc:
+            return f"cannot stat {part}: {exc.strerror}"
+        if stat.S_ISLNK(info.st_mode):
+            return f"{part} became a symbolic link while it was checked"
+        if not stat.S_ISDIR(info.st_mode):
+            return f"{part} is not a folder"
+        why = _why_mode(f"folder {part}", info, own=depth >= len(chain) - own_levels)
+        if why is not None:
+            return why
     return None
+
+
+def _open_trusted(path: Path) -> int:
+    """A descriptor of the library at ``path`` that passed every check, else ``OSError`` or
+    ``PermissionError`` saying why (the caller reports it)."""
+    if not os.path.isdir("/proc/self/fd"):
+        raise PermissionError(
+            "loading the checked file itself needs /proc/self/fd (Linux); the Python path serves"
+        )
+    why = why_untrusted_folder(path.parent, own_levels=2)
+    if why is not None:
+        raise PermissionError(why)
+    real = Path(os.path.realpath(path.parent)) / path.name
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as exc:
+        if os.path.islink(real):
+            raise PermissionError(f"{path} is a symbolic link") from None
+        raise OSError(exc.errno, f"cannot open {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise PermissionError(f"{path} is not a regular file")
+        why = _why_mode(str(path), info, own=True)
+        if why is not None:
+            raise PermissionError(why)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _import_fd(fd: int) -> Key:
+    """Load the open file ``fd`` as the extension (the dynamic loader maps that very file)."""
+    origin = f"/proc/self/fd/{fd}"
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, origin)
+    spec = importlib.util.spec_from_file_location(MODULE, origin, loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot make an import spec for {origin}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    key: Key = module.key
+    return key
 
 
 def _self_test(key: Key) -> str | None:
@@ -158,38 +244,34 @@ def _self_test(key: Key) -> str | None:
     return None
 
 
-def _import(path: Path) -> Key:
-    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
-    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot make an import spec for {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    key: Key = module.key
-    return key
-
-
 def load(folder: str | os.PathLike[str] | None = None) -> Key | None:
-    """The key function of an existing trusted build that passes its self-test, else None.
-
-    Cheap when there is nothing to load (one stat); never builds.
-    """
+    """The key function of an existing build that passes the checks and its self-test, else
+    None (and the reason in ``status()``, warned once). Never builds; one stat when there is
+    nothing to load."""
     path = library_path(folder)
     with _state_lock:
         if str(path) in _loaded:
             return _loaded[str(path)]
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
-    why = _why_untrusted(path.parent.parent) or _why_untrusted(path.parent) or _why_untrusted(path)
-    if why is None:
+    key: Key | None = None
+    try:
+        fd = _open_trusted(path)
+    except OSError as exc:  # PermissionError: a refusal; another OSError: cannot read it
+        why: str | None = str(exc) if isinstance(exc, PermissionError) else exc.strerror
+        why = why or str(exc)
+    else:
+        with _state_lock:
+            _kept_open.append(fd)  # its number must never name another file in this process
         try:
-            key = _import(path)
+            key = _import_fd(fd)
         except Exception as exc:  # a damaged or foreign file at our path
             why = f"{path} does not load: {type(exc).__name__}: {exc}"
         else:
             why = _self_test(key)
     with _state_lock:
-        if why is not None:
+        if why is not None or key is None:
+            why = why or "no key"
             if _status.get(str(path.parent.parent)) != f"refused: {why}":
                 log.warning("fp4select: not using the native warm-path key: %s", why)
             _status[str(path.parent.parent)] = f"refused: {why}"
@@ -199,141 +281,22 @@ def load(folder: str | os.PathLike[str] | None = None) -> Key | None:
     return key
 
 
-def _compiler() -> list[str]:
-    """$CXX (split as a shell would: ``ccache g++``), else the first C++ compiler on PATH."""
-    chosen = shlex.split(os.environ.get("CXX") or "")
-    if chosen:
-        return chosen
-    return [next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), "c++")]
-
-
-def _compile_command(source: Path, target: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    lib_dir = Path(torch.__file__).parent / "lib"
-    command = [
-        *_compiler(),
-        "-O2",
-        "-std=c++17",
-        "-shared",
-        "-fPIC",
-        "-fvisibility=hidden",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        f"-I{sysconfig.get_paths()['include']}",
-        str(source),
-        "-o",
-        str(target),
-        f"-L{lib_dir}",
-        "-lc10",
-        "-ltorch",
-        "-ltorch_cpu",
-        "-ltorch_python",
-        f"-Wl,-rpath,{lib_dir}",
-    ]
-    if sys.platform == "darwin":  # Python's symbols come from the interpreter that loads it
-        command += ["-undefined", "dynamic_lookup"]
-    return command
-
-
-def build(folder: str | os.PathLike[str] | None = None) -> Key:
-    """Compile the key for this torch and Python (unless built already) and load it.
-
-    Raises ``RuntimeError`` saying why when it cannot: no compiler, a refused folder, a
-    compiler error (its last lines), a library that fails its self-test.
-    """
-    from filelock import FileLock, Timeout
-
-    path = library_path(folder)
-    key = load(folder)
-    if key is not None:
-        return key
-    if sys.platform == "win32":
-        raise RuntimeError("the native key is built on Linux and macOS only")
-    path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    why = _why_untrusted(path.parent.parent) or _why_untrusted(path.parent)
-    if why is not None:
-        raise RuntimeError(f"will not build in {path.parent}: {why}")
+def for_settings(settings: Settings) -> Key | None:
+    """The key best_mm_fp4's warm path uses under ``settings``: an existing, trusted build
+    under ``native="auto"``, else None (the Python path). Never builds, never raises."""
+    if settings.native == "off":
+        return None
     try:
-        with FileLock(str(path.parent / "build.lock"), timeout=_LOCK_TIMEOUT_S):
-            if not path.exists():  # another process may have built it while we waited
-                _compile(path)
-    except Timeout:
-        raise RuntimeError(f"another process held {path.parent}/build.lock too long") from None
-    key = load(folder)
-    if key is None:
-        status = _status.get(str(path.parent.parent), "")
-        raise RuntimeError(f"built {path}, but it is not usable: {status}")
-    return key
+        return load(settings.native_dir)
+    except Exception as exc:  # an unreadable folder, a torch without its headers: Python path
+        log.warning("fp4select: the native warm-path key is not used: %s", exc)
+        return None
 
 
-# The compiler's output is made this user's alone and renamed into place by the same shell
-# that ran the compiler, so a build outlives a process that exits first (a short-lived command,
-# a background build at interpreter exit) and still leaves a whole library or nothing.
-_COMPILE_AND_RENAME = (
-    '"$@" && chmod 755 "$FP4SELECT_TMP" && mv -f "$FP4SELECT_TMP" "$FP4SELECT_LIB" '
-    '|| { rc=$?; rm -f "$FP4SELECT_TMP"; exit $rc; }'
-)
-
-
-def _compile(path: Path) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    command = _compile_command(SOURCE, temporary)
-    if shutil.which(command[0]) is None:
-        raise RuntimeError(f"no C++ compiler: {command[0]!r} was not found (set CXX)")
-    env = {**os.environ, "FP4SELECT_TMP": str(temporary), "FP4SELECT_LIB": str(path)}
-    try:
-        done = subprocess.run(
-            ["sh", "-c", _COMPILE_AND_RENAME, "sh", *command],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        temporary.unlink(missing_ok=True)
-        raise RuntimeError(f"the compiler ran past {BUILD_TIMEOUT_S:.0f} s") from None
-    if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
-        raise RuntimeError(f"the compiler failed (exit {done.returncode}):\n{tail}")
-
-
-def start(folder: str | os.PathLike[str] | None, on_ready: Callable[[Key], None]) -> Key | None:
-    """The key now if a build exists; else build it in a background thread and hand it to
-    ``on_ready`` when it is loaded. A build that fails is reported once (a warning) and not
-    tried again in this process."""
-    key = load(folder)
-    if key is not None:
-        return key
-    name = str(library_path(folder).parent.parent)
+def note(folder: str | os.PathLike[str] | None, happened: str) -> None:
+    """Record what happened to ``folder``'s build in this process (status() shows it)."""
     with _state_lock:
-        if name in _building or _status.get(name, "").startswith(("failed", "refused")):
-            return None
-        _building.add(name)
-        _status[name] = "building in the background"
-
-    def run() -> None:
-        try:
-            built = build(folder)
-        except Exception as exc:
-            with _state_lock:
-                _status[name] = f"failed: {exc}"
-            log.warning(
-                "fp4select: the native warm-path key could not be built (the Python path "
-                "serves, about 1 µs slower a call): %s",
-                exc,
-            )
-        else:
-            on_ready(built)
-        finally:
-            with _state_lock:
-                _building.discard(name)
-
-    threading.Thread(target=run, name="fp4select-native-build", daemon=True).start()
-    return None
+        _status[str(library_path(folder).parent.parent)] = happened
 
 
 def status(folder: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -342,9 +305,10 @@ def status(folder: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     path = library_path(folder)
     with _state_lock:
         happened = _status.get(str(path.parent.parent))
+    built = os.path.lexists(path)
     return {
         "path": str(path),
-        "built": path.exists(),
+        "built": built,
         "loaded": str(path) in _loaded,
-        "status": happened or ("built, not loaded yet" if path.exists() else "not built"),
+        "status": happened or ("built, not loaded yet" if built else "not built"),
     }

@@ -262,9 +262,19 @@ class Decision:
     created: str = field(default_factory=_now)
     tuning_seconds: float = 0.0
     isolation: str = ""
-    source: str = "tuned"  # memory | disk | tuned | fallback | explicit
+    source: str = "tuned"  # memory | disk | tuned | fallback | explicit | proven
+    # Came from an archive (another machine) and not yet proven here: never served as it is
+    # (see Selector.decide). The archive importer sets it whatever the archive says.
+    imported: bool = False
+    # When an imported decision's winner passed validation on this machine (None otherwise).
+    proven_here: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        # ``imported`` and ``proven_here`` only when set: a record tuned here is written as
+        # before they existed.
+        marks: dict[str, Any] = {"imported": True} if self.imported else {}
+        if self.proven_here is not None:
+            marks["proven_here"] = self.proven_here
         return {
             "problem": self.problem.to_json(),
             "env": self.env,
@@ -279,6 +289,7 @@ class Decision:
             "isolation": self.isolation,
             "fp4select": __version__,
             "source": self.source,
+            **marks,
         }
 
     def tactic(self, name: str | None) -> dict[str, Any] | None:
@@ -325,6 +336,10 @@ class Decision:
         need(is_number(seconds), f"decision.tuning_seconds must be finite: {seconds!r}")
         for name in ("method", "created", "isolation"):
             need(isinstance(data.get(name, ""), str), f"decision.{name} must be a string")
+        imported = data.get("imported", False)
+        need(type(imported) is bool, f"decision.imported must be true or false: {imported!r}")
+        proven = data.get("proven_here")
+        need(proven is None or isinstance(proven, str), "decision.proven_here must be a string")
         return cls(
             problem=problem,
             env=dict(data["env"]),
@@ -338,4 +353,6 @@ class Decision:
             tuning_seconds=float(seconds),
             isolation=data.get("isolation", ""),
             source=source,
+            imported=imported,
+            proven_here=proven,
         )

@@ -101,6 +101,7 @@ class Counters:
     disk_hits: int = 0
     tunings: int = 0
     waited_for_other_process: int = 0
+    proofs: int = 0  # imported decisions validated here before they served
     fallbacks: int = 0
     explicit: int = 0
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -249,7 +250,11 @@ class Selector:
                 self._memory[mkey] = decision
         return decision
 
-    def _read(self, env: Mapping[str, Any], problem: Problem) -> Decision | None:
+    def _read(
+        self, env: Mapping[str, Any], problem: Problem, unproven: bool = False
+    ) -> Decision | None:
+        """The stored decision if it may serve here; an imported one not yet proven here only
+        with ``unproven`` (decide() proves it under the key's lock)."""
         record = self.store.read_entry(env, problem.to_json())
         if record is None:
             return None
@@ -261,7 +266,7 @@ class Selector:
                 "Treated as a miss; tuning again replaces it."
             )
             return None
-        if decision.problem != problem:
+        if decision.problem != problem or (decision.imported and not unproven):
             return None
         if self._fresh_without_flashinfer(env, problem, decision):
             return decision
@@ -338,13 +343,49 @@ class Selector:
             return decision
         env = environment_for(device)
         with self.store.lock(env, problem.to_json(), timeout=self.lock_timeout):
-            decision = self._read(env, problem)
-            if decision is not None:  # another process tuned it while we waited for the lock
+            decision = self._read(env, problem, unproven=True)
+            if decision is not None and decision.imported:  # from another machine: prove it
+                decision = self.prove(decision, device)
+                if decision is None:
+                    decision = self.tune(problem, device)
+            elif decision is not None:  # another process tuned it while we waited for the lock
                 self.counters.add("waited_for_other_process")
             else:
                 decision = self.tune(problem, device)
         with self._lock:
             self._memory[self._memory_key(env, problem)] = decision
+        return decision
+
+    def prove(self, decision: Decision, device: torch.device) -> Decision | None:
+        """Validate an imported decision's winner alone, here, at the bucket's M values (in the
+        sandbox unless isolation is inprocess): the proven decision (stored, ``proven_here``
+        set, the winner's verdict and tactic the ones reached here), or None when it fails
+        (the caller tunes; a fatal failure blacklists as tuning would)."""
+        env = environment_for(device)
+        problem, winner = decision.problem, decision.winner
+        backend = self.backend(winner) if winner is not None else None
+        if backend is None:
+            return None
+        self.counters.add("proofs")
+        options = ProbeOptions(timing=self.timing, validate_only=True)
+        result = self.prober().probe(problem, [backend], device, options)
+        self._record_fatal(env, problem, result)
+        verdict = result.verdicts.get(backend.name)
+        if verdict is None or not verdict.passed:
+            why = f"{verdict.status}: {verdict.reason}" if verdict else "not probed"
+            log.warning(
+                "imported decision for %s: its winner %s failed here (%s); tuning",
+                problem.describe(),
+                winner,
+                why,
+            )
+            return None
+        decision.verdicts[backend.name] = verdict
+        decision.imported = False
+        decision.proven_here = _now()
+        decision.source = "proven"
+        self.store.write_entry(env, problem.to_json(), decision.to_json())
+        log.info("imported decision for %s: %s proven here", problem.describe(), winner)
         return decision
 
     def tune(self, problem: Problem, device: torch.device) -> Decision:

@@ -197,15 +197,16 @@ VARIABLES: tuple[Variable, ...] = (
         "FP4SELECT_NATIVE",
         "native",
         "`auto`",
-        "`auto` loads the warm path's C++ key, building it in the background (about 15 s, needs "
-        "a C++ compiler) if this torch has no build yet; `off` keeps the Python path (about 1 µs "
-        "slower a call, same answers)",
+        "`auto` loads the warm path's C++ key if `fp4select warm` or `fp4select native --build` "
+        "built it for this torch (a serving process never starts a compiler), else the Python "
+        "path serves; `off` keeps the Python path (about 1 µs slower a call, same answers)",
     ),
     Variable(
         "FP4SELECT_NATIVE_DIR",
         "native_dir",
         "`$TORCH_EXTENSIONS_DIR/fp4select` (PyTorch's extension folder)",
-        "where that C++ key is built; loaded only if it and its folder are this user's alone",
+        "where that C++ key is built; loaded only if it, its folders and every folder above "
+        "pass the checks in docs/native_key.md",
     ),
     Variable(
         "FP4SELECT_ENGINE_PLUGIN",

@@ -73,9 +73,9 @@ def inprocess(cache_dir):
 
 
 def has_compiler() -> bool:
-    from fp4select import native_key
+    from fp4select import native_build
 
-    return shutil.which(native_key._compiler()[0]) is not None
+    return shutil.which(native_build._compiler()[0]) is not None
 
 
 @pytest.fixture(scope="session")
@@ -83,11 +83,11 @@ def native_dir(tmp_path_factory):
     """A folder holding this torch's build of the warm path's C++ key (built once a session)."""
     if not has_compiler():
         pytest.skip("no C++ compiler here (c++ or $CXX): the C++ key cannot be built")
-    from fp4select import native_key
+    from fp4select import native_build
 
     folder = tmp_path_factory.mktemp("native")
     folder.chmod(0o700)
-    native_key.build(folder)
+    native_build.build(folder)
     return folder
 
 

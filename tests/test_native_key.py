@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from conftest import FAST_TIMING
 from test_tensor_guard import CHANGED, _pair
 
 import fp4select
-from fp4select import api, native_key
+from fp4select import api, native_build, native_key
 from fp4select.keys import Problem
 from fp4select.validate import make_inputs
 
@@ -97,7 +96,7 @@ def test_a_library_others_may_write_is_refused_once(native_dir, tmp_path, caplog
     assert len(refusals) == 1 and "may be written by others" in refusals[0].getMessage()
     assert native_key.status(folder)["status"].startswith("refused")
     with pytest.raises(RuntimeError, match="will not build"):
-        native_key.build(folder)
+        native_build.build(folder)
     assert library.exists(), "a library fp4select refused was deleted or replaced"
 
 
@@ -107,6 +106,68 @@ def test_a_library_that_belongs_to_another_user_is_refused(native_dir, tmp_path)
     os.chown(library, 4242, 4242)
     assert native_key.load(tmp_path / "copy") is None
     assert "belongs to uid 4242" in native_key.status(tmp_path / "copy")["status"]
+
+
+def _refusal(folder) -> str:
+    native_key._loaded.clear()
+    assert native_key.load(folder) is None, "an untrusted library was loaded"
+    return native_key.status(folder)["status"]
+
+
+def test_a_symbolic_link_as_the_library_is_refused(native_dir, tmp_path):
+    library = _copy_of_build(native_dir, tmp_path)
+    real = library.with_name("real.so")
+    library.rename(real)
+    library.symlink_to(real)
+    assert "is a symbolic link" in _refusal(tmp_path / "copy")
+
+
+def test_a_fifo_as_the_library_is_refused_without_blocking(native_dir, tmp_path):
+    library = _copy_of_build(native_dir, tmp_path)
+    library.unlink()
+    os.mkfifo(library, 0o755)
+    assert "is not a regular file" in _refusal(tmp_path / "copy")
+
+
+def test_a_folder_others_may_write_higher_up_is_refused(native_dir, tmp_path):
+    """Two and more levels above the library: earlier releases checked only the last three
+    path components."""
+    outer = tmp_path / "open" / "deeper"
+    outer.mkdir(parents=True)
+    library = _copy_of_build(native_dir, outer)
+    assert native_key.load(outer / "copy") is not None
+    (tmp_path / "open").chmod(0o777)  # writable by all, not sticky: anyone may rename "deeper"
+    try:
+        assert f"folder {tmp_path / 'open'} may be written by others" in _refusal(outer / "copy")
+        (tmp_path / "open").chmod(0o1777 if os.geteuid() == 0 else 0o755)
+        native_key._status.clear()
+        if os.geteuid() == 0:  # sticky and root's: only an entry's owner may rename it
+            assert native_key.load(outer / "copy") is not None
+    finally:
+        (tmp_path / "open").chmod(0o755)
+    assert library.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_a_folder_of_another_user_higher_up_is_refused(native_dir, tmp_path):
+    outer = tmp_path / "theirs" / "deeper"
+    outer.mkdir(parents=True)
+    _copy_of_build(native_dir, outer)
+    os.chown(tmp_path / "theirs", 4242, 4242)
+    assert "belongs to uid 4242, neither root nor this user" in _refusal(outer / "copy")
+
+
+def test_the_file_that_was_checked_is_the_file_that_is_loaded(native_dir, tmp_path):
+    """Swapping the library between the checks and the load changes nothing: the loader maps
+    the descriptor that was checked (/proc/self/fd/N), not the path."""
+    library = _copy_of_build(native_dir, tmp_path)
+    fd = native_key._open_trusted(library)
+    native_key._kept_open.append(fd)
+    swapped = library.with_name("swapped")
+    swapped.write_bytes(b"\x7fELF not what was checked")
+    os.replace(swapped, library)
+    key = native_key._import_fd(fd)
+    assert native_key._self_test(key) is None
 
 
 def test_a_damaged_library_is_refused_and_the_python_path_serves(tmp_path, cache_dir):
@@ -132,80 +193,61 @@ def test_a_damaged_library_is_refused_and_the_python_path_serves(tmp_path, cache
 def test_no_compiler_means_a_clear_error_and_the_python_path(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        native_key.build(tmp_path / "direct")
+        native_build.build(tmp_path / "direct")
+    assert not list((tmp_path / "direct").rglob("*.tmp")), "a failed build left a file"
     fp4select.configure(
         cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING,
-        native_dir=tmp_path / "auto", native="auto",
+        native_dir=tmp_path / "direct", native="auto",
     )  # fmt: skip
     kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
     fp4select.best_mm_fp4(**kwargs)
-    _wait_for(lambda: native_key.status(tmp_path / "auto")["status"].startswith("failed"))
     fp4select.best_mm_fp4(**kwargs)
     assert api._native_key is None and len(api._bound) == 1
-    assert not list((tmp_path / "auto").rglob("*.tmp")), "a failed build left a file"
 
 
-def _wait_for(condition, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+SERVE_SCRIPT = """
+import sys, threading, time
+import fp4select
+from fp4select.keys import Problem
+from fp4select.validate import make_inputs
+
+problem = Problem(n=128, k=256, m_bucket=16)
+fp4select.configure(isolation="inprocess", native="auto", native_dir=sys.argv[1])
+fp4select.best_mm_fp4(**make_inputs(problem, 13, "cpu").kwargs(problem))
+time.sleep(1.0)
+print("threads", sorted(t.name for t in threading.enumerate()))
+print("native_build imported", "fp4select.native_build" in sys.modules)
+print("status", fp4select.native_key.status(sys.argv[1])["status"])
+"""
 
 
-@pytest.fixture
-def gated_build(native_dir, tmp_path, cache_dir, monkeypatch):
-    """Settings whose key is not built, and a gate the background build waits at.
-
-    Behind the gate, the build copies the session's library into place instead of compiling
-    it again: the compiler is exercised by the session's build, the concurrent builders and
-    the command line; these tests are about the thread around it.
-    """
-    gate = threading.Event()
-    built = native_key.library_path(native_dir)
-    monkeypatch.setattr(
-        native_key, "_compile", lambda path: gate.wait(300) and shutil.copy2(built, path)
-    )
+def test_a_serving_process_never_starts_a_compiler(tmp_path, cache_dir):
+    """FP4SELECT_NATIVE=auto, no build yet: a miss serves by the Python path and compiles
+    nothing (the compiler is a script that would leave a mark)."""
+    mark = tmp_path / "compiler-ran"
+    compiler = tmp_path / "cxx"
+    compiler.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    compiler.chmod(0o755)
     folder = tmp_path / "native"
-    fp4select.configure(
-        cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING, native_dir=folder,
-        native="auto",
-    )  # fmt: skip
-    assert native_key.status(folder)["status"] == "not built"
-    return folder, gate
-
-
-def test_a_miss_builds_in_the_background_and_calls_never_wait(gated_build):
-    """The compiler is held at a gate: calls are served (Python path) while it waits."""
-    folder, gate = gated_build
-    kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
-    first = fp4select.best_mm_fp4(**kwargs)
-    for _ in range(3):
-        assert torch.equal(fp4select.best_mm_fp4(**kwargs), first)
-    assert native_key.status(folder)["status"] == "building in the background"
-    assert api._native_key is None
-    gate.set()
-    _wait_for(lambda: api._native_key is not None)
-    assert torch.equal(fp4select.best_mm_fp4(**kwargs), first)
-    assert torch.equal(fp4select.best_mm_fp4(**kwargs), first)
-    assert len(api._native_bound) == 1
-
-
-def test_a_build_that_ends_after_new_settings_is_not_installed(gated_build, cache_dir):
-    folder, gate = gated_build
-    kwargs = make_inputs(PROBLEM, 13, "cpu").kwargs(PROBLEM)
-    fp4select.best_mm_fp4(**kwargs)
-    assert native_key.status(folder)["status"] == "building in the background"
-    fp4select.configure(cache_dir=cache_dir, isolation="inprocess", native="off")
-    gate.set()
-    _wait_for(lambda: native_key.status(folder)["loaded"])
-    fp4select.best_mm_fp4(**kwargs)
-    assert api._native_key is None, "the key was installed under settings that say off"
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE_SCRIPT, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CXX": str(compiler), "FP4SELECT_CACHE_DIR": str(cache_dir)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not mark.exists(), "a serving process started the compiler"
+    assert "fp4select-native-build" not in done.stdout
+    assert "native_build imported False" in done.stdout
+    assert "status not built" in done.stdout
+    assert not folder.exists(), "a serving process made the build folder"
 
 
 BUILD_SCRIPT = """
 import sys
-from fp4select import native_key
-native_key.build(sys.argv[1])
+from fp4select import native_build, native_key
+native_build.build(sys.argv[1])
 print("built", native_key.library_path(sys.argv[1]))
 """
 
@@ -279,8 +321,8 @@ def test_a_fork_while_another_thread_holds_the_locks_does_not_deadlock(native_di
                 cache_dir=cache_dir, isolation="inprocess", native_dir=native_dir,
                 native="auto",
             ).settings  # fmt: skip
-            api._start_native(settings)
-            ok = api._native_key is not None and native_key.status(native_dir)["loaded"]
+            ok = settings.native == "auto" and api._native_key is not None
+            ok = ok and native_key.status(native_dir)["loaded"]
         except BaseException:
             ok = False
         os._exit(0 if ok else 1)
@@ -308,8 +350,8 @@ def test_the_default_folder_is_pytorchs_own_extension_folder(monkeypatch):
 
 def test_cxx_may_name_a_wrapper_and_its_compiler(monkeypatch):
     monkeypatch.setenv("CXX", "ccache g++ -fdiagnostics-color=never")
-    assert native_key._compiler() == ["ccache", "g++", "-fdiagnostics-color=never"]
-    command = native_key._compile_command(native_key.SOURCE, Path("/tmp/x.so"))
+    assert native_build._compiler() == ["ccache", "g++", "-fdiagnostics-color=never"]
+    command = native_build._compile_command(native_key.SOURCE, Path("/tmp/x.so"))
     assert command[:3] == ["ccache", "g++", "-fdiagnostics-color=never"]
 
 

@@ -50,7 +50,9 @@ def test_archive_round_trip_between_roots(tmp_path: Path) -> None:
     assert len(obj["blacklist"]) == 1
 
     assert b.import_archive(archive) == ImportResult(entries_written=3, blacklist_written=1)
-    assert sorted(map(canon, b.iter_entries())) == sorted(map(canon, a.iter_entries()))
+    # what was received is marked so, to be proven on this machine before it serves
+    imported = [(e, k, {**r, "imported": True}) for e, k, r in a.iter_entries()]
+    assert sorted(map(canon, b.iter_entries())) == sorted(map(canon, imported))
     assert b.blacklist(OTHER_ENV) == a.blacklist(OTHER_ENV)
     assert b.blacklist(ENV) == {}
     assert temp_files(tmp_path) == []
@@ -80,12 +82,12 @@ def test_import_keeps_existing_unless_overwrite(tmp_path: Path) -> None:
         entries_written=1, entries_present=1, blacklist_present=1
     )
     assert b.read_entry(ENV, KEY) == RECORD2
-    assert b.read_entry(ENV, KEY2) == RECORD
+    assert b.read_entry(ENV, KEY2) == {**RECORD, "imported": True}
     assert b.blacklist(ENV)["cudnn"]["reason"] == "from b"
     assert b.import_archive(tmp_path / "a.json", overwrite=True) == ImportResult(
         entries_written=2, blacklist_written=1
     )
-    assert b.read_entry(ENV, KEY) == RECORD
+    assert b.read_entry(ENV, KEY) == {**RECORD, "imported": True}
     assert b.blacklist(ENV)["cudnn"]["reason"] == "from a"
 
 

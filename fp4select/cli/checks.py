@@ -93,7 +93,7 @@ def native_key_line(state: Mapping[str, Any]) -> str:
 
 def cmd_native(args: argparse.Namespace) -> int:
     """Show the warm path's C++ key, or build it now (``--build``)."""
-    from fp4select import native_key, settings
+    from fp4select import native_build, native_key, settings
 
     chosen = settings.current()
     failure = None
@@ -103,7 +103,7 @@ def cmd_native(args: argparse.Namespace) -> int:
                 f"building the warm path's C++ key (about 15 s): {native_key.library_path(chosen.native_dir)}"
             )
         try:
-            native_key.build(chosen.native_dir)
+            native_build.build(chosen.native_dir)
         except RuntimeError as exc:
             failure = str(exc)
     report = dict(native_key_report(chosen), error=failure)

@@ -43,12 +43,12 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
 
 def warm_native_key(settings: Settings, quiet: bool) -> str:
     """Deploy time is when to build the warm path's C++ key: the servers then load it."""
-    from fp4select import native_key
+    from fp4select import native_build
 
     if settings.native == "off":
         return "off"
     try:
-        native_key.build(settings.native_dir)
+        native_build.build(settings.native_dir)
     except RuntimeError as exc:
         if not quiet:
             print(f"warm: the warm path's C++ key was not built ({exc}); the Python path serves")

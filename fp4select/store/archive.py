@@ -7,8 +7,12 @@ Archives are explicit user actions, so problems raise (unlike lookups, which mis
   symlink).
 - ``import_archive`` reads a regular file of at most 256 MiB (symlinks followed: the user
   named it), validates everything (``ValueError`` naming the problem) before writing anything,
-  refuses blacklist records for ``protected_backends``, and returns what it did, record by
-  record.
+  refuses blacklist records for ``protected_backends`` and always for ``ALWAYS_PROTECTED``
+  (the built-in fallback: an archive can never blacklist it, whoever calls), and returns what
+  it did, record by record.
+- Nothing received is trusted: every imported entry is written with ``"imported": true``
+  (and without any ``proven_here`` the archive carried), so the selector validates its winner
+  on this machine before it serves (``Selector.prove``).
 
 This module only reads and writes through a ``Store``'s public methods, named by the
 ``ArchiveStore`` protocol below, so it needs no import of ``_store`` (which imports it).
@@ -28,7 +32,14 @@ from ._jsonfile import Damage, atomic_write, decode, digest_or_none, file_bytes,
 from ._jsonfile import read_named_file as _read_named_file
 from ._records import blacklist_record
 
-__all__ = ["ExportResult", "ImportResult", "export_archive", "import_archive", "read_archive"]
+__all__ = [
+    "ALWAYS_PROTECTED",
+    "ExportResult",
+    "ImportResult",
+    "export_archive",
+    "import_archive",
+    "read_archive",
+]
 
 
 class ArchiveStore(Protocol):
@@ -58,6 +69,9 @@ class ArchiveStore(Protocol):
 
 
 KIND_ARCHIVE: Final = "fp4select.archive"
+# fp4select.backends.emulation.NAME (the store does not import backends; a test checks they
+# agree with fp4select.selector.PROTECTED_BACKENDS).
+ALWAYS_PROTECTED: Final = frozenset({"emulation"})
 _MAX_ARCHIVE_BYTES: Final = 256 << 20
 
 
@@ -151,9 +165,10 @@ def import_archive(
     """Merge an archive into ``store`` and say, record by record, what happened.
 
     Existing entries and blacklist records win unless ``overwrite``.  Blacklist records
-    for ``protected_backends`` (the caller's built-in fallback: an archive must not be
-    able to take it away) are refused and named in the result.  A damaged archive, or
-    one that is not a regular file of at most 256 MiB, raises ``ValueError`` before
+    for ``ALWAYS_PROTECTED`` and ``protected_backends`` (the built-in fallback: an archive
+    must not be able to take it away) are refused and named in the result.  Entries are
+    marked ``"imported": true``: they serve only once proven on this machine.  A damaged
+    archive, or one that is not a regular file of at most 256 MiB, raises ``ValueError`` before
     anything is written; one that cannot be opened raises ``OSError``.  If the store
     turns memory-only midway, the rest is kept in memory only (counted apart).
     ``check_entry(key, record)`` returns why an entry must not be imported (the caller
@@ -161,7 +176,7 @@ def import_archive(
     """
     if isinstance(protected_backends, str):
         raise TypeError("protected_backends must be a collection of backend names, not a str")
-    protected = frozenset(protected_backends)
+    protected = frozenset(protected_backends) | ALWAYS_PROTECTED
     entries, blacklist = read_archive(path)
     invalid: list[str] = []
     if check_entry is not None:
@@ -178,6 +193,7 @@ def import_archive(
     )
     refused: list[str] = []
     for env, key, record in entries:
+        record = {k: v for k, v in record.items() if k != "proven_here"} | {"imported": True}
         if not overwrite and store.read_entry(env, key) is not None:
             counts["present"] += 1
         else:
