@@ -310,3 +310,28 @@ def test_ranks_that_disagree_on_what_is_pinned_meet_the_same_collectives():
 def test_in_process_tuning_never_joins_the_engine_group():
     rank0, rank1 = _two_ranks("tune")
     assert rank0["profiled"] == [0, 1, *rank1["profiled"]]  # its own tuning, then the engine's
+
+
+# -- 3. tuning that hangs the sandbox child: kept at the default, not blacklisted ----------------
+@pytest.mark.subprocess
+def test_tuning_that_outlasts_the_probe_timeout_keeps_the_backend_untuned(cache_dir):
+    import tactic_backends as tb
+
+    fp4select.configure(
+        cache_dir=cache_dir, isolation="subprocess", timing=FAST, probe_timeout_s=20
+    )
+    try:
+        fp4select.register_backend(tb.SLOW_TUNING)
+        record = fp4select.explain(problem=SMALL, device="cpu")
+        blacklist = fp4select.api.selector().store.blacklist(
+            fp4select.keys.environment_for(torch.device("cpu"))
+        )
+    finally:
+        fp4select.unregister_backend(tb.SLOW_TUNING.name)
+        fp4select.configure(cache_dir=cache_dir, isolation="inprocess")
+    verdict = record["verdicts"][tb.SLOW_TUNING.name]
+    assert verdict["status"] == "passed", verdict
+    tactic = verdict["detail"]["tactic"]
+    assert tactic["tactic"] == -1 and tactic["fallback"] == "timeout"
+    assert "made no progress for 20 s" in tactic["reason"]
+    assert tb.SLOW_TUNING.name not in blacklist

@@ -766,3 +766,14 @@ def tune(
         return record
     record["tactic"] = api.tactic_to_json(tactic)
     return record
+
+
+def untuned_tune(reason: str) -> Callable[..., dict[str, Any]]:
+    """A ``tune`` hook that tunes nothing and serves flashinfer's default, saying why (the
+    sandbox's answer to tuning that hung a child: slow, so kept, not blamed)."""
+
+    def tune_nothing(runner: Runner, problem: Problem, args: Sequence[Any], **_: Any) -> dict:
+        record = {"op": OP, "tactic": DEFAULT_TACTIC, "runner": None, "default": DEFAULT_TACTIC}
+        return {**record, "m": problem.m_bucket, "fallback": "timeout", "reason": reason[:500]}
+
+    return tune_nothing
