@@ -35,6 +35,16 @@ def gemm(n: int, m: int, device: torch.device) -> None:
     fp4select.best_mm_fp4(a.data, b.data.T, a.scales, b.scales.T, alpha, torch.bfloat16)
 
 
+class Evil:
+    """What a hostile rank sends: unpickling it runs a command."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.mark}",))
+
+
 def main() -> None:
     backend = os.environ.get("BACKEND", "gloo")
     scenario = os.environ["SCENARIO"]
@@ -45,7 +55,12 @@ def main() -> None:
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend)
+    from datetime import timedelta
+
+    # PG_TIMEOUT: how long a rank waits in a collective (a test of "every rank learns of a
+    # failure within seconds" sets it short, so a hang fails the test instead of stalling it).
+    timeout = timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "1800")))
+    dist.init_process_group(backend, timeout=timeout)
     sel = fp4select.configure(
         cache_dir=out / f"cache-{rank}",
         isolation=os.environ.get("ISOLATION", "inprocess"),
@@ -92,6 +107,48 @@ def main() -> None:
                 )
             try:
                 distributed.sync(problems=[problem], device=device)
+                result["error"] = None
+            except distributed.RankDisagreementError as exc:
+                result["error"] = str(exc)
+        elif scenario in ("hostile", "skew", "unreadable"):
+            import pickle
+            import time
+            import types
+
+            if rank == 1 and scenario == "hostile":  # sends a pickle where JSON belongs
+                evil = pickle.dumps(Evil(str(out / "pwned")))
+                distributed._encode = lambda obj: evil
+                original = dist.all_gather_object
+
+                def all_gather_object(objects, obj, group=None):  # the old wire
+                    return original(objects, Evil(str(out / "pwned")), group=group)
+
+                dist.all_gather_object = all_gather_object
+            if rank == 1 and scenario == "skew":
+                distributed.__version__ = "0.0.1+other"
+            if rank == 0 and scenario == "unreadable":  # rank 0 cannot read the others' keys
+
+                def from_json(data):
+                    raise ValueError("unknown field 'layout2'")
+
+                distributed.Problem = types.SimpleNamespace(from_json=from_json)
+            problem = Problem(n=64 * (rank + 1), k=128, m_bucket=4)
+            started = time.monotonic()
+            try:
+                distributed.sync(problems=[problem], device=device)
+                result["error"] = None
+            except distributed.RankDisagreementError as exc:
+                result["error"] = str(exc)
+            result["seconds"] = time.monotonic() - started
+        elif scenario == "tactics":  # one winner, two tactics
+            from fp4select.records import Status
+
+            problem = Problem(n=64, k=128, m_bucket=4)
+            tactic = {"tactic": rank, "default": 0}
+            passed = {"emulation": Verdict("emulation", Status.PASSED, detail={"tactic": tactic})}
+            distributed.adopt(Decision(problem, dict(env), "emulation", passed), sel)
+            try:
+                distributed.verify(device=device)
                 result["error"] = None
             except distributed.RankDisagreementError as exc:
                 result["error"] = str(exc)

@@ -30,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(tmp_path: Path, scenario: str, world: int) -> list[dict]:
+def run_job(tmp_path: Path, scenario: str, world: int, **extra: str) -> list[dict]:
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -44,6 +44,7 @@ def run_job(tmp_path: Path, scenario: str, world: int) -> list[dict]:
             "BACKEND": BACKEND,
             "SCENARIO": scenario,
             "OUT": str(tmp_path),
+            **extra,
         }
         procs.append(
             subprocess.Popen(
@@ -98,6 +99,52 @@ def test_a_decision_that_cannot_run_on_a_rank_fails_every_rank(tmp_path):
         assert r["error"] is not None
         assert "rank 1: rank 0 chose 'fast' for N=64 K=128 M=3..4" in r["error"]
         assert "not registered here" in r["error"]
+
+
+@pytest.mark.subprocess
+def test_a_rank_that_sends_a_pickle_runs_nothing_and_every_rank_raises(tmp_path):
+    """The old wire (broadcast_object_list / all_gather_object) unpickled what a rank sent:
+    this rank's object ran a command on the others. Now bytes are strict JSON or an error."""
+    results = run_job(tmp_path, "hostile", world=2, PG_TIMEOUT="60")
+    assert not (tmp_path / "pwned").exists(), "a rank's message ran code"
+    for r in results:
+        assert r["error"] and "rank 1 sent a message that is not strict JSON" in r["error"]
+
+
+@pytest.mark.subprocess
+def test_another_fp4select_version_on_one_rank_fails_every_rank(tmp_path):
+    results = run_job(tmp_path, "skew", world=2, PG_TIMEOUT="60")
+    for r in results:
+        assert r["error"] and "rank 1 runs fp4select '0.0.1+other'" in r["error"]
+        assert r["seconds"] < 30
+
+
+@pytest.mark.subprocess
+def test_when_rank_0_cannot_read_the_keys_every_rank_raises_within_seconds(tmp_path):
+    """Rank 0 used to raise before its broadcast; the others waited for the group's timeout
+    (here 60 s; 30 minutes by default)."""
+    results = run_job(tmp_path, "unreadable", world=3, PG_TIMEOUT="60")
+    for r in results:
+        assert r["error"] and "unknown field 'layout2'" in r["error"], r
+        assert r["seconds"] < 30, f"rank {r['rank']} learned of the failure after {r['seconds']} s"
+
+
+@pytest.mark.subprocess
+def test_verify_tells_apart_two_tactics_of_one_winner(tmp_path):
+    results = run_job(tmp_path, "tactics", world=2)
+    for r in results:
+        assert r["error"] and "ranks disagree on N=64 K=128 M=3..4" in r["error"]
+        assert "rank 0: emulation at tactic 0, rank 1: emulation at tactic 1" in r["error"]
+
+
+def test_messages_are_parsed_strictly():
+    from fp4select import distributed
+
+    for bad in (b"\x80\x04K.", b'{"a": NaN}', b'{"a": 1, "a": 2}', b"[" * 100000, b"{"):
+        with pytest.raises(ValueError, match="rank 3 sent a message that is not strict JSON"):
+            distributed._decode(bad, "rank 3")
+    assert distributed._decode(b'{"a": [1, null]}', "rank 3") == {"a": [1, None]}
+    assert distributed._too_long([10, distributed.MAX_MESSAGE_BYTES + 1]) is not None
 
 
 def test_sync_without_a_process_group_says_so():

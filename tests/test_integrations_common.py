@@ -301,3 +301,63 @@ def test_tune_at_load_decides_every_problem_and_closes_the_worker(inprocess, cap
     assert "[5/5]" in caplog.text and "sandbox worker closed" in caplog.text
     assert fp4select.stats()["tunings"] == 5
     assert_family(problem_for("trtllm", 16, eight_by_four=True), SHUFFLED_ONLY, PLAIN_ONLY)
+
+
+# -- the W4A4 layer path the engines run on Hopper -------------------------------------------
+def layer_operands(n: int, k: int, seed: int = 0):
+    """A checkpoint's NVFP4 layer as ModelOpt writes it, and bf16 activations for it."""
+    from fp4select import formats
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    qw = formats.quantize_nvfp4(w, None, "linear")
+    x = (torch.randn(5, k, generator=g) * 3).to(torch.bfloat16)
+    return types.SimpleNamespace(
+        weight=qw.data,  # (N, K/2) uint8
+        weight_scale=qw.scales,  # (N, K/16) e4m3, linear
+        weight_scale_2=(1.0 / qw.global_scale).reshape(1).float(),
+        input_scale=(x.abs().max().float() / (448.0 * 6.0)).reshape(1),
+        x=x,
+    )
+
+
+def expected_w4a4(ops, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The exact product of the quantized activations and the checkpoint's weight."""
+    from fp4select import formats
+    from fp4select.quantize import quantize_torch
+
+    a, a_sf = quantize_torch(ops.x.reshape(-1, ops.x.shape[-1]), 1.0 / ops.input_scale)
+    w_sf = formats.swizzle_sf(ops.weight_scale, "128x4")
+    return formats.reference_mm_fp4(
+        a, ops.weight.T, a_sf, w_sf.T, ops.input_scale * ops.weight_scale_2, out_dtype
+    )
+
+
+def test_the_layer_path_returns_the_exact_w4a4_product(inprocess):
+    from fp4select.integrations import _layer
+
+    ops = layer_operands(256, 128)
+    w_sf = _layer.prepare_weight_scale(ops.weight_scale)
+    assert w_sf.shape == (256, 8) and w_sf.dtype == torch.float8_e4m3fn
+    out = _layer.linear_nvfp4(
+        ops.x.reshape(5, 1, 128),
+        ops.weight,
+        w_sf,
+        1.0 / ops.input_scale,
+        ops.input_scale * ops.weight_scale_2,
+    )
+    assert out.shape == (5, 1, 256) and out.dtype == torch.bfloat16
+    assert torch.equal(out.reshape(5, 256), expected_w4a4(ops))
+    op = _layer.linear_op()
+    assert op is _layer.linear_op()  # registered once
+    again = op(
+        ops.x,
+        ops.weight,
+        w_sf,
+        1.0 / ops.input_scale,
+        ops.input_scale * ops.weight_scale_2,
+        torch.bfloat16,
+    )
+    assert torch.equal(again, out.reshape(5, 256))
+    with pytest.raises(ValueError, match="K=64"):
+        _layer.linear_nvfp4(ops.x[:, :64], ops.weight, w_sf, ops.input_scale, ops.input_scale)

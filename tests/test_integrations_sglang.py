@@ -61,6 +61,12 @@ def _objects() -> dict[str, object]:
     """Every object the plugin may change, by identity."""
     return {
         "modelopt_quant.flashinfer_fp4_gemm": mq.flashinfer_fp4_gemm,
+        "modelopt_quant.fp4_quantize": mq.fp4_quantize,
+        "modelopt_quant.get_platform": mq.get_platform,
+        "process_weights_after_loading": vars(mq.ModelOptFp4LinearMethod)[
+            "process_weights_after_loading"
+        ],
+        "fp4_utils.initialize_fp4_gemm_config": fp4_utils.initialize_fp4_gemm_config,
         "ModelRunner.initialize": vars(ModelRunner)["initialize"],
         "flashinfer.mm_fp4": flashinfer.mm_fp4,
         "gemm_base.mm_fp4": gemm_base.mm_fp4,
@@ -253,7 +259,9 @@ def test_unpatch_restores_every_object():
     assert after["ModelRunner.initialize"] is not before["ModelRunner.initialize"]
     assert integration.patch() is True  # idempotent: nothing patched twice
     restored = integration.unpatch()
-    assert len(restored) == 2
+    # flashinfer_fp4_gemm, the two initialize_fp4_gemm_config bindings (scheduler's when it is
+    # imported), the gated process_weights_after_loading, fp4_quantize and ModelRunner.initialize
+    assert len(restored) == (6 if "sglang.srt.managers.scheduler" in sys.modules else 5)
     assert _objects() == before
     assert integration.unpatch() == []
 
@@ -383,3 +391,100 @@ def test_the_plugin_patches_the_process_that_runs_the_gemms(tmp_path, imports, e
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert expected in proc.stdout, proc.stdout
+
+
+# -- SM80-SM90: the ModelOpt NVFP4 dense path through fp4select ------------------------------
+_CPU_GEMM = None
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """SGLang reads a CUDA GPU of compute capability 9.0 (this machine has none) and the
+    server's --fp4-gemm-backend from ``configured`` (set the returned namespace's field).
+
+    Stand-ins for what only a GPU process has: the published server config, ``.cuda()``
+    (SGLang's plain weight preparation moves the swizzled scales with it) and a CPU kernel for
+    the ``sglang::fp4_gemm`` op (its own Python body, as on a GPU).
+    """
+    global _CPU_GEMM
+    configured = types.SimpleNamespace(fp4_gemm_runner_backend="auto")
+    monkeypatch.setattr(fp4_utils, "get_exec", lambda: types.SimpleNamespace(kernel=configured))
+    monkeypatch.setattr(fp4_utils, "get_device_capability", lambda device_id=0: (9, 0))
+    monkeypatch.setattr(fp4_utils, "is_cuda", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    if _CPU_GEMM is None:
+        _CPU_GEMM = torch.library.Library("sglang", "IMPL")
+        _CPU_GEMM.impl("fp4_gemm", mq.fp4_gemm.__wrapped__, "CPU")
+    return configured
+
+
+def _sglang_layer(n: int, k: int):
+    from test_integrations_common import layer_operands
+
+    ops = layer_operands(n, k)
+    config = types.SimpleNamespace(is_checkpoint_nvfp4_serialized=True, group_size=16, is_awq=False)
+    method = mq.ModelOptFp4LinearMethod(config)
+    layer = torch.nn.Module()
+    half = n // 2
+    method.create_weights(
+        layer, k, [half, n - half], k, n, torch.bfloat16, weight_loader=lambda *a: None
+    )
+    layer.weight.data.copy_(ops.weight)
+    layer.weight_scale.data.copy_(ops.weight_scale)
+    layer.weight_scale_2.data.fill_(float(ops.weight_scale_2))
+    layer.input_scale.data.fill_(float(ops.input_scale))
+    return method, layer, ops
+
+
+def test_on_sm90_auto_serves_through_fp4select_and_marlin_stays_when_named(sm90):
+    fp4_utils.initialize_fp4_gemm_config()
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is Backend.MARLIN  # SGLang's own choice
+    assert integration.patch(tune_at_load=False)
+    fp4_utils.initialize_fp4_gemm_config()
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is Backend.FLASHINFER_CUTLASS
+    sm90.fp4_gemm_runner_backend = "marlin"  # --fp4-gemm-backend marlin
+    fp4_utils.initialize_fp4_gemm_config()
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is Backend.MARLIN
+
+
+# N = 240: SGLang pads the weight to 256 rows for its kernels and slices the output back.
+@pytest.mark.parametrize("n", [256, 240])
+def test_a_modelopt_nvfp4_layer_on_sm90_returns_the_exact_w4a4_product(inprocess, sm90, n):
+    from test_integrations_common import expected_w4a4
+
+    assert integration.patch(tune_at_load=False)
+    fp4_utils.initialize_fp4_gemm_config()
+    method, layer, ops = _sglang_layer(n, 128)
+    method.process_weights_after_loading(layer)  # the SM100 gate, lifted for this call only
+    assert mq.get_platform().is_blackwell is False
+    out = method.apply(layer, ops.x)
+    assert out.shape == (5, n)
+    assert torch.equal(out, expected_w4a4(ops))
+    assert fp4select.stats()["tunings"] == 1
+
+
+def test_unpatch_restores_the_gate_the_quantizer_and_marlin(sm90):
+    original_quantize = mq.fp4_quantize
+    assert integration.patch(tune_at_load=False)
+    assert getattr(mq.fp4_quantize, "__fp4select__", False)
+    fp4_utils.initialize_fp4_gemm_config()
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is Backend.FLASHINFER_CUTLASS
+    integration.unpatch()
+    assert mq.fp4_quantize is original_quantize
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is Backend.MARLIN  # what SGLang had chosen
+    fp4_utils.initialize_fp4_gemm_config()
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is Backend.MARLIN
+    # A named FlashInfer backend raises SGLang's own message again.
+    fp4_utils.FP4_GEMM_RUNNER_BACKEND = Backend.FLASHINFER_CUTLASS
+    method, layer, _ = _sglang_layer(256, 128)
+    with pytest.raises(ValueError, match="require SM100"):
+        method.process_weights_after_loading(layer)
+
+
+def test_the_quantizer_stand_in_refuses_what_it_does_not_make(sm90):
+    assert integration.patch(tune_at_load=False)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    packed, scales = mq.fp4_quantize(x, torch.tensor([1.0]))
+    assert packed.shape == (3, 16) and scales.dtype == torch.uint8 and scales.shape == (128, 4)
+    with pytest.raises(NotImplementedError, match="128x4"):
+        mq.fp4_quantize(x, torch.tensor([1.0]), is_sf_8x4_layout=True)

@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import logging
 import types
+import typing
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ if importlib.util.find_spec("vllm") is None:
 
 import flashinfer
 import flashinfer.gemm.gemm_base as gemm_base
+import vllm.model_executor.kernels.linear as vllm_linear
 import vllm.plugins as vllm_plugins
 import vllm.utils.flashinfer as vllm_flashinfer
 from test_integrations_common import (
@@ -36,6 +38,7 @@ from test_integrations_common import (
     register_layout_backends,
 )
 from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vllm_kernels
+from vllm.platforms.interface import PlatformEnum
 from vllm.v1.worker.gpu_worker import Worker
 
 import fp4select
@@ -55,7 +58,16 @@ def _objects() -> dict[str, object]:
         "Worker.load_model": vars(Worker)["load_model"],
         "vllm op": vllm_flashinfer.flashinfer_mm_fp4,
         "vllm op body": vllm_flashinfer.flashinfer_mm_fp4._init_fn,
+        "NVFP4 kernels": vllm_linear._POSSIBLE_NVFP4_KERNELS,
+        "backend map": vllm_linear._LINEAR_BACKEND_KERNEL_MAP,
+        "CLI choices": _linear_backend_field().type,
     }
+
+
+def _linear_backend_field():
+    from vllm.config.kernel import KernelConfig
+
+    return KernelConfig.__dataclass_fields__["linear_backend"]
 
 
 @pytest.fixture(autouse=True)
@@ -220,8 +232,10 @@ def test_unpatch_restores_every_object():
     assert after["flashinfer.mm_fp4"] is not before["flashinfer.mm_fp4"]
     assert after["Worker.load_model"] is not before["Worker.load_model"]
     assert after["gemm_base.mm_fp4"] is before["gemm_base.mm_fp4"]
+    assert after["NVFP4 kernels"] is not before["NVFP4 kernels"]
+    assert "fp4select" in typing.get_args(after["CLI choices"])
     assert integration.patch() is True  # idempotent
-    assert len(integration.unpatch()) == 2
+    assert len(integration.unpatch()) == 5  # mm_fp4, kernel list, backend map, CLI, load_model
     assert _objects() == before
     assert integration.unpatch() == []
 
@@ -295,3 +309,117 @@ def test_the_vllm_example_check_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "is fp4select's: True" in proc.stdout
+
+
+# -- SM80-SM90: fp4select's W4A4 kernel in vLLM's list ------------------------------------------
+@pytest.fixture
+def sm90(monkeypatch):
+    """vLLM's platform reports a CUDA GPU of compute capability 9.0 (this machine has none);
+    the TP group is one rank. Each kernel class asks the platform as it would on an H100."""
+    from vllm.model_executor import parameter
+    from vllm.model_executor.layers.quantization.utils import nvfp4_utils
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability, PlatformEnum
+
+    cap = DeviceCapability(9, 0)
+
+    def has(c, device_id=0):
+        return cap.to_int() >= (c if isinstance(c, int) else c[0] * 10 + c[1])
+
+    monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)
+    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: cap)
+    monkeypatch.setattr(current_platform, "has_device_capability", has)
+    monkeypatch.setattr(
+        current_platform, "is_device_capability_family", lambda c, device_id=0: c // 10 == 9
+    )
+    # vLLM's CUTLASS FP4 support check asks its compiled extension, absent here: SM100+.
+    monkeypatch.setattr(nvfp4_utils, "cutlass_scaled_mm_supports_fp4", lambda cc: cc >= 100)
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1)
+    return cap
+
+
+def _linear_backend(monkeypatch, name: str) -> None:
+    """--linear-backend NAME, set as vLLM's create_engine_config sets it on KernelConfig."""
+    import vllm.config
+    from vllm.config.kernel import KernelConfig
+
+    kernel_config = KernelConfig()
+    kernel_config.linear_backend = name
+    current = types.SimpleNamespace(kernel_config=kernel_config)
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: current)
+
+
+def _chosen() -> str:
+    return type(vllm_linear.init_nvfp4_linear_kernel()).__name__
+
+
+def test_on_sm90_vllm_picks_fp4selects_w4a4_kernel_ahead_of_marlin(sm90):
+    assert _chosen() == "MarlinNvFp4LinearKernel"  # vLLM's own choice: weight-only
+    assert integration.patch(tune_at_load=False)
+    assert _chosen() == integration.KERNEL_NAME
+    order = [k.__name__ for k in vllm_linear._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CUDA]]
+    assert order.index(integration.KERNEL_NAME) < order.index("MarlinNvFp4LinearKernel")
+    assert integration.unpatch()
+    assert _chosen() == "MarlinNvFp4LinearKernel"  # unpatched: the Marlin path again
+
+
+def test_linear_backend_marlin_keeps_marlin_and_fp4select_is_chosen_by_name(sm90, monkeypatch):
+    assert integration.patch(tune_at_load=False)
+    _linear_backend(monkeypatch, "marlin")
+    assert _chosen() == "MarlinNvFp4LinearKernel"
+    _linear_backend(monkeypatch, "fp4select")
+    assert _chosen() == integration.KERNEL_NAME
+    # By name it serves Blackwell too; unnamed, vLLM's own kernels keep SM100+.
+    assert integration.kernel_supported(100) == (True, None)
+    _linear_backend(monkeypatch, "auto")
+    supported, why = integration.kernel_supported(100)
+    assert not supported and "--linear-backend fp4select" in why
+    assert integration.kernel_supported(75)[0] is False
+
+
+def test_the_cli_takes_linear_backend_fp4select_only_while_patched(sm90):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def parse():
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        return parser.parse_args(["--linear-backend", "fp4select"]).linear_backend
+
+    with pytest.raises(SystemExit):
+        parse()
+    assert integration.patch(tune_at_load=False)
+    assert parse() == "fp4select"
+    integration.unpatch()
+    with pytest.raises(SystemExit):
+        parse()
+
+
+@pytest.mark.parametrize("n", [256, 240])
+def test_a_modelopt_nvfp4_layer_on_sm90_returns_the_exact_w4a4_product(inprocess, sm90, n):
+    from test_integrations_common import expected_w4a4, layer_operands
+    from vllm.model_executor.layers.quantization import modelopt
+
+    assert integration.patch(tune_at_load=False)
+    ops = layer_operands(n, 128)
+    method = modelopt.build_linear_method(types.SimpleNamespace(group_size=16), "NVFP4", "l")
+    layer = torch.nn.Module()
+    layer.quant_method = method  # as vLLM's LinearBase holds it
+    half = n // 2
+    method.create_weights(
+        layer, 128, [half, n - half], 128, n, torch.bfloat16, weight_loader=lambda *a: None
+    )
+    assert type(method.kernel).__name__ == integration.KERNEL_NAME
+    layer.weight.data.copy_(ops.weight)
+    layer.weight_scale.data.copy_(ops.weight_scale)
+    layer.weight_scale_2.data.fill_(float(ops.weight_scale_2))
+    layer.input_scale.data.fill_(float(ops.input_scale))
+    method.process_weights_after_loading(layer)
+    out = method.apply(layer, ops.x)
+    assert torch.equal(out, expected_w4a4(ops))
+    assert fp4select.stats()["tunings"] == 1
+    # Tuning at load finds fp4select's own layers too (the plain layout).
+    shapes, _ = integration.model_shapes(torch.nn.Sequential(layer), "bfloat16")
+    assert shapes == [_common.LinearShape(n, 128, "bfloat16", "plain")]

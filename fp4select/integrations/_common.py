@@ -134,16 +134,14 @@ class PatchSet:
 
     def set(self, owner: Any, name: str, value: Any) -> Any:
         """Bind ``owner.name = value`` and remember what was there; returns the old value."""
-        namespace = vars(owner)
-        had = name in namespace
-        before = namespace.get(name)
+        had, before = _own(owner, name)
         setattr(owner, name, value)
         self._changes.append(_Change(owner, name, had, before, value))
         return before
 
     def holds(self, owner: Any, name: str) -> bool:
         """Whether ``owner.name`` is still what this patch set bound there."""
-        current = vars(owner).get(name)
+        current = _own(owner, name)[1]
         return any(
             c.owner is owner and c.name == name and c.after is current for c in self._changes
         )
@@ -161,7 +159,7 @@ class PatchSet:
         while self._changes:
             change = self._changes.pop()
             where = f"{_describe(change.owner)}.{change.name}"
-            if vars(change.owner).get(change.name) is not change.after:
+            if _own(change.owner, change.name)[1] is not change.after:
                 log.warning(
                     "fp4select: %s was rebound by someone else after fp4select patched it; "
                     "leaving their object in place",
@@ -176,11 +174,22 @@ class PatchSet:
         return restored
 
 
+def _own(owner: Any, name: str) -> tuple[bool, Any]:
+    """(whether ``owner`` itself holds ``name``, its value there): a module's or class's own
+    namespace; an object with ``__slots__`` (a dataclass ``Field``) holds its slots."""
+    try:
+        namespace = vars(owner)
+    except TypeError:
+        return hasattr(owner, name), getattr(owner, name, None)
+    return name in namespace, namespace.get(name)
+
+
 def _describe(owner: Any) -> str:
     """A module's name, or a class's module-qualified name."""
     if isinstance(owner, type):
         return f"{owner.__module__}.{owner.__qualname__}"
-    return getattr(owner, "__name__", None) or repr(owner)
+    field = getattr(owner, "name", None)  # a dataclass Field
+    return getattr(owner, "__name__", None) or (f"field {field}" if field else repr(owner))
 
 
 _noted: set[tuple[str, str, str]] = set()
@@ -295,6 +304,50 @@ def pin_flashinfer_original() -> None:
     from fp4select.backends import flashinfer as flashinfer_backend
 
     flashinfer_backend.load()
+
+
+# -- GPUs without FP4 tensor cores ----------------------------------------------------------
+# Below SM100 neither engine has a W4A4 NVFP4 GEMM (nor an activation quantizer): they serve
+# NVFP4 checkpoints as W4A16 (Marlin). fp4select serves them W4A4 on these GPUs when it has a
+# candidate kernel there; each candidate is still proven per shape before it serves.
+MIN_W4A4_CC = 80
+NATIVE_FP4_CC = 100
+
+
+def gpu_candidates(cc: int) -> list[str]:
+    """fp4select's backends that can run an engine's NVFP4 GEMM (plain weights, 128x4 scales)
+    on a GPU of compute capability ``cc`` (e.g. 90), leaving out the emulation fallback."""
+    from fp4select import keys
+    from fp4select.backends import discover
+
+    env = {**keys.environment(None), "device": "cuda", "cc": cc}
+    names = []
+    for name, backend in discover(include_flashinfer=cc >= NATIVE_FP4_CC).backends.items():
+        caps = backend.caps
+        if backend.family == "builtin" or "cuda" not in caps.devices:
+            continue
+        if "nvfp4" not in caps.formats or "plain" not in caps.b_layouts:
+            continue
+        if "128x4" not in caps.a_sf_layouts or "regular" not in caps.modes:
+            continue
+        if backend.unavailable_reason(env) is None:
+            names.append(name)
+    return names
+
+
+def w4a4_unavailable(cc: int | None) -> str | None:
+    """Why fp4select cannot serve NVFP4 W4A4 on a GPU of capability ``cc``, or None."""
+    if cc is None:
+        return "the GPU's compute capability is unknown"
+    if cc < MIN_W4A4_CC:
+        return f"needs compute capability >= {MIN_W4A4_CC / 10:.1f}, got {cc / 10:.1f}"
+    try:
+        names = gpu_candidates(cc)
+    except Exception as exc:  # a broken registry must not stop the engine's own choice
+        return f"could not list fp4select's backends: {exc}"
+    if not names:
+        return f"fp4select has no GPU kernel for compute capability {cc / 10:.1f} here"
+    return None
 
 
 # -- tuning at load --------------------------------------------------------------------------

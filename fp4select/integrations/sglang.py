@@ -22,15 +22,30 @@ Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
   largest batch: ``max(cuda_graph_max_bs_decode x speculative_num_draft_tokens,
   chunked_prefill_size or max_prefill_tokens)``. The sandbox worker is closed before memory
   pools are allocated. Misses during graph capture fall back without tuning (fp4select's api).
+* GPUs without FP4 tensor cores (SM80-SM90): SGLang serves ModelOpt NVFP4 there only through
+  Marlin (W4A16); ``--fp4-gemm-backend auto`` picks Marlin and a named FlashInfer backend
+  raises in ``ModelOptFp4LinearMethod.process_weights_after_loading`` ("ModelOpt NVFP4 native
+  dense GEMM backends require SM100+"). With the plugin on and a fp4select GPU kernel there
+  (:func:`fp4select.integrations._common.w4a4_unavailable`): ``auto`` resolves to
+  ``flashinfer_cutlass`` instead of Marlin (the wrapped ``initialize_fp4_gemm_config``; the
+  plain 128x4 weight layout fp4select's kernels read), the SM100 gate is lifted for that one
+  call (``get_platform`` is rebound in ``modelopt_quant`` for its duration, so SGLang's own
+  padding and scale swizzle run unchanged), and ``modelopt_quant.fp4_quantize`` (flashinfer's,
+  which refuses below SM100) gives way to :func:`fp4select.quantize.fp4_quantize` below SM100.
+  ``apply`` is SGLang's own; its GEMM is the patched ``flashinfer_fp4_gemm``: W4A4, the numbers
+  Blackwell computes. ``--fp4-gemm-backend marlin`` keeps Marlin. Not covered there: the
+  compressed-tensors W4A4 scheme (SGLang serves it weight-only below SM100).
 * Not covered: the diffusion runtime (``sglang.multimodal_gen``) caches ``flashinfer.mm_fp4``
   in an ``lru_cache`` on first use and is not patched.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -45,6 +60,8 @@ ALLOW_LIST_ENV = "SGLANG_PLUGINS"
 TARGET_MODULE = "sglang.srt.layers.quantization.modelopt_quant"
 TARGET_NAME = "flashinfer_fp4_gemm"
 RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
+FP4_UTILS_MODULE = "sglang.srt.layers.quantization.fp4_utils"
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 
 _patches = PatchSet(ENGINE)
 
@@ -105,6 +122,7 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     tuning = _common.warm_enabled() if tune_at_load is None else tune_at_load
     try:
         _patches.set(module, TARGET_NAME, _common.make_mm_fp4(original, ENGINE))
+        _patch_below_sm100(module)
         if tuning:
             runner_cls = importlib.import_module(RUNNER_MODULE).ModelRunner
             _patches.set(runner_cls, "initialize", _tuning_initialize(runner_cls.initialize))
@@ -119,6 +137,147 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
         "on" if tuning else "off",
     )
     return True
+
+
+# -- GPUs without FP4 tensor cores ----------------------------------------------------------
+def _patch_below_sm100(module: Any) -> None:
+    fp4_utils = importlib.import_module(FP4_UTILS_MODULE)
+    initialize = _serving_initialize(fp4_utils.initialize_fp4_gemm_config)
+    _patches.set(fp4_utils, "initialize_fp4_gemm_config", initialize)
+    scheduler = sys.modules.get(SCHEDULER_MODULE)  # it bound the name at import
+    if scheduler is not None and hasattr(scheduler, "initialize_fp4_gemm_config"):
+        _patches.set(scheduler, "initialize_fp4_gemm_config", initialize)
+    method = module.ModelOptFp4LinearMethod
+    _patches.set(
+        method,
+        "process_weights_after_loading",
+        _gated_process_weights(method.process_weights_after_loading),
+    )
+    if getattr(module, "fp4_quantize", None) is not None:
+        _patches.set(module, "fp4_quantize", _quantize_below_sm100(module.fp4_quantize))
+
+
+def device_cc() -> int | None:
+    """The GPU's compute capability as SGLang reads it (``fp4_utils.get_device_capability``)."""
+    fp4_utils = importlib.import_module(FP4_UTILS_MODULE)
+    try:
+        major, minor = fp4_utils.get_device_capability()
+    except Exception:
+        return None
+    if major is None or minor is None:
+        return None
+    return int(major) * 10 + int(minor)
+
+
+def serves_below_sm100() -> bool:
+    """Whether fp4select serves SGLang's NVFP4 dense GEMMs on this (pre-SM100) GPU."""
+    cc = device_cc()
+    return cc is not None and cc < _common.NATIVE_FP4_CC and _common.w4a4_unavailable(cc) is None
+
+
+def _configured_backend() -> str | None:
+    fp4_utils = importlib.import_module(FP4_UTILS_MODULE)
+    try:
+        return str(fp4_utils.get_exec().kernel.fp4_gemm_runner_backend)
+    except Exception:
+        return None
+
+
+def _serving_initialize(original: Any) -> Any:
+    """``initialize_fp4_gemm_config``, then: ``auto`` that chose Marlin below SM100 chooses
+    ``flashinfer_cutlass`` (served by fp4select) when fp4select has a kernel for this GPU."""
+
+    @functools.wraps(original)
+    def initialize_fp4_gemm_config() -> None:
+        original()
+        fp4_utils = importlib.import_module(FP4_UTILS_MODULE)
+        backend = fp4_utils.FP4_GEMM_RUNNER_BACKEND
+        if backend is None or not backend.is_marlin() or _configured_backend() != "auto":
+            return  # the user named a backend (Marlin included): theirs to keep
+        if not serves_below_sm100():
+            return
+        chosen = fp4_utils.Fp4GemmRunnerBackend.FLASHINFER_CUTLASS
+        _patches.set(fp4_utils, "FP4_GEMM_RUNNER_BACKEND", chosen)
+        log.info(
+            "fp4select: SGLang --fp4-gemm-backend auto on SM%s: NVFP4 dense GEMMs run W4A4 "
+            "through fp4select (%s) instead of Marlin W4A16; --fp4-gemm-backend marlin keeps "
+            "Marlin",
+            device_cc(),
+            chosen.value,
+        )
+
+    return initialize_fp4_gemm_config
+
+
+class _BlackwellGate:
+    """SGLang's platform facts with ``is_blackwell`` true: lifts the SM100 gate, nothing else."""
+
+    def __init__(self, platform: Any) -> None:
+        self._platform = platform
+
+    is_blackwell = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._platform, name)
+
+
+_gate_lock = threading.Lock()
+
+
+def _gated_process_weights(original: Any) -> Any:
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, layer: torch.nn.Module) -> None:
+        module = importlib.import_module(TARGET_MODULE)
+        backend = module.get_fp4_gemm_runner_backend()
+        if (
+            getattr(self, "quant_mode", "w4a4") != "w4a4"
+            or not backend.is_flashinfer()
+            or module.get_platform().is_blackwell
+            or not serves_below_sm100()
+        ):
+            return original(self, layer)
+        platform = module.get_platform
+        with _gate_lock:
+            setattr(module, "get_platform", lambda: _BlackwellGate(platform()))  # noqa: B010
+            try:
+                return original(self, layer)
+            finally:
+                setattr(module, "get_platform", platform)  # noqa: B010
+
+    return process_weights_after_loading
+
+
+def _quantize_below_sm100(original: Any) -> Any:
+    """SGLang's ``fp4_quantize`` (flashinfer's, SM100+) with fp4select's below SM100 and on
+    the CPU; the same outputs: ``(M, K/2)`` uint8 and the 128x4 scales as uint8."""
+    from fp4select.quantize import fp4_quantize as fp4select_quantize
+
+    native: dict[int, bool] = {}
+
+    def fp4_quantize(input: torch.Tensor, global_scale: Any = None, *args: Any, **kwargs: Any):
+        if input.is_cuda:
+            index = input.device.index if input.device.index is not None else 0
+            if index not in native:
+                major, _ = torch.cuda.get_device_capability(index)
+                native[index] = major * 10 >= _common.NATIVE_FP4_CC
+            if native[index]:
+                return original(input, global_scale, *args, **kwargs)
+        if (
+            args
+            or any(kwargs.get(k) for k in ("sf_use_ue8m0", "is_sf_8x4_layout"))
+            or (
+                kwargs.get("sf_vec_size", 16) != 16 or not kwargs.get("is_sf_swizzled_layout", True)
+            )
+        ):
+            raise NotImplementedError(
+                "fp4select's NVFP4 quantizer makes 16-value blocks with 128x4 e4m3 scales only"
+            )
+        x = input.reshape(-1, input.shape[-1])
+        packed, scales = fp4select_quantize(x, global_scale)
+        return packed.reshape(*input.shape[:-1], -1), scales.view(torch.uint8)
+
+    fp4_quantize.__fp4select__ = True  # type: ignore[attr-defined]
+    return fp4_quantize
 
 
 def unpatch() -> list[str]:

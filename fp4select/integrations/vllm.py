@@ -17,12 +17,24 @@ Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
   tuned for every M bucket up to ``max_num_batched_tokens`` (the profile run's size, which
   bounds every graph size too), and the sandbox worker is closed, all before
   ``determine_available_memory`` profiles memory.
+* GPUs without FP4 tensor cores (SM80-SM90): vLLM's NVFP4 W4A4 kernels all say no there and
+  Marlin serves the checkpoint as W4A16. The plugin adds ``Fp4selectNvFp4LinearKernel`` to
+  ``_POSSIBLE_NVFP4_KERNELS`` (CUDA), ahead of the weight-only kernels, so that on SM80-SM90
+  ``init_nvfp4_linear_kernel`` picks it when fp4select has a GPU kernel there
+  (:func:`fp4select.integrations._common.w4a4_unavailable`); it computes W4A4 as the checkpoint
+  was calibrated (:mod:`fp4select.integrations._layer`). ``--linear-backend marlin`` keeps
+  Marlin. The kernel is also a ``--linear-backend`` value, ``fp4select`` (added to
+  ``_LINEAR_BACKEND_KERNEL_MAP`` and to the CLI's choices), which chooses it on any GPU from
+  SM80, Blackwell included; there the ``flashinfer.mm_fp4`` patch above still serves vLLM's
+  own FlashInfer kernels, so both routes exist. ``linear_backend_per_quant`` and
+  ``--kernel-config`` JSON validate against vLLM's own list and do not take the name.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import typing
 from typing import Any
 
 import torch
@@ -35,6 +47,11 @@ DIST = "vllm"
 TESTED_VERSIONS = ("0.33.0",)
 ALLOW_LIST_ENV = "VLLM_PLUGINS"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+LINEAR_MODULE = "vllm.model_executor.kernels.linear"
+LINEAR_BACKEND = "fp4select"  # the --linear-backend value
+KERNEL_NAME = "Fp4selectNvFp4LinearKernel"
+# The first weight-only kernel in vLLM's CUDA list: fp4select's W4A4 kernel goes just before.
+WEIGHT_ONLY_KERNELS = ("FlashInferCuteDslNvFp4W4A16LinearKernel", "MarlinNvFp4LinearKernel")
 KERNEL_MODULE = "vllm.model_executor.kernels.linear.nvfp4.flashinfer"
 # vLLM's FlashInfer NVFP4 W4A4 kernel classes -> the backend each passes to mm_fp4.
 KERNEL_BACKENDS = {
@@ -72,9 +89,7 @@ def plugin() -> None:
 
 
 def is_patched() -> bool:
-    import flashinfer
-
-    return _patches.holds(flashinfer, "mm_fp4")
+    return _patches.holds(importlib.import_module(LINEAR_MODULE), "_POSSIBLE_NVFP4_KERNELS")
 
 
 def patch(*, tune_at_load: bool | None = None) -> bool:
@@ -85,24 +100,12 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     """
     if not _common.version_allowed(ENGINE, engine_version(), TESTED_VERSIONS):
         return False
-    try:
-        import flashinfer
-    except Exception as exc:
-        log.info("fp4select: flashinfer is not importable (%s); vLLM not patched", exc)
-        return False
-    if _patches.holds(flashinfer, "mm_fp4"):
+    if _patches:
         return True
-    original = getattr(flashinfer, "mm_fp4", None)
-    if original is None:
-        log.info("fp4select: this flashinfer has no mm_fp4; vLLM not patched")
-        return False
-    if getattr(original, "__fp4select__", False):
-        log.info("fp4select: flashinfer.mm_fp4 is already fp4select's")
-        return True
-    _common.pin_flashinfer_original()
     tuning = _common.warm_enabled() if tune_at_load is None else tune_at_load
     try:
-        _patches.set(flashinfer, "mm_fp4", _common.make_mm_fp4(original, ENGINE))
+        mm_fp4 = _patch_mm_fp4()
+        _register_kernel()
         if tuning:
             worker_cls = importlib.import_module(WORKER_MODULE).Worker
             _patches.set(worker_cls, "load_model", _tuning_load_model(worker_cls.load_model))
@@ -110,19 +113,154 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
         _patches.restore()
         raise
     log.info(
-        "fp4select: vLLM %s patched: flashinfer.mm_fp4 -> fp4select (tuning at load: %s)",
+        "fp4select: vLLM %s patched: %s; NVFP4 linear kernel %s registered (--linear-backend "
+        "%s; ahead of Marlin on SM80-SM90); tuning at load: %s",
         engine_version(),
+        "flashinfer.mm_fp4 -> fp4select" if mm_fp4 else "flashinfer.mm_fp4 not patched",
+        KERNEL_NAME,
+        LINEAR_BACKEND,
         "on" if tuning else "off",
     )
     return True
+
+
+def _patch_mm_fp4() -> bool:
+    """Route vLLM's FlashInfer kernels' ``flashinfer.mm_fp4`` through fp4select, if present."""
+    try:
+        import flashinfer
+    except Exception as exc:
+        log.info("fp4select: flashinfer is not importable (%s); its mm_fp4 is not patched", exc)
+        return False
+    original = getattr(flashinfer, "mm_fp4", None)
+    if original is None:
+        log.info("fp4select: this flashinfer has no mm_fp4; not patched")
+        return False
+    if getattr(original, "__fp4select__", False):
+        log.info("fp4select: flashinfer.mm_fp4 is already fp4select's")
+        return False
+    _common.pin_flashinfer_original()
+    _patches.set(flashinfer, "mm_fp4", _common.make_mm_fp4(original, ENGINE))
+    return True
+
+
+def _register_kernel() -> None:
+    """fp4select's kernel class into vLLM's NVFP4 list, the --linear-backend map and the CLI."""
+    from vllm.platforms.interface import PlatformEnum
+
+    linear = importlib.import_module(LINEAR_MODULE)
+    cls = kernel_class()
+    possible = dict(linear._POSSIBLE_NVFP4_KERNELS)
+    cuda = list(possible.get(PlatformEnum.CUDA, []))
+    names = [k.__name__ for k in cuda]
+    at = min((names.index(n) for n in WEIGHT_ONLY_KERNELS if n in names), default=len(cuda))
+    cuda.insert(at, cls)
+    possible[PlatformEnum.CUDA] = cuda
+    _patches.set(linear, "_POSSIBLE_NVFP4_KERNELS", possible)
+    by_name = dict(linear._LINEAR_BACKEND_KERNEL_MAP)
+    by_name[LINEAR_BACKEND] = {cls}
+    _patches.set(linear, "_LINEAR_BACKEND_KERNEL_MAP", by_name)
+    # The CLI builds --linear-backend's choices from KernelConfig's Literal (after plugins load).
+    from vllm.config.kernel import KernelConfig
+
+    field = KernelConfig.__dataclass_fields__["linear_backend"]
+    choices = typing.get_args(field.type)
+    if LINEAR_BACKEND not in choices:
+        widened: Any = typing.Literal.__getitem__((*choices, LINEAR_BACKEND))
+        _patches.set(field, "type", widened)
+    _forget_cli_choices()
+
+
+def _forget_cli_choices() -> None:
+    """Drop vLLM's cached argparse kwargs, so the parser's choices follow the Literal."""
+    try:
+        arg_utils = importlib.import_module("vllm.engine.arg_utils")
+        arg_utils._compute_kwargs.cache_clear()
+    except Exception:  # the CLI helper moved: the Python API still takes the name
+        log.debug("fp4select: could not refresh vLLM's CLI choices", exc_info=True)
 
 
 def unpatch() -> list[str]:
     """Put back every object ``patch()`` replaced; returns their names."""
     restored = _patches.restore()
     if restored:
+        _forget_cli_choices()
         log.info("fp4select: vLLM unpatched: %s", ", ".join(restored))
     return restored
+
+
+# -- fp4select's NVFP4 linear kernel (W4A4) -------------------------------------------------
+_kernel_class: Any = None
+
+
+def _configured_backend() -> str:
+    linear = importlib.import_module(LINEAR_MODULE)
+    return str(linear._get_linear_backend(quantization="nvfp4_w4a4"))
+
+
+def kernel_supported(compute_capability: int | None = None) -> tuple[bool, str | None]:
+    """vLLM's ``is_supported`` answer for fp4select's kernel: named, from SM80; unnamed, only
+    where vLLM has no W4A4 kernel of its own (SM80-SM90), and only with a fp4select GPU kernel."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return False, "fp4select's NVFP4 kernel runs on CUDA GPUs"
+    if compute_capability is None:
+        capability = current_platform.get_device_capability()
+        compute_capability = None if capability is None else capability.to_int()
+    named = _configured_backend() == LINEAR_BACKEND
+    if not named and compute_capability is not None and compute_capability >= _common.NATIVE_FP4_CC:
+        return False, (
+            "on SM100+ vLLM's own FP4 kernels serve (through fp4select's flashinfer.mm_fp4); "
+            f"--linear-backend {LINEAR_BACKEND} chooses this one"
+        )
+    why = _common.w4a4_unavailable(compute_capability)
+    return (why is None), why
+
+
+def kernel_class() -> type:
+    """``Fp4selectNvFp4LinearKernel``, a subclass of vLLM's ``NvFp4LinearKernel`` (made once)."""
+    global _kernel_class
+    if _kernel_class is not None:
+        return _kernel_class
+    from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel
+    from vllm.model_executor.utils import replace_parameter
+
+    from fp4select.integrations import _layer
+
+    class Fp4selectNvFp4LinearKernel(NvFp4LinearKernel):
+        """NVFP4 W4A4 through fp4select: activations quantized with the layer's static input
+        scale (flashinfer's recipe), then ``best_mm_fp4`` on the checkpoint's weight layout."""
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+            return kernel_supported(compute_capability)
+
+        @classmethod
+        def can_implement(cls, config: Any) -> tuple[bool, str | None]:
+            return True, None
+
+        def process_weights_after_loading(self, layer: Any) -> None:
+            replace_parameter(
+                layer, "weight_scale", _layer.prepare_weight_scale(layer.weight_scale.data)
+            )
+            self._op = _layer.linear_op()
+
+        def apply_weights(
+            self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            out = self._op(
+                x,
+                layer.weight,
+                layer.weight_scale,
+                layer.input_global_scale_inv,
+                layer.alpha,
+                x.dtype,
+            )
+            return out if bias is None else out + bias
+
+    Fp4selectNvFp4LinearKernel.__module__ = __name__
+    _kernel_class = Fp4selectNvFp4LinearKernel
+    return _kernel_class
 
 
 # -- tuning at load --------------------------------------------------------------------------
@@ -136,6 +274,8 @@ def _kernel_backend(module: torch.nn.Module) -> str | None:
         if kernel is None:
             continue
         cls = type(kernel)
+        if _kernel_class is not None and cls is _kernel_class:
+            return "auto"  # fp4select's own kernel: the checkpoint's plain layout
         if cls.__module__ == KERNEL_MODULE and cls.__name__ in KERNEL_BACKENDS:
             return KERNEL_BACKENDS[cls.__name__]
     return None

@@ -1,0 +1,105 @@
+"""One NVFP4 linear layer, W4A4, through fp4select: what both engines run on GPUs without FP4
+tensor cores (Hopper, Ada, Ampere), and what a Blackwell user gets when naming fp4select.
+
+Imports no engine, so the GPU suite can check the layer path where no engine is installed.
+
+Design rules:
+
+* The checkpoint's layout is kept: the weight stays ``(N, K/2)`` uint8 as ModelOpt wrote it
+  (``best_mm_fp4`` takes its ``.T`` view); only the block scales are laid out 128x4
+  (:func:`prepare_weight_scale`, once at load).
+* Activations are quantized with the layer's static input scale (``input_scale_inv = 1 /
+  input_scale``, flashinfer's ``global_scale``) by :func:`fp4select.quantize.fp4_quantize`, then
+  ``best_mm_fp4(a, weight.T, a_sf, weight_scale.T, alpha)`` with ``alpha = input_scale *
+  weight_scale_2``: the numbers Blackwell's NVFP4 GEMMs compute.
+* Under ``torch.compile`` the layer is one opaque custom op, ``torch.ops.fp4select.
+  nvfp4_linear`` (registered on first use), as the engines do with their own GEMM ops: the
+  selector's Python stays out of the traced graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from fp4select import formats
+
+_op_lock = threading.Lock()
+_op: Any = None
+
+
+def prepare_weight_scale(weight_scale: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's linear ``(N, K/16)`` e4m3 block scales as the 128x4 ``(Np, Cp)`` buffer."""
+    if weight_scale.dim() != 2:
+        raise ValueError(f"weight_scale must be 2-D (N, K/16), got {tuple(weight_scale.shape)}")
+    sf = weight_scale if weight_scale.dtype == torch.uint8 else weight_scale.view(torch.uint8)
+    return formats.swizzle_sf(sf.contiguous(), "128x4").view(torch.float8_e4m3fn)
+
+
+def linear_nvfp4(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale_inv: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``x (..., K) -> (..., N)``: quantize x to NVFP4, then ``best_mm_fp4``; eager, no op.
+
+    ``weight`` is ``(N, K/2)`` uint8, ``weight_scale`` the 128x4 buffer from
+    :func:`prepare_weight_scale`, ``input_scale_inv`` and ``alpha`` one-element float32 tensors.
+    """
+    from fp4select.api import best_mm_fp4
+    from fp4select.quantize import fp4_quantize
+
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[-1] * 2 != k:
+        raise ValueError(f"x has K={k} but the weight holds K={weight.shape[-1] * 2}")
+    x2 = x.reshape(-1, k)
+    a, a_sf = fp4_quantize(x2, input_scale_inv)
+    out = best_mm_fp4(
+        a,
+        weight.T,
+        a_sf,
+        weight_scale.T,
+        alpha.reshape(1) if alpha.dim() == 0 else alpha,
+        out_dtype or x.dtype,
+    )
+    return out.reshape(*x.shape[:-1], n)
+
+
+def linear_op() -> Any:
+    """``torch.ops.fp4select.nvfp4_linear``, registered once per process (with a fake for
+    ``torch.compile``); calls :func:`linear_nvfp4` on every device."""
+    global _op
+    with _op_lock:
+        if _op is None:
+            _op = _register()
+    return _op
+
+
+def _register() -> Any:
+    name = "fp4select::nvfp4_linear"
+    existing = getattr(getattr(torch.ops, "fp4select", None), "nvfp4_linear", None)
+    if existing is not None:  # a second import of this module (reloads, tests) reuses it
+        return existing
+
+    @torch.library.custom_op(name, mutates_args=())
+    def nvfp4_linear(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale_inv: torch.Tensor,
+        alpha: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return linear_nvfp4(x, weight, weight_scale, input_scale_inv, alpha, out_dtype)
+
+    @nvfp4_linear.register_fake
+    def _(x, weight, weight_scale, input_scale_inv, alpha, out_dtype):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+    return torch.ops.fp4select.nvfp4_linear
