@@ -62,7 +62,7 @@ SHAPES = [
     ("DeepSeek-V3 dense gate_up TP8", 4608, 7168),
     ("Qwen3-235B o TP4", 4096, 2048),
 ]
-MS = [1, 4, 16, 64, 256, 1024, 2048, 8192]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 4096, 8192]
 COLD_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3.1-8B
 COLD_MS = [1, 16, 256, 2048, 8192]
 ORACLE = TimingOptions(budget_s=0.5, min_rounds=15, max_rounds=60)

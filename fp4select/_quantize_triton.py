@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4select import quantize as q
+from fp4select import formats
 
-C_SIXTH = q.C_SIXTH
-F32_MAX = q.F32_MAX
+# The same constants as fp4select.quantize (which imports this module, so not from there).
+C_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))
+F32_MAX = tl.constexpr(float(torch.finfo(torch.float32).max))
 
 
 @triton.jit
@@ -136,7 +137,7 @@ def _tile(m: int) -> tuple[int, int, int]:
 def quantize(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (M, K) bf16/fp16/fp32, ``gs`` one float32 element on x's device."""
     m, k = x.shape
-    rp, cp = q.scale_shape(m, k)
+    rp, cp = formats.padded_sf_shape(m, k // 16, "128x4")
     out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     sf = torch.empty((rp, cp), dtype=torch.uint8, device=x.device)
     block_m, block_c, warps = _tile(m)

@@ -222,7 +222,6 @@ def _broadcast_json(obj: Any, src: int, dist: Any, group: Any) -> Any:
     return obj if mine else _decode(_bytes(buffer), "rank 0")
 
 
-
 def _dist() -> Any:
     import torch.distributed as dist
 

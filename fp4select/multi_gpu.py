@@ -29,7 +29,7 @@ from fp4select.keys import Problem, environment_for
 from fp4select.store import digest
 
 if TYPE_CHECKING:
-    from fp4select.selector import Isolation
+    from fp4select.settings import Isolation
 
 __all__ = [
     "DeviceError",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4select.backends import discover, torch_dequant, torch_scaled_mm, triton_fp4
+from fp4select.backends import discover, torch_dequant, torch_scaled_mm, triton_fp4, triton_hopper
 from fp4select.keys import Problem
 from fp4select.validate import make_inputs
 
@@ -21,7 +21,8 @@ B200 = {"device": "cuda", "cc": 100}
 
 def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
     names = list(discover(include_flashinfer=False).backends)
-    gpu = [c.name for c in triton_fp4.CONFIGS] + ["torch-dequant", "torch-scaled-mm"]
+    hopper = [b.name for b in triton_hopper.BACKENDS]
+    gpu = hopper + [c.name for c in triton_fp4.CONFIGS] + ["torch-dequant", "torch-scaled-mm"]
     assert names[: 1 + len(gpu)] == ["emulation", *gpu]
     backends = discover(include_flashinfer=False).backends
     # All run GPU code of ours (Triton kernels, a decode pass): unproven, they are probed in
@@ -34,7 +35,12 @@ def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
 
 
 def test_each_says_why_it_cannot_run_here():
-    for backend in (*triton_fp4.BACKENDS, torch_dequant.BACKEND, torch_scaled_mm.BACKEND):
+    for backend in (
+        *triton_hopper.BACKENDS,
+        *triton_fp4.BACKENDS,
+        torch_dequant.BACKEND,
+        torch_scaled_mm.BACKEND,
+    ):
         reason = backend.unavailable_reason(CPU)
         assert reason and isinstance(reason, str), backend.name
     assert "8.0" in triton_fp4.why_unavailable({"device": "cuda", "cc": 75})
@@ -57,6 +63,11 @@ def test_scaled_mm_is_available_on_blackwell_iff_torch_has_the_api():
 def test_declarations_exclude_what_the_kernels_do_not_take():
     backends = discover(include_flashinfer=False).backends
     trtllm = Problem(n=256, k=256, m_bucket=1, b_layout="trtllm")
+    for name in ("hopper-gemv", "hopper-mma", "hopper-prefill"):
+        for problem in (trtllm, Problem(n=256, k=256, m_bucket=1, use_nvfp4=False)):
+            assert backends[name].rejects(problem, H200), (name, problem)
+    assert "M <= 8" in backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=16), H200)
+    assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=128), H200) is None
     for name in ("triton-m64", "torch-dequant", "torch-scaled-mm"):
         assert "trtllm" in backends[name].caps.rejects(trtllm, "cuda")
     sm = backends["torch-scaled-mm"].caps

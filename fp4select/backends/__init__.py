@@ -3,7 +3,7 @@
 Design rules:
 
 * Four sources, in this order: flashinfer's runtime-listed backends, the built-in ones
-  (``emulation``, then the GPU kernels ``triton-*``, ``torch-dequant``, ``torch-scaled-mm``,
+  (``emulation``, then the GPU kernels ``hopper-*``, ``triton-*``, ``torch-dequant``, ``torch-scaled-mm``,
   each saying itself where it cannot run), the ``fp4select.backends`` entry-point group, and
   ``register_backend(...)`` calls. A name may
   appear once; a later source must pass ``replace=True`` to shadow an earlier one.
@@ -27,6 +27,7 @@ from fp4select.backends import (
     torch_dequant,
     torch_scaled_mm,
     triton_fp4,
+    triton_hopper,
 )
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import (
@@ -194,7 +195,12 @@ def discover(*, include_flashinfer: bool = True) -> Registry:
         for b in flashinfer_invariant.backends():
             registry.backends[b.name] = b
     registry.backends[emulation.NAME] = emulation.BACKEND
-    for b in (*triton_fp4.BACKENDS, torch_dequant.BACKEND, torch_scaled_mm.BACKEND):
+    for b in (
+        *triton_hopper.BACKENDS,
+        *triton_fp4.BACKENDS,
+        torch_dequant.BACKEND,
+        torch_scaled_mm.BACKEND,
+    ):
         registry.backends[b.name] = b
     eps, errors = _load_entry_points()
     registry.source_errors.update(errors)

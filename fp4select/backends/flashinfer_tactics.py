@@ -92,6 +92,7 @@ import torch
 from fp4select import settings as settings_mod
 from fp4select.backends.base import Runner
 from fp4select.keys import Problem
+from fp4select.store import first_time
 
 log = logging.getLogger("fp4select")
 
@@ -103,7 +104,6 @@ _MAX_TACTIC_DEPTH = 8
 
 _state = threading.local()  # .pin: _Pin | None; .capture: list | None
 _install_lock = threading.Lock()
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -487,18 +487,12 @@ def tactic_of(record: Any) -> tuple[Any, str | None] | None:
     why = record_error(record)
     if why is not None:
         key = repr(record)[:200]
-        if key not in _warned:
-            _warned.add(key)
+        if first_time(f"flashinfer tactic record: {key}"):
             log.warning("ignoring a malformed flashinfer tactic record (%s): %s", why, key)
         return None
     api, _ = tuner_api()
     decode = api.json_to_tactic if api is not None else _json_to_tactic
     return decode(record["tactic"]), record.get("runner")
-
-
-def default_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record that pins flashinfer's default tactic on the runner ``record`` tuned."""
-    return {**record, "tactic": DEFAULT_TACTIC}
 
 
 def is_tuned(record: Any) -> bool:
@@ -528,8 +522,7 @@ def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
         pin = _Pin(DEFAULT_TACTIC, None) if decoded is None else _Pin(*decoded)
     why = install()
     if why is not None:
-        if why not in _warned:
-            _warned.add(why)
+        if first_time(f"flashinfer tactics: {why}"):
             log.warning("cannot pin flashinfer tactics (%s); flashinfer chooses", why)
         return runner
     state = _state
@@ -697,8 +690,7 @@ def tune(
         # Raised here it would read as "unsupported" for every backend (flashinfer's checks
         # raise ValueError): say it in each record and the log instead, and tune nothing.
         bad = f"{exc}; not tuned"
-        if bad not in _warned:
-            _warned.add(bad)
+        if first_time(f"flashinfer tactics: {bad}"):
             log.error(bad)
         return {"op": OP, "tactic": None, "reason": bad}
     if untuned_by_setting(mode, name):

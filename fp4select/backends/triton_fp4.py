@@ -172,7 +172,22 @@ def _ceil4(x: int) -> int:
     return (x + 3) // 4 * 4
 
 
-def _run(
+@dataclass
+class Checked:
+    """The arguments of one call, checked and resolved for a kernel launch."""
+
+    m: int
+    n: int
+    kh: int  # bytes of packed K
+    cp: int  # scale columns, padded to a multiple of 4
+    a_descale: torch.Tensor  # without spare row tiles
+    out: torch.Tensor
+    alpha_kind: int  # 0 none, 1 a Python number, 2 one element, 3 one per row of a
+    alpha_value: float
+    alpha_ptr: torch.Tensor
+
+
+def check_call(
     a: torch.Tensor,
     b: torch.Tensor,
     a_descale: torch.Tensor,
@@ -183,12 +198,8 @@ def _run(
     block_size: int,
     use_8x4_sf_layout: bool,
     use_nvfp4: bool,
-    enable_pdl: bool,
-    *,
-    cfg: TileConfig,
-    split: int | None = None,
-) -> torch.Tensor:
-    """mm_fp4's positional order (without backend); enable_pdl means nothing here."""
+) -> Checked:
+    """mm_fp4's arguments as the Triton kernels read them, or a ValueError naming the one off."""
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
     m, kh = a.shape
@@ -225,8 +236,6 @@ def _run(
         raise ValueError(
             f"out must be a ({m}, {n}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}"
         )
-    if m == 0 or n == 0:
-        return out
     alpha_value = 1.0
     alpha_ptr = out
     if alpha is None:
@@ -241,6 +250,33 @@ def _run(
             alpha_kind = 3
         else:
             raise ValueError(f"alpha must have 1 or M={m} elements, got shape {tuple(alpha.shape)}")
+    return Checked(m, n, kh, cp, a_descale, out, alpha_kind, alpha_value, alpha_ptr)
+
+
+def _run(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_descale: torch.Tensor,
+    b_descale: torch.Tensor,
+    alpha: torch.Tensor | float | None,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None,
+    block_size: int,
+    use_8x4_sf_layout: bool,
+    use_nvfp4: bool,
+    enable_pdl: bool,
+    *,
+    cfg: TileConfig,
+    split: int | None = None,
+) -> torch.Tensor:
+    """mm_fp4's positional order (without backend); enable_pdl means nothing here."""
+    c = check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
+    )
+    m, n, kh, cp, a_descale, out = c.m, c.n, c.kh, c.cp, c.a_descale, c.out
+    alpha_kind, alpha_value, alpha_ptr = c.alpha_kind, c.alpha_value, c.alpha_ptr
+    if m == 0 or n == 0:
+        return out
     if a.dtype != torch.uint8:
         a = a.view(torch.uint8)
     if b.dtype != torch.uint8:

@@ -1,0 +1,194 @@
+"""Sweep the Hopper kernels' configurations in one GPU run: correctness, then speed.
+
+For each shape and M, every configuration of ``hopper-gemv``, ``hopper-mma`` and
+``hopper-prefill`` that applies is checked against the exact reference (``validate.check``),
+then all that passed are timed side by side with bf16 cuBLAS and the older ``triton-*`` and
+``torch-dequant`` candidates (CUDA-graph replay, inputs rotated to keep L2 cold). Prints one
+line per point (the best configuration of each family, bf16, and the ratio) and writes
+``benchmarks/results/hopper_sweep.json``. Used to choose each backend's configuration table;
+``bench_gpu.py`` is the benchmark of record.
+
+    python benchmarks/hopper_sweep.py [--quick] [--shapes 8192x8192,...] [--ms 1,16,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from _common import machine
+
+from fp4select import formats, timing, validate
+from fp4select.backends import torch_dequant, triton_fp4, triton_hopper
+from fp4select.keys import Problem, m_bucket
+from fp4select.timing import TimingOptions
+
+SHAPES = [(8192, 8192), (28672, 4096), (4096, 14336)]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 4096]
+OPTIONS = TimingOptions(budget_s=0.12, min_rounds=5, max_rounds=15)
+
+GEMV = [
+    triton_hopper.GemvConfig(r, bk, w)
+    for r, bk, w in [(4, 128, 2), (4, 256, 2), (8, 128, 2), (4, 256, 4), (2, 256, 2), (8, 64, 1)]
+]
+MMA = [
+    triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
+    for bn, bt, bkw, w, st, sp in [
+        (64, 16, 32, 4, 3, 0),
+        (128, 16, 32, 4, 3, 0),
+        (64, 16, 16, 4, 4, 0),
+        (64, 32, 32, 4, 3, 0),
+        (64, 64, 32, 4, 3, 0),
+        (128, 64, 32, 8, 3, 0),
+        (128, 16, 32, 4, 4, 0),
+    ]
+]
+PREFILL = [
+    triton_hopper.PrefillConfig(bn, bt, bkw, w, st, g)
+    for bn, bt, bkw, w, st, g in [
+        (128, 128, 16, 8, 3, 8),
+        (128, 128, 16, 8, 2, 8),
+        (64, 128, 16, 4, 3, 8),
+        (64, 64, 16, 4, 3, 8),
+        (128, 64, 16, 4, 3, 8),
+    ]
+]
+
+
+def variants(m: int) -> dict[str, functools.partial]:
+    out: dict[str, functools.partial] = {}
+    if m <= 8:
+        for c in GEMV:
+            out[f"gemv r{c.rows_per_program} bk{c.blocks_per_step} w{c.num_warps}"] = (
+                functools.partial(triton_hopper.run_gemv, cfg=c)
+            )
+    if 2 <= m <= 256:
+        for c in MMA:
+            if c.block_t >= 2 * max(16, m) and c.block_t > 16:
+                continue
+            out[f"mma n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} s{c.split}"] = (
+                functools.partial(triton_hopper.run_mma, cfg=c)
+            )
+    if m >= 64:
+        for c in PREFILL:
+            out[f"prefill n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps}"] = (
+                functools.partial(triton_hopper.run_prefill, cfg=c)
+            )
+    old = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
+    for name, limit in old.items():
+        if limit is None or m <= limit:
+            out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
+    out["torch-dequant"] = torch_dequant.BACKEND.checked_runner_for(Problem(n=1, k=16, m_bucket=1))
+    return out
+
+
+def family(name: str) -> str:
+    return name.split(" ")[0]
+
+
+def point(n: int, k: int, m: int, device: torch.device) -> dict:
+    problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+    first = validate.make_inputs(problem, m, device, seed=11, with_reference=m * n * k <= 2**34)
+    runs = variants(m)
+    verdicts = {}
+    passed = {}
+    for name, fn in runs.items():
+        try:
+            out = fn(*first.args(problem))
+            torch.cuda.synchronize()
+            if first.ref.numel():
+                res = validate.check(out, first, problem.torch_out_dtype)
+                verdicts[name] = ("ok" if res.ok else "WRONG " + res.reason, res.worst_ratio)
+                if not res.ok:
+                    continue
+            else:
+                verdicts[name] = ("unchecked", None)
+            passed[name] = fn
+        except Exception as exc:
+            verdicts[name] = (f"error {type(exc).__name__}: {str(exc)[:300]}", None)
+    nbytes = first.nbytes() + m * n * 2
+    sets = [first] + [
+        validate.make_inputs(problem, m, device, seed=11 + i, with_reference=False)
+        for i in range(1, timing.input_sets_for_cold_l2(device, nbytes, True))
+    ]
+    calls = {
+        nm: [functools.partial(fn, *s.args(problem)) for s in sets] for nm, fn in passed.items()
+    }
+    dq = []
+    for s in sets[: min(len(sets), 4)]:
+        a = formats.dequantize(s.a, s.a_descale, k, use_nvfp4=True, sf_layout="128x4")
+        w = formats.dequantize(s.b.T, s.b_descale.T, k, use_nvfp4=True, sf_layout="128x4")
+        dq.append((a.to(torch.bfloat16), w.to(torch.bfloat16)))
+    calls["bf16"] = [functools.partial(torch.mm, a, w.T) for a, w in dq]
+    times, _ = timing.time_interleaved(calls, device, OPTIONS)
+    us = {nm: t.median_us for nm, t in times.items()}
+    return {"n": n, "k": k, "m": m, "us": us, "verdicts": verdicts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--time-limit-s", type=float, default=420)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    started = time.perf_counter()
+    rows = []
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        for m in map(int, args.ms.split(",")):
+            if time.perf_counter() - started > args.time_limit_s:
+                print(f"time limit: skipped {n}x{k} M={m}")
+                continue
+            try:
+                row = point(n, k, m, device)
+            except Exception:
+                print(f"{n}x{k} M={m} failed:\n{traceback.format_exc()}")
+                continue
+            rows.append(row)
+            us = row["us"]
+            best: dict[str, tuple[float, str]] = {}
+            for nm, t in us.items():
+                f = family(nm)
+                if f not in best or t < best[f][0]:
+                    best[f] = (t, nm)
+            new = min(
+                (t for nm, t in us.items() if family(nm) in ("gemv", "mma", "prefill")),
+                default=float("nan"),
+            )
+            wrong = [nm for nm, v in row["verdicts"].items() if not v[0].startswith(("ok", "unch"))]
+            print(
+                f"{n:5d}x{k:5d} M={m:5d} bf16={us['bf16']:7.1f} new={new:7.1f} "
+                f"ratio={new / us['bf16']:5.2f} | "
+                + " ".join(
+                    f"{f}={t:.1f}[{nm[len(f) :].strip()}]" for f, (t, nm) in sorted(best.items())
+                )
+                + (
+                    f" | BAD {wrong}: {[row['verdicts'][w][0][:120] for w in wrong]}"
+                    if wrong
+                    else ""
+                ),
+                flush=True,
+            )
+    record = {
+        "benchmark": "hopper_sweep",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(device),
+        "timing": OPTIONS.to_json(),
+        "rows": rows,
+    }
+    path = Path(args.out) / "hopper_sweep.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, default=str) + "\n")
+    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

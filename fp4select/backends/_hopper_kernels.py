@@ -1,0 +1,891 @@
+"""Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
+
+Why one file of ~880 lines: Triton resolves a kernel's helpers through its module's globals,
+and the three kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
+asm strings and the twins they must agree with read best side by side.
+
+Design rules:
+
+* Decode whole words, never single nibbles. Weights and activations are read as 32-bit words
+  (8 E2M1 values, all in one 16-value scale block) or 64-bit words (one whole NVFP4 block),
+  and every inline-asm routine takes one word and returns values derived from that word only.
+  So an asm routine is elementwise over words whatever register layout Triton picks for the
+  tensor, which is what made the earlier byte-packed decode silently wrong inside ``tl.dot``.
+* The order of K inside a step is free: a dot product does not care in which order its terms
+  come, as long as both operands use the same order. ``_WORD_TO_F16`` returns the 8 values of
+  a word as 8 separate tensors ("planes": plane i holds element i of every word), and both the
+  weight and the activation are decoded with it, so plane i of one meets plane i of the other.
+* Exact arithmetic. ``_DECODE_S8`` maps E2M1 codes to the integers 2*value (-12..12) with a
+  byte-permute table lookup (``prmt``) and ``_DOT4`` multiplies with ``dp4a``: the integer dot product of
+  one block is exact, and is scaled by both block scales once, in float32. ``_WORD_TO_F16``
+  places each code's bits into a float16 (value * 2**-14, exact, subnormals included) and
+  multiplies by the block scale in float16 (exact: the product is a multiple of 2**-24 below
+  0.17), so tensor-core products are exact and only the float32 summation order differs from
+  the reference. The ``* 2**28`` that undoes both ``2**-14`` is applied to the float32 sum.
+* Every asm routine has a pure-Triton twin (``*_twin``) computing the same bits with integer
+  arithmetic: the Triton interpreter (the CPU tests) cannot run inline asm, so ``ASM=False``
+  selects the twin there. ``tests/test_hopper_asm.py`` proves the asm's bit logic on the CPU by
+  emulating ``prmt``, shifts and masks over every input, and the GPU suite runs the asm itself.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+cdiv = triton.cdiv
+
+# E2M1 code -> 2 * value as int8, for the byte-permute lookup: positive codes 0..7, then the
+# same magnitudes negated (codes 8..15).
+TABLE_POS = (0x03020100, 0x0C080604)  # 0 1 2 3 | 4 6 8 12
+TABLE_NEG = (0xFDFEFF00, 0xF4F8FAFC)  # 0 -1 -2 -3 | -4 -6 -8 -12
+
+
+def _decode_s8(word: str, lo: str, hi: str, tag: str) -> str:
+    """PTX: a 32-bit word of 8 E2M1 codes -> two words of 4 int8 (2 * value) each."""
+    return f"""
+    and.b32 m{tag}, {word}, 0x77777777;
+    shr.b32 s{tag}, {word}, 1;
+    and.b32 s{tag}, s{tag}, 0x44444444;
+    or.b32 s{tag}, s{tag}, 0x32103210;
+    prmt.b32 p{tag}, tp0, tp1, m{tag};
+    prmt.b32 n{tag}, tn0, tn1, m{tag};
+    prmt.b32 {lo}, p{tag}, n{tag}, s{tag};
+    shr.b32 m{tag}, m{tag}, 16;
+    shr.b32 s{tag}, s{tag}, 16;
+    prmt.b32 p{tag}, tp0, tp1, m{tag};
+    prmt.b32 n{tag}, tn0, tn1, m{tag};
+    prmt.b32 {hi}, p{tag}, n{tag}, s{tag};"""
+
+
+# $0..$3 = the 16 codes of the 64-bit word $4 as int8 (2 * value), 4 per word, in order.
+_DECODE_S8 = tl.constexpr(
+    f"""{{
+    .reg .b32 tp0, tp1, tn0, tn1, w0, w1, mw, sw, pw, nw;
+    mov.b32 tp0, {TABLE_POS[0]}; mov.b32 tp1, {TABLE_POS[1]};
+    mov.b32 tn0, {TABLE_NEG[0]}; mov.b32 tn1, {TABLE_NEG[1]};
+    mov.b64 {{w0, w1}}, $4;"""
+    + _decode_s8("w0", "$0", "$1", "w")
+    + _decode_s8("w1", "$2", "$3", "w")
+    + """
+    }"""
+)
+
+# $0 = the int8x4 dot product of words $1..$4 with words $5..$8.
+_DOT4 = tl.constexpr("""{
+    .reg .b32 acc;
+    dp4a.s32.s32 acc, $1, $5, 0;
+    dp4a.s32.s32 acc, $2, $6, acc;
+    dp4a.s32.s32 acc, $3, $7, acc;
+    dp4a.s32.s32 $0, $4, $8, acc;
+    }""")
+
+
+def _split_w(word: str, p_lo: str, p_hi: str, n_lo: str, n_hi: str) -> str:
+    """PTX: 8 codes -> magnitudes (2 * value) of the positive ones and of the negative ones.
+
+    ``prmt`` with a code as selector picks the magnitude from the table when the code's sign
+    bit is clear, and replicates the (clear) top bit of the table byte, giving 0, when it is
+    set; flipping the sign bits first selects the negative codes instead.
+    """
+    return f"""
+    xor.b32 f, {word}, 0x88888888;
+    prmt.b32 {p_lo}, tp0, tp1, {word};
+    prmt.b32 {n_lo}, tp0, tp1, f;
+    shr.b32 h, {word}, 16;
+    shr.b32 f, f, 16;
+    prmt.b32 {p_hi}, tp0, tp1, h;
+    prmt.b32 {n_hi}, tp0, tp1, f;"""
+
+
+# $0..$3 = magnitudes of w's positive codes, $4..$7 of its negative codes (16 codes of $8).
+_DECODE_W = tl.constexpr(
+    f"""{{
+    .reg .b32 tp0, tp1, w0, w1, f, h;
+    mov.b32 tp0, {TABLE_POS[0]}; mov.b32 tp1, {TABLE_POS[1]};
+    mov.b64 {{w0, w1}}, $8;"""
+    + _split_w("w0", "$0", "$1", "$4", "$5")
+    + _split_w("w1", "$2", "$3", "$6", "$7")
+    + """
+    }"""
+)
+
+# $0 = sum(p . x) - sum(n . x): the signed dot product of one block, from _DECODE_W's 8 words
+# ($1..$8) and _DECODE_S8's 4 words ($9..$12).
+_DOT8 = tl.constexpr("""{
+    .reg .b32 pos, neg;
+    dp4a.s32.s32 pos, $1, $9, 0;
+    dp4a.s32.s32 neg, $5, $9, 0;
+    dp4a.s32.s32 pos, $2, $10, pos;
+    dp4a.s32.s32 neg, $6, $10, neg;
+    dp4a.s32.s32 pos, $3, $11, pos;
+    dp4a.s32.s32 neg, $7, $11, neg;
+    dp4a.s32.s32 pos, $4, $12, pos;
+    dp4a.s32.s32 neg, $8, $12, neg;
+    sub.s32 $0, pos, neg;
+    }""")
+
+
+def _pair(shift_m: int, shift_s: int, out_lo: int, out_hi: int) -> str:
+    """PTX: codes p and p+4 of the word -> one float16x2 (value * 2**-14 * scale)."""
+    mag = f"shl.b32 a, m, {shift_m};" if shift_m >= 0 else f"shr.b32 a, m, {-shift_m};"
+    sign = f"shl.b32 b, s, {shift_s};" if shift_s else "mov.b32 b, s;"
+    return f"""
+    {mag}
+    {sign}
+    and.b32 a, a, 0x0E000E00;
+    and.b32 b, b, 0x80008000;
+    or.b32 v, a, b;
+    mul.rn.f16x2 v, v, $9;
+    mov.b32 {{${out_lo}, ${out_hi}}}, v;"""
+
+
+# $0..$7 = the 8 codes of word $8 as float16 (value * 2**-14) times the float16x2 scale $9.
+_WORD_TO_F16 = tl.constexpr(
+    """{
+    .reg .b32 m, s, a, b, v;
+    and.b32 m, $8, 0x77777777;
+    and.b32 s, $8, 0x88888888;"""
+    + _pair(9, 12, 0, 4)
+    + _pair(5, 8, 1, 5)
+    + _pair(1, 4, 2, 6)
+    + _pair(-3, 0, 3, 7)
+    + """
+    }"""
+)
+
+
+@triton.jit
+def _s8_value(c):
+    """E2M1 code (low 4 bits of an int) -> 2 * value as an int, without tables."""
+    m = c & 7
+    v = tl.where(m < 4, m, tl.where(m < 6, 2 * m - 4, 4 * m - 16))
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _s8_byte(q, i: tl.constexpr):
+    """Byte of the int8 word for code i of the int64 ``q`` (2 * value, two's complement)."""
+    return (_s8_value(((q >> (4 * i)) & 15).to(tl.int32)) & 255) << (8 * (i % 4))
+
+
+@triton.jit
+def decode_s8(q, ASM: tl.constexpr):
+    """An int64 word of 16 E2M1 codes -> 4 int32 words of 4 int8 (2 * value) each, in order."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _DECODE_S8, "=r,=r,=r,=r,l", [q], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+        )
+    else:
+        return (
+            _s8_byte(q, 0) | _s8_byte(q, 1) | _s8_byte(q, 2) | _s8_byte(q, 3),
+            _s8_byte(q, 4) | _s8_byte(q, 5) | _s8_byte(q, 6) | _s8_byte(q, 7),
+            _s8_byte(q, 8) | _s8_byte(q, 9) | _s8_byte(q, 10) | _s8_byte(q, 11),
+            _s8_byte(q, 12) | _s8_byte(q, 13) | _s8_byte(q, 14) | _s8_byte(q, 15),
+        )
+
+
+@triton.jit
+def _sbyte(w, i: tl.constexpr):
+    return ((w << (24 - 8 * i)) >> 24).to(tl.int32)  # sign-extended byte i of an int32
+
+
+@triton.jit
+def _dot_word_twin(w, x):
+    return (
+        _sbyte(w, 0) * _sbyte(x, 0)
+        + _sbyte(w, 1) * _sbyte(x, 1)
+        + _sbyte(w, 2) * _sbyte(x, 2)
+        + _sbyte(w, 3) * _sbyte(x, 3)
+    )
+
+
+@triton.jit
+def dot4(w0, w1, w2, w3, x0, x1, x2, x3, ASM: tl.constexpr):
+    """Integer dot product of 16 int8 values (4 words) of w with those of x: ``dp4a`` x 4."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _DOT4,
+            "=r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, x0, x1, x2, x3],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return (
+            _dot_word_twin(w0, x0)
+            + _dot_word_twin(w1, x1)
+            + _dot_word_twin(w2, x2)
+            + _dot_word_twin(w3, x3)
+        )
+
+
+@triton.jit
+def _mag_byte(q, i: tl.constexpr, NEG: tl.constexpr):
+    """Byte of code i's magnitude (2 * |value|) if its sign is NEG, else 0, in place."""
+    c = ((q >> (4 * i)) & 15).to(tl.int32)
+    v = _s8_value(c & 7)
+    keep = ((c & 8) != 0) == NEG
+    return tl.where(keep, v, 0) << (8 * (i % 4))
+
+
+@triton.jit
+def _mag_word(q, first: tl.constexpr, NEG: tl.constexpr):
+    return (
+        _mag_byte(q, first, NEG)
+        | _mag_byte(q, first + 1, NEG)
+        | _mag_byte(q, first + 2, NEG)
+        | _mag_byte(q, first + 3, NEG)
+    )
+
+
+@triton.jit
+def decode_w(q, ASM: tl.constexpr):
+    """An int64 word of 16 codes -> 4 words of positive magnitudes, 4 of negative ones."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _DECODE_W, "=r,=r,=r,=r,=r,=r,=r,=r,l", [q], dtype=(tl.int32,) * 8, is_pure=True, pack=1
+        )
+    else:
+        return (
+            _mag_word(q, 0, False),
+            _mag_word(q, 4, False),
+            _mag_word(q, 8, False),
+            _mag_word(q, 12, False),
+            _mag_word(q, 0, True),
+            _mag_word(q, 4, True),
+            _mag_word(q, 8, True),
+            _mag_word(q, 12, True),
+        )
+
+
+@triton.jit
+def dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM: tl.constexpr):
+    """(p - n) . x over one block: the exact value 4 * sum w_i x_i."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _DOT8,
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return dot4(p0, p1, p2, p3, x0, x1, x2, x3, False) - dot4(
+            n0, n1, n2, n3, x0, x1, x2, x3, False
+        )
+
+
+@triton.jit
+def _code_f16(c):
+    """E2M1 code (low 4 bits of an int32) -> float16 holding value * 2**-14, exactly."""
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def word_to_f16(q, s2, ASM: tl.constexpr):
+    """A word of 8 E2M1 codes (int32) and a float16x2 scale pair (int32) -> 8 float16 planes.
+
+    Plane i holds code i of the word (bits 4i..4i+3) times 2**-14 times the scale.
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _WORD_TO_F16,
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+            [q, s2],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        s = (s2 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        return (
+            _code_f16(q) * s,
+            _code_f16(q >> 4) * s,
+            _code_f16(q >> 8) * s,
+            _code_f16(q >> 12) * s,
+            _code_f16(q >> 16) * s,
+            _code_f16(q >> 20) * s,
+            _code_f16(q >> 24) * s,
+            _code_f16(q >> 28) * s,
+        )
+
+
+@triton.jit
+def e4m3_f32(s):
+    """e4m3 scale bytes (int32) -> float32 values, subnormals included."""
+    bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def e4m3_f16x2(s):
+    """e4m3 scale bytes (int32) -> the float16 value in both halves of an int32."""
+    bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
+    h = bits.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+    b = h.to(tl.uint16, bitcast=True).to(tl.int32)
+    return b | (b << 16)
+
+
+@triton.jit
+def sf_offset(row, col, cp, LAYOUT_8X4: tl.constexpr):
+    if LAYOUT_8X4:
+        return (row // 8) * cp * 8 + (col // 4) * 32 + (row % 8) * 4 + col % 4
+    else:
+        return (
+            (row // 128) * cp * 128
+            + (col // 4) * 512
+            + (row % 32) * 16
+            + ((row % 128) // 32) * 4
+            + col % 4
+        )
+
+
+@triton.jit
+def _alpha_scale(offs_m, mask_m, alpha_ptr, alpha_value, ALPHA: tl.constexpr):
+    """alpha for each row of the output (ones when there is none)."""
+    if ALPHA == 1:
+        return tl.full(offs_m.shape, 1.0, tl.float32) * alpha_value
+    elif ALPHA == 2:
+        return tl.full(offs_m.shape, 1.0, tl.float32) * tl.load(alpha_ptr).to(tl.float32)
+    elif ALPHA == 3:
+        return tl.load(alpha_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+    else:
+        return tl.full(offs_m.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def sf_row_part(row, cp, LAYOUT_8X4: tl.constexpr):
+    """The part of a scale's byte offset that depends on the row only (see ``sf_offset``)."""
+    if LAYOUT_8X4:
+        return (row // 8) * cp * 8 + (row % 8) * 4
+    else:
+        return (row // 128) * cp * 128 + (row % 32) * 16 + ((row % 128) // 32) * 4
+
+
+@triton.jit
+def sf_col_part(col, LAYOUT_8X4: tl.constexpr):
+    """The part of a scale's byte offset that depends on the block (column) only."""
+    if LAYOUT_8X4:
+        return (col >> 2) * 32 + (col & 3)
+    else:
+        return (col >> 2) * 512 + (col & 3)
+
+
+@triton.jit
+def e4m3_bytes_f32(b):
+    """e4m3 scale bytes (uint8) -> float32 values, subnormals included."""
+    b = b.to(tl.int32)
+    bits = ((b & 0x7F) << 20) | ((b & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+
+
+@triton.jit
+def _gemv_row(
+    p0,
+    p1,
+    p2,
+    p3,
+    n0,
+    n1,
+    n2,
+    n3,
+    sw,
+    a_ptr,
+    sa_ptr,
+    r,
+    M,
+    k,
+    k_ok,
+    a_col,
+    stride_am,
+    cp,
+    A_8X4: tl.constexpr,
+    ASM: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One row of a against the decoded weight tile: float32 (R, BK) block contributions.
+
+    SPLIT: p and n hold the weight's positive and negative magnitudes (``decode_w``); else p
+    holds its signed values (``decode_s8``) and n is unused.
+    """
+    row = tl.minimum(r, M - 1)
+    x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
+    sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col)
+    sa = e4m3_bytes_f32(sa.to(tl.uint8, bitcast=True))
+    x0, x1, x2, x3 = decode_s8(x, ASM)
+    if SPLIT:
+        d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
+    else:
+        d = dot4(p0, p1, p2, p3, x0, x1, x2, x3, ASM)
+    return d.to(tl.float32) * (sw * sa)
+
+
+@triton.jit
+def _gemv_store(
+    acc, r, M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA: tl.constexpr
+):
+    if r < M:
+        row = tl.sum(acc, axis=1) * 0.25  # dp4a multiplied 2w by 2x
+        if ALPHA == 1:
+            row = row * alpha_value
+        elif ALPHA == 2:
+            row = row * tl.load(alpha_ptr).to(tl.float32)
+        elif ALPHA == 3:
+            row = row * tl.load(alpha_ptr + r).to(tl.float32)
+        ptrs = out_ptr + r * stride_om + rows * stride_on
+        tl.store(ptrs, row.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def gemv_dp4a(
+    a_ptr,  # int64 view of a: (M, K/16), one word per block
+    w_ptr,  # int64 view of the weight: (N, K/16)
+    sa_ptr,  # uint8 scales of a
+    sw_ptr,  # uint8 scales of the weight (128x4)
+    alpha_ptr,
+    out_ptr,
+    M,
+    N,
+    KW,  # K / 16: blocks per row
+    stride_am,  # in words
+    stride_wn,  # in words
+    stride_om,
+    stride_on,
+    cp,
+    alpha_value,
+    A_8X4: tl.constexpr,
+    ALPHA: tl.constexpr,
+    BM: tl.constexpr,  # rows of a: 1, 2, 4 or 8 (M <= BM)
+    R: tl.constexpr,  # weight rows per program
+    BK: tl.constexpr,  # blocks per step
+    ASM: tl.constexpr,
+):
+    """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
+
+    Per block: the exact integer dot product (``dp4a``) of the weight's positive and negative
+    magnitudes with a's signed values, then both block scales once, in float32. Each row of a
+    has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
+    cores, no shared memory, no split-K.
+    """
+    pid = tl.program_id(0)
+    rows = pid * R + tl.arange(0, R)
+    rows_c = tl.where(rows < N, rows, N - 1)
+    kk = tl.arange(0, BK)
+    w_rows = w_ptr + rows_c[:, None].to(tl.int64) * stride_wn
+    sw_rows = sw_ptr + sf_row_part(rows_c, cp, False)[:, None]
+    acc0 = tl.zeros((R, BK), dtype=tl.float32)
+    acc1 = tl.zeros((R, BK), dtype=tl.float32)
+    acc2 = tl.zeros((R, BK), dtype=tl.float32)
+    acc3 = tl.zeros((R, BK), dtype=tl.float32)
+    acc4 = tl.zeros((R, BK), dtype=tl.float32)
+    acc5 = tl.zeros((R, BK), dtype=tl.float32)
+    acc6 = tl.zeros((R, BK), dtype=tl.float32)
+    acc7 = tl.zeros((R, BK), dtype=tl.float32)
+    for k0 in range(0, KW, BK):
+        k = k0 + kk
+        k_ok = k < KW
+        kc = tl.where(k_ok, k, 0)
+        w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
+        sw = tl.load(sw_rows + sf_col_part(kc, False)[None, :])
+        sw = e4m3_bytes_f32(sw.to(tl.uint8, bitcast=True))
+        # One row of a: split magnitudes (fewer integer ops, twice the dp4a). Several rows
+        # share the weight's decode, so each dp4a counts more: signed values.
+        if BM == 1:
+            p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM)
+        else:
+            p0, p1, p2, p3 = decode_s8(w, ASM)
+            n0, n1, n2, n3 = p0, p1, p2, p3
+        a_col = sf_col_part(kc, A_8X4)[None, :]
+        acc0 += _gemv_row(
+            p0,
+            p1,
+            p2,
+            p3,
+            n0,
+            n1,
+            n2,
+            n3,
+            sw,
+            a_ptr,
+            sa_ptr,
+            0,
+            M,
+            k,
+            k_ok,
+            a_col,
+            stride_am,
+            cp,
+            A_8X4,
+            ASM,
+            BM == 1,
+        )
+        if BM > 1:
+            acc1 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                1,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+        if BM > 2:
+            acc2 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                2,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc3 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                3,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+        if BM > 4:
+            acc4 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                4,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc5 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                5,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc6 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                6,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+            acc7 += _gemv_row(
+                p0,
+                p1,
+                p2,
+                p3,
+                n0,
+                n1,
+                n2,
+                n3,
+                sw,
+                a_ptr,
+                sa_ptr,
+                7,
+                M,
+                k,
+                k_ok,
+                a_col,
+                stride_am,
+                cp,
+                A_8X4,
+                ASM,
+                BM == 1,
+            )
+    args = (M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA)
+    _gemv_store(acc0, 0, *args)
+    if BM > 1:
+        _gemv_store(acc1, 1, *args)
+    if BM > 2:
+        _gemv_store(acc2, 2, *args)
+        _gemv_store(acc3, 3, *args)
+    if BM > 4:
+        _gemv_store(acc4, 4, *args)
+        _gemv_store(acc5, 5, *args)
+        _gemv_store(acc6, 6, *args)
+        _gemv_store(acc7, 7, *args)
+
+
+@triton.jit
+def _planes_dot(acc, wq, ws2, xq, xs2, ASM: tl.constexpr):
+    """acc (BN, BT) += decoded w (BN, BKW words) . decoded x (BT, BKW words), plane by plane."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
+    x0, x1, x2, x3, x4, x5, x6, x7 = word_to_f16(xq, xs2, ASM)
+    acc = tl.dot(w0, tl.trans(x0), acc)
+    acc = tl.dot(w1, tl.trans(x1), acc)
+    acc = tl.dot(w2, tl.trans(x2), acc)
+    acc = tl.dot(w3, tl.trans(x3), acc)
+    acc = tl.dot(w4, tl.trans(x4), acc)
+    acc = tl.dot(w5, tl.trans(x5), acc)
+    acc = tl.dot(w6, tl.trans(x6), acc)
+    acc = tl.dot(w7, tl.trans(x7), acc)
+    return acc
+
+
+@triton.jit
+def mma_swap(
+    a_ptr,  # int32 view of a: (M, K/8)
+    w_ptr,  # int32 view of the weight: (N, K/8)
+    sa_ptr,
+    sw_ptr,
+    alpha_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    KW,  # K / 8: words per row
+    stride_am,  # in words
+    stride_wn,  # in words
+    stride_om,
+    stride_on,
+    cp,
+    iters_per_split,
+    alpha_value,
+    A_8X4: tl.constexpr,
+    ALPHA: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    BN: tl.constexpr,  # weight rows per tile (the MMA's large side)
+    BT: tl.constexpr,  # tokens per tile (the MMA's small side)
+    BKW: tl.constexpr,  # words per step (8 * BKW values of K)
+    ASM: tl.constexpr,
+):
+    """Tensor-core product with the operands swapped: out^T = W . A^T.
+
+    The decoded weight tile is the dot's left operand, so N fills the MMA's 64-row side and
+    the tokens (few, in decode) its narrow side. Both operands are decoded from their packed
+    words in registers, once per tile; nothing decoded goes to memory.
+    """
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    rows_n = tl.where(offs_n < N, offs_n, 0)
+    rows_t = tl.where(offs_t < M, offs_t, 0)
+    kw = tl.arange(0, BKW)
+    w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
+    a_rows = a_ptr + rows_t[:, None].to(tl.int64) * stride_am
+    acc = tl.zeros((BN, BT), dtype=tl.float32)
+    for i in range(0, iters_per_split):
+        k = (pid_k * iters_per_split + i) * BKW + kw
+        k_ok = k < KW
+        wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
+        xq = tl.load(a_rows + k[None, :], mask=k_ok[None, :], other=0)
+        blk = tl.where(k_ok, k // 2, 0)
+        sw = tl.load(sw_ptr + sf_offset(rows_n[:, None], blk[None, :], cp, False))
+        sa = tl.load(sa_ptr + sf_offset(rows_t[:, None], blk[None, :], cp, A_8X4))
+        ws2 = e4m3_f16x2(sw.to(tl.uint8, bitcast=True).to(tl.int32))
+        xs2 = e4m3_f16x2(sa.to(tl.uint8, bitcast=True).to(tl.int32))
+        acc = _planes_dot(acc, wq, ws2, xq, xs2, ASM)
+    acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
+    mask_t = offs_t < M
+    mask = (offs_n[:, None] < N) & mask_t[None, :]
+    if PARTIALS:
+        ptrs = part_ptr + pid_k * M * N + offs_t[None, :] * N + offs_n[:, None]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
+        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def decode_planes(
+    a_ptr,  # int32 view of a: (M, K/8)
+    sa_ptr,
+    out_ptr,  # float16 (M, XS) workspace, plane-major inside each step of 8 * BKW values
+    M,
+    KW,
+    XS,  # the workspace's row stride: K rounded up to whole steps
+    stride_am,
+    cp,
+    A_8X4: tl.constexpr,
+    BR: tl.constexpr,
+    BKW: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """a -> float16 (value * 2**-14 * scale) in the plane order ``mma_planes`` reads."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    k = tl.program_id(1) * BKW + tl.arange(0, BKW)
+    ok = (rows < M)[:, None] & (k < KW)[None, :]
+    rows_c = tl.where(rows < M, rows, 0)
+    q = tl.load(a_ptr + rows_c[:, None].to(tl.int64) * stride_am + k[None, :], mask=ok, other=0)
+    blk = tl.where(k < KW, k // 2, 0)
+    sa = tl.load(sa_ptr + sf_offset(rows_c[:, None], blk[None, :], cp, A_8X4))
+    s2 = e4m3_f16x2(sa.to(tl.uint8, bitcast=True).to(tl.int32))
+    p0, p1, p2, p3, p4, p5, p6, p7 = word_to_f16(q, s2, ASM)
+    base = out_ptr + rows_c[:, None].to(tl.int64) * XS + tl.program_id(1) * BKW * 8
+    kk = tl.arange(0, BKW)[None, :]
+    tl.store(base + 0 * BKW + kk, p0, mask=ok)
+    tl.store(base + 1 * BKW + kk, p1, mask=ok)
+    tl.store(base + 2 * BKW + kk, p2, mask=ok)
+    tl.store(base + 3 * BKW + kk, p3, mask=ok)
+    tl.store(base + 4 * BKW + kk, p4, mask=ok)
+    tl.store(base + 5 * BKW + kk, p5, mask=ok)
+    tl.store(base + 6 * BKW + kk, p6, mask=ok)
+    tl.store(base + 7 * BKW + kk, p7, mask=ok)
+
+
+@triton.jit
+def mma_planes(
+    x_ptr,  # float16 (M, XS) from decode_planes (same BKW)
+    w_ptr,  # int32 view of the weight: (N, K/8)
+    sw_ptr,
+    alpha_ptr,
+    out_ptr,
+    M,
+    N,
+    KW,
+    XS,
+    stride_wn,
+    stride_om,
+    stride_on,
+    cp,
+    alpha_value,
+    ALPHA: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    BKW: tl.constexpr,
+    GROUP: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Prefill: the weight decoded in the main loop, a read already decoded (``decode_planes``).
+
+    Swapped operands as in ``mma_swap``; tiles are visited in groups of GROUP weight tiles so
+    that consecutive programs share activation tiles in L2.
+    """
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BN)
+    grid_t = tl.cdiv(M, BT)
+    in_group = GROUP * grid_t
+    first_n = (pid // in_group) * GROUP
+    size = tl.minimum(grid_n - first_n, GROUP)
+    pid_n = first_n + (pid % in_group) % size
+    pid_t = (pid % in_group) // size
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    rows_n = tl.where(offs_n < N, offs_n, 0)
+    rows_t = tl.where(offs_t < M, offs_t, 0)
+    kw = tl.arange(0, BKW)
+    w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
+    x_rows = x_ptr + rows_t[:, None].to(tl.int64) * XS
+    acc = tl.zeros((BN, BT), dtype=tl.float32)
+    for k0 in range(0, KW, BKW):
+        k = k0 + kw
+        k_ok = k < KW
+        wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
+        blk = tl.where(k_ok, k // 2, 0)
+        sw = tl.load(sw_ptr + sf_offset(rows_n[:, None], blk[None, :], cp, False))
+        ws2 = e4m3_f16x2(sw.to(tl.uint8, bitcast=True).to(tl.int32))
+        w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
+        xb = x_rows + k0 * 8 + kw[None, :]
+        xm = k_ok[None, :]
+        acc = tl.dot(w0, tl.trans(tl.load(xb + 0 * BKW, mask=xm, other=0.0)), acc)
+        acc = tl.dot(w1, tl.trans(tl.load(xb + 1 * BKW, mask=xm, other=0.0)), acc)
+        acc = tl.dot(w2, tl.trans(tl.load(xb + 2 * BKW, mask=xm, other=0.0)), acc)
+        acc = tl.dot(w3, tl.trans(tl.load(xb + 3 * BKW, mask=xm, other=0.0)), acc)
+        acc = tl.dot(w4, tl.trans(tl.load(xb + 4 * BKW, mask=xm, other=0.0)), acc)
+        acc = tl.dot(w5, tl.trans(tl.load(xb + 5 * BKW, mask=xm, other=0.0)), acc)
+        acc = tl.dot(w6, tl.trans(tl.load(xb + 6 * BKW, mask=xm, other=0.0)), acc)
+        acc = tl.dot(w7, tl.trans(tl.load(xb + 7 * BKW, mask=xm, other=0.0)), acc)
+    acc = acc * 268435456.0
+    mask_t = offs_t < M
+    acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
+    mask = (offs_n[:, None] < N) & mask_t[None, :]
+    ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,366 @@
+"""``hopper-*``: NVFP4 kernels for GPUs without FP4 tensor cores that decode whole words.
+
+Three candidates, each for its own range of M, all on the layout ``mm_fp4`` receives (a: 128x4
+or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 scales):
+
+* ``hopper-gemv`` (M <= 8): CUDA cores. Each block of 16 values is one exact integer dot
+  product (byte-permute table decode, ``dp4a``), scaled once by both block scales.
+* ``hopper-mma`` (M <= 128): tensor cores with the operands swapped (weight rows fill the
+  MMA's large side, tokens its small side), both decoded in registers from packed words, with
+  split-K where N alone leaves SMs idle.
+* ``hopper-prefill`` (any M, built for M >= 128): a is decoded once per call into a float16
+  workspace in the kernel's K order; the weight is decoded inside the main loop, so no
+  decoded copy of the weight ever exists in memory.
+
+Design rules:
+
+* NVFP4 only: MXFP4 scales (2**-127 .. 2**127) do not fit float16, and its int8 path would
+  need a different scale decode. ``rejects`` says so and the ``triton-*`` kernels and
+  ``torch-dequant`` serve MXFP4.
+* Exactness as in ``_hopper_kernels``: only the float32 summation order differs from the
+  reference.
+* Word views need 8-byte aligned rows: a call whose a or weight cannot be viewed as 64-bit
+  (32-bit for the MMA kernels) words, which a sliced tensor may not, is handed to the
+  byte-wise ``triton-m64`` kernel instead of failing.
+* Importing this module never imports triton; the kernels load on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp4select.backends import triton_fp4
+from fp4select.backends.base import Backend, Capabilities, Runner
+from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
+
+FAMILY = "native"
+ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
+
+_kernels: Any = None
+
+
+def kernels() -> Any:
+    global _kernels
+    if _kernels is None:
+        from fp4select.backends import _hopper_kernels
+
+        _kernels = _hopper_kernels
+    return _kernels
+
+
+def why_unavailable(env: Mapping[str, Any]) -> str | None:
+    return triton_fp4.why_unavailable(env)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    rows_per_program: int
+    blocks_per_step: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    block_n: int
+    block_t: int
+    words_per_step: int
+    num_warps: int
+    num_stages: int
+    split: int  # 0: choose from the SM count
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_n: int
+    block_t: int
+    words_per_step: int
+    num_warps: int
+    num_stages: int
+    group: int
+
+
+# Chosen per M from benchmarks/hopper_sweep.py on the H200 (results/hopper_sweep.json): the
+# fastest configuration at N x K = 8192 x 8192, 28672 x 4096 and 4096 x 14336, or within 3%.
+GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1)))
+MMA_BY_M = (
+    (16, MmaConfig(128, 16, 32, 4, 3, 0)),
+    (32, MmaConfig(64, 32, 32, 4, 3, 0)),
+    (None, MmaConfig(128, 64, 32, 8, 3, 0)),
+)
+PREFILL = PrefillConfig(128, 64, 16, 4, 3, 8)
+
+
+def _for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
+    for limit, cfg in table:
+        if limit is None or m <= limit:
+            return cfg
+    return table[-1][1]
+
+
+def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The (rows, K/2) byte matrix ``t`` viewed as words of ``dtype``, or None if misaligned."""
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
+def _fallback(args: tuple[Any, ...]) -> torch.Tensor:
+    return triton_fp4._run(*args, cfg=triton_fp4._BY_NAME["triton-m64"])
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """``hopper-gemv``: mm_fp4's positional order (without backend)."""
+    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
+    c = triton_fp4.check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
+    )
+    if not use_nvfp4:
+        raise ValueError("hopper-gemv takes NVFP4 only (use_nvfp4=True)")
+    if c.m > 8:
+        raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
+    if c.m == 0 or c.n == 0:
+        return c.out
+    a64, w64 = _words(a, torch.int64), _words(b.T, torch.int64)
+    if a64 is None or w64 is None:
+        return _fallback(args)
+    cfg = cfg or _for_m(GEMV_BY_M, c.m)
+    k = kernels()
+    k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
+        a64,
+        w64,
+        c.a_descale,
+        b_descale,
+        c.alpha_ptr,
+        c.out,
+        c.m,
+        c.n,
+        c.kh // 8,
+        a64.stride(0),
+        w64.stride(0),
+        c.out.stride(0),
+        c.out.stride(1),
+        c.cp,
+        c.alpha_value,
+        A_8X4=a8x4,
+        ALPHA=c.alpha_kind,
+        BM=_next_pow2(c.m),
+        R=cfg.rows_per_program,
+        BK=cfg.blocks_per_step,
+        ASM=ASM,
+        num_warps=cfg.num_warps,
+    )
+    return c.out
+
+
+def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
+    if cfg.split:
+        return cfg.split
+    tiles = math.ceil(n / cfg.block_n) * math.ceil(m / cfg.block_t)
+    steps = math.ceil(kw / cfg.words_per_step)
+    split = max(1, min(8, steps, sms // max(tiles, 1)))
+    per = math.ceil(steps / split)
+    return math.ceil(steps / per)
+
+
+def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
+    """``hopper-mma``: mm_fp4's positional order (without backend)."""
+    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
+    c = triton_fp4.check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
+    )
+    if not use_nvfp4:
+        raise ValueError("hopper-mma takes NVFP4 only (use_nvfp4=True)")
+    if c.m == 0 or c.n == 0:
+        return c.out
+    a32, w32 = _words(a, torch.int32), _words(b.T, torch.int32)
+    if a32 is None or w32 is None:
+        return _fallback(args)
+    cfg = cfg or _for_m(MMA_BY_M, c.m)
+    k = kernels()
+    kw = c.kh // 4
+    sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
+    split = _mma_split(c.m, c.n, kw, cfg, sms)
+    ws = c.out
+    if split > 1:
+        got = triton_fp4._workspace(a.device, c.n, split, max(c.m, 128))
+        if got is None:
+            split = 1
+        else:
+            ws = got
+    steps = k.cdiv(kw, cfg.words_per_step)
+    grid = (k.cdiv(c.n, cfg.block_n), k.cdiv(c.m, cfg.block_t), split)
+    k.mma_swap[grid](
+        a32,
+        w32,
+        c.a_descale,
+        b_descale,
+        c.alpha_ptr,
+        c.out,
+        ws,
+        c.m,
+        c.n,
+        kw,
+        a32.stride(0),
+        w32.stride(0),
+        c.out.stride(0),
+        c.out.stride(1),
+        c.cp,
+        k.cdiv(steps, split),
+        c.alpha_value,
+        A_8X4=a8x4,
+        ALPHA=c.alpha_kind,
+        PARTIALS=split > 1,
+        BN=cfg.block_n,
+        BT=cfg.block_t,
+        BKW=cfg.words_per_step,
+        ASM=ASM,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
+            ws,
+            c.alpha_ptr,
+            c.out,
+            c.m,
+            c.n,
+            c.out.stride(0),
+            c.out.stride(1),
+            c.alpha_value,
+            split,
+            ALPHA=c.alpha_kind,
+            BM=16,
+            BN=128,
+            num_warps=4,
+        )
+    return c.out
+
+
+def run_prefill(*args: Any, cfg: PrefillConfig = PREFILL) -> torch.Tensor:
+    """``hopper-prefill``: mm_fp4's positional order (without backend)."""
+    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
+    c = triton_fp4.check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
+    )
+    if not use_nvfp4:
+        raise ValueError("hopper-prefill takes NVFP4 only (use_nvfp4=True)")
+    if c.m == 0 or c.n == 0:
+        return c.out
+    a32, w32 = _words(a, torch.int32), _words(b.T, torch.int32)
+    if a32 is None or w32 is None:
+        return _fallback(args)
+    k = kernels()
+    kw = c.kh // 4
+    bkw = cfg.words_per_step
+    xs = k.cdiv(kw, bkw) * bkw * 8
+    # Per call, from the caching allocator (a graph capture takes it from the graph's pool).
+    x = torch.empty((c.m, xs), dtype=torch.float16, device=a.device)
+    k.decode_planes[(k.cdiv(c.m, 32), k.cdiv(kw, bkw))](
+        a32,
+        c.a_descale,
+        x,
+        c.m,
+        kw,
+        xs,
+        a32.stride(0),
+        c.cp,
+        A_8X4=a8x4,
+        BR=32,
+        BKW=bkw,
+        ASM=ASM,
+        num_warps=4,
+    )
+    grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t),)
+    k.mma_planes[grid](
+        x,
+        w32,
+        b_descale,
+        c.alpha_ptr,
+        c.out,
+        c.m,
+        c.n,
+        kw,
+        xs,
+        w32.stride(0),
+        c.out.stride(0),
+        c.out.stride(1),
+        c.cp,
+        c.alpha_value,
+        ALPHA=c.alpha_kind,
+        BN=cfg.block_n,
+        BT=cfg.block_t,
+        BKW=bkw,
+        GROUP=cfg.group,
+        ASM=ASM,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return c.out
+
+
+def _caps(max_m: int | None) -> Capabilities:
+    return Capabilities(
+        formats=frozenset({"nvfp4"}),
+        a_sf_layouts=frozenset({"128x4", "8x4"}),
+        b_layouts=frozenset({"plain"}),
+        out_dtypes=frozenset(OUT_DTYPES),
+        alpha_kinds=frozenset(ALPHA_KINDS),
+        max_m=max_m,
+        devices=frozenset({"cuda"}),
+    )
+
+
+def make_runner_gemv(problem: Problem) -> Runner:
+    return run_gemv
+
+
+def make_runner_mma(problem: Problem) -> Runner:
+    return run_mma
+
+
+def make_runner_prefill(problem: Problem) -> Runner:
+    return functools.partial(run_prefill, cfg=PREFILL)
+
+
+BACKENDS: tuple[Backend, ...] = (
+    Backend(
+        name="hopper-gemv",
+        make_checked_runner=make_runner_gemv,
+        why_unavailable=why_unavailable,
+        caps=_caps(8),
+        preference=180,
+        family=FAMILY,
+        description="NVFP4 GEMV for M <= 8: table decode of whole words, exact dp4a dot products",
+    ),
+    Backend(
+        name="hopper-mma",
+        make_checked_runner=make_runner_mma,
+        why_unavailable=why_unavailable,
+        caps=_caps(128),
+        preference=185,
+        family=FAMILY,
+        description="NVFP4 tensor-core GEMM for M <= 128, operands swapped, split-K",
+    ),
+    Backend(
+        name="hopper-prefill",
+        make_checked_runner=make_runner_prefill,
+        why_unavailable=why_unavailable,
+        caps=_caps(None),
+        preference=188,
+        family=FAMILY,
+        description="NVFP4 GEMM for large M: a decoded once, the weight decoded in the main loop",
+    ),
+)

@@ -1,0 +1,198 @@
+"""The Hopper kernels' inline PTX, proven on the CPU by running its own text.
+
+The Triton interpreter cannot run inline asm, so this file interprets the PTX strings of
+``fp4select.backends._hopper_kernels`` instruction by instruction (``prmt``, ``dp4a``, the
+shifts and masks, ``mul.rn.f16x2``, the register splits), vectorized over every input that
+matters: each decode over all 65,536 patterns of a 16-bit half-word (every pair of bytes, so
+every code at every nibble position), the float16 decode at every e4m3 scale too. The expected
+values come from ``fp4select.formats`` (the reference everything else is checked against). The
+compiled kernels are checked on a GPU by tests/test_hopper_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from fp4select import formats
+
+pytest.importorskip("triton", reason="the kernels' module imports triton")
+from fp4select.backends import _hopper_kernels as hk
+
+U32 = np.uint32
+
+
+def _prmt(a, b, c):
+    """PTX prmt.b32 default mode: selector nibble i picks byte (low 3 bits) of {b:a}."""
+    src = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    out = np.zeros_like(a, dtype=U32)
+    for i in range(4):
+        sel = (c >> U32(4 * i)) & U32(15)
+        byte = ((src >> (8 * (sel & U32(7))).astype(np.uint64)) & np.uint64(255)).astype(U32)
+        byte = np.where(sel & U32(8), np.where(byte & U32(0x80), U32(0xFF), U32(0)), byte)
+        out |= byte << U32(8 * i)
+    return out
+
+
+def _dp4a(a, b, c):
+    acc = c.astype(np.int64)
+    for i in range(4):
+        x = ((a >> U32(8 * i)) & U32(255)).astype(np.int64)
+        y = ((b >> U32(8 * i)) & U32(255)).astype(np.int64)
+        acc += np.where(x > 127, x - 256, x) * np.where(y > 127, y - 256, y)
+    return (acc & 0xFFFFFFFF).astype(U32)
+
+
+def _f16x2_mul(a, b):
+    lo = (a & U32(0xFFFF)).astype(np.uint16).view(np.float16) * (b & U32(0xFFFF)).astype(
+        np.uint16
+    ).view(np.float16)
+    hi = (a >> U32(16)).astype(np.uint16).view(np.float16) * (b >> U32(16)).astype(np.uint16).view(
+        np.float16
+    )
+    return lo.view(np.uint16).astype(U32) | (hi.view(np.uint16).astype(U32) << U32(16))
+
+
+def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Interpret one of the kernels' asm blocks; ``inputs`` maps $index -> uint32/uint64 array."""
+    regs: dict[str, np.ndarray] = {f"${i}": v for i, v in inputs.items()}
+    shape = next(iter(inputs.values())).shape
+
+    def val(tok: str) -> np.ndarray:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.full(shape, int(tok, 0) & 0xFFFFFFFF, dtype=U32)
+
+    body = asm.strip().strip("{}")
+    for stmt in body.split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, _, rest = stmt.partition(" ")
+        args = [x.strip() for x in re.split(r",(?![^{]*\})", rest)]
+        if op == "mov.b64":  # {lo, hi} <- 64-bit input
+            lo, hi = args[0].strip("{}").split(",")
+            v = regs[args[1]]
+            regs[lo.strip()] = (v & np.uint64(0xFFFFFFFF)).astype(U32)
+            regs[hi.strip()] = (v >> np.uint64(32)).astype(U32)
+        elif op == "mov.b32" and args[0].startswith("{"):  # {lo16, hi16} <- 32-bit value
+            lo, hi = args[0].strip("{}").split(",")
+            v = val(args[1])
+            regs[lo.strip()] = v & U32(0xFFFF)
+            regs[hi.strip()] = v >> U32(16)
+        elif op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op in ("and.b32", "or.b32", "xor.b32"):
+            f = {"and.b32": np.bitwise_and, "or.b32": np.bitwise_or, "xor.b32": np.bitwise_xor}
+            regs[args[0]] = f[op](val(args[1]), val(args[2]))
+        elif op == "shl.b32":
+            regs[args[0]] = (val(args[1]).astype(np.uint64) << np.uint64(int(args[2]))).astype(
+                np.uint64
+            ) & np.uint64(0xFFFFFFFF)
+            regs[args[0]] = regs[args[0]].astype(U32)
+        elif op == "shr.b32":
+            regs[args[0]] = val(args[1]) >> U32(int(args[2]))
+        elif op == "prmt.b32":
+            regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "dp4a.s32.s32":
+            regs[args[0]] = _dp4a(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "sub.s32":
+            regs[args[0]] = (val(args[1]).astype(np.int64) - val(args[2]).astype(np.int64)) & (
+                0xFFFFFFFF
+            )
+            regs[args[0]] = regs[args[0]].astype(U32)
+        elif op == "mul.rn.f16x2":
+            regs[args[0]] = _f16x2_mul(val(args[1]), val(args[2]))
+        else:
+            raise AssertionError(f"the interpreter does not know {op!r}: teach it, then trust it")
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+ALL_HALVES = np.arange(1 << 16, dtype=U32)
+
+
+def _words_64() -> np.ndarray:
+    """64-bit words whose four 16-bit quarters each run through all 65,536 patterns."""
+    h = ALL_HALVES.astype(np.uint64)
+    rot = np.roll(h, 12345)
+    return h | (rot << np.uint64(16)) | (np.roll(h, 777) << np.uint64(32)) | (h << np.uint64(48))
+
+
+def _codes(words: np.ndarray, n: int) -> np.ndarray:
+    return np.stack([(words >> np.uint64(4 * i)) & np.uint64(15) for i in range(n)], 1).astype(
+        np.int64
+    )
+
+
+def _twice_value(codes: np.ndarray) -> np.ndarray:
+    values = formats.e2m1_decode(torch.from_numpy(codes).to(torch.uint8), torch.float64)
+    return (2 * values).numpy().astype(np.int64)
+
+
+def _bytes(words: list[np.ndarray]) -> np.ndarray:
+    out = [((w >> U32(8 * i)) & U32(255)).astype(np.int64) for w in words for i in range(4)]
+    b = np.stack(out, 1)
+    return np.where(b > 127, b - 256, b)
+
+
+def test_decode_s8_gives_twice_each_codes_value_in_order():
+    words = _words_64()
+    got = run_ptx(hk._DECODE_S8.value, {4: words})
+    assert np.array_equal(_bytes([got[i] for i in range(4)]), _twice_value(_codes(words, 16)))
+
+
+def test_decode_w_splits_magnitudes_by_sign():
+    words = _words_64()
+    got = run_ptx(hk._DECODE_W.value, {8: words})
+    codes = _codes(words, 16)
+    twice = _twice_value(codes)
+    pos = _bytes([got[i] for i in range(4)])
+    neg = _bytes([got[i] for i in range(4, 8)])
+    assert np.array_equal(pos, np.where(codes < 8, twice, 0))
+    assert np.array_equal(neg, np.where(codes >= 8, -twice, 0))
+    assert np.array_equal(pos - neg, twice)
+
+
+def test_the_dot_products_are_exact_integer_sums():
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 2**64, size=1 << 15, dtype=np.uint64)
+    x = rng.integers(0, 2**64, size=1 << 15, dtype=np.uint64)
+    want = (_twice_value(_codes(w, 16)) * _twice_value(_codes(x, 16))).sum(1)
+    xs = run_ptx(hk._DECODE_S8.value, {4: x})
+    ws = run_ptx(hk._DECODE_S8.value, {4: w})
+    split = run_ptx(hk._DECODE_W.value, {8: w})
+    dot4 = run_ptx(
+        hk._DOT4.value, {**{1 + i: ws[i] for i in range(4)}, **{5 + i: xs[i] for i in range(4)}}
+    )
+    dot8 = run_ptx(
+        hk._DOT8.value,
+        {**{1 + i: split[i] for i in range(8)}, **{9 + i: xs[i] for i in range(4)}},
+    )
+    assert np.array_equal(dot4[0].view(np.int32).astype(np.int64), want)
+    assert np.array_equal(dot8[0].view(np.int32).astype(np.int64), want)
+
+
+def test_word_to_f16_is_exact_at_every_code_and_every_e4m3_scale():
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    scales = scales[torch.isfinite(scales)]
+    half = torch.from_numpy(scales.numpy().astype(np.float16).view(np.uint16).astype(np.uint32))
+    words = ALL_HALVES | (np.roll(ALL_HALVES, 4321) << U32(16))
+    codes = _codes(words.astype(np.uint64), 8)
+    values = formats.e2m1_decode(torch.from_numpy(codes).to(torch.uint8), torch.float64).numpy()
+    for s_bits, s in zip(half.tolist(), scales.tolist()):
+        pair = np.full(words.shape, s_bits | (s_bits << 16), dtype=U32)
+        got = run_ptx(hk._WORD_TO_F16.value, {8: words, 9: pair})
+        planes = np.stack([got[i].astype(np.uint16).view(np.float16) for i in range(8)], 1)
+        assert np.array_equal(planes.astype(np.float64), values * 2.0**-14 * s), s
+
+
+def test_a_planted_table_error_is_caught():
+    words = _words_64()
+    broken = hk._DECODE_S8.value.replace(str(hk.TABLE_POS[1]), str(hk.TABLE_POS[1] ^ 0x100))
+    assert broken != hk._DECODE_S8.value
+    got = run_ptx(broken, {4: words})
+    assert not np.array_equal(_bytes([got[i] for i in range(4)]), _twice_value(_codes(words, 16)))

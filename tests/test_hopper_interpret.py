@@ -1,0 +1,79 @@
+"""The Hopper kernels' pure-Triton twins, run by Triton's CPU interpreter against the reference.
+
+The interpreter cannot run inline asm, so ``triton_hopper.ASM = False`` selects each decode's
+twin; tests/test_hopper_asm.py proves the asm computes the same bits, and
+tests/test_hopper_kernels_gpu.py runs the asm itself on a GPU. TRITON_INTERPRET must be set before
+triton is imported, so the kernels run in a child process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp4select.backends import triton_fp4
+
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.slow,
+    pytest.mark.skipif(not triton_fp4.triton_installed(), reason="triton is not installed"),
+]
+
+ROOT = Path(__file__).parent.parent
+
+CHILD = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+from fp4select import validate
+from fp4select.backends import triton_hopper as th
+from fp4select.keys import Problem, m_bucket
+th.ASM = False
+cases = [
+    (th.run_gemv, th.GemvConfig(2, 4, 1), 8, 64, (1, 3), "128x4", "scalar", "bfloat16"),
+    (th.run_gemv, th.GemvConfig(2, 4, 1), 10, 96, (2,), "8x4", "per_token", "float16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 2), 40, 512, (5,), "128x4", "none", "bfloat16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 0), 24, 160, (17,), "8x4", "per_token", "float16"),
+    (th.run_prefill, th.PrefillConfig(16, 16, 16, 1, 1, 2), 40, 288, (19,), "128x4", "scalar", "float16"),
+]
+for run, cfg, n, k, ms, layout, alpha, out_dtype in cases:
+    for m in ms:
+        p = Problem(n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype)
+        inputs = validate.make_inputs(p, m, "cpu", seed=m + n)
+        res = validate.check(run(*inputs.args(p), cfg=cfg), inputs, p.torch_out_dtype)
+        print(run.__name__, n, k, m, layout, alpha, out_dtype, "ok" if res.ok else "WRONG " + res.reason)
+if len(sys.argv) > 1:
+    p = Problem(n=40, k=64, m_bucket=4)
+    inputs = validate.make_inputs(p, 3, "cpu", seed=1)
+    args = list(inputs.args(p))
+    args[3] = inputs.b_descale.T.flip(0).T  # weight rows given the wrong rows of scales
+    res = validate.check(th.run_mma(*args, cfg=th.MmaConfig(16, 16, 16, 1, 1, 1)), inputs, p.torch_out_dtype)
+    print("planted", "ok" if res.ok else "WRONG")
+"""
+
+
+def _child(*args: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def test_every_twin_matches_the_exact_reference():
+    lines = _child()
+    assert len(lines) == 6, lines
+    assert all(line.endswith(" ok") for line in lines), lines
+
+
+def test_a_planted_layout_mix_up_fails():
+    assert _child("plant")[-1] == "planted WRONG"

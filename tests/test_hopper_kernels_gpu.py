@@ -1,0 +1,96 @@
+"""The Hopper kernels compiled, on a CUDA GPU: every layout, alpha kind and output dtype.
+
+Each case runs the real inline asm (``triton_hopper.ASM``) at shapes that are not multiples of
+any tile, against the exact reference (``validate.check``), into a fresh output and into a
+NaN-poisoned ``out=``, and once more with a sliced (misaligned) activation that must be handed
+to the byte-wise kernel. Run on a GPU machine with
+``python -m pytest -m gpu tests/test_hopper_kernels_gpu.py``; the CPU proves the asm's bit logic
+(tests/test_hopper_asm.py) and the twins (tests/test_hopper_interpret.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4select import validate
+from fp4select.backends import triton_hopper
+from fp4select.keys import Problem, m_bucket
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+COMBOS = [
+    ("128x4", "scalar", "bfloat16"),
+    ("8x4", "per_token", "float16"),
+    ("128x4", "none", "float16"),
+    ("8x4", "scalar", "bfloat16"),
+]
+RUNNERS = {
+    "hopper-gemv": (triton_hopper.run_gemv, (1, 2, 3, 5, 8)),
+    "hopper-mma": (triton_hopper.run_mma, (1, 7, 16, 33, 128)),
+    "hopper-prefill": (triton_hopper.run_prefill, (1, 64, 200, 515)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+@pytest.mark.parametrize("n,k", [(136, 256), (4096, 4096), (520, 2064)])
+@pytest.mark.parametrize("layout,alpha,out_dtype", COMBOS)
+def test_matches_the_exact_reference(name, n, k, layout, alpha, out_dtype):
+    run, ms = RUNNERS[name]
+    for m in ms:
+        problem = Problem(
+            n=n,
+            k=k,
+            m_bucket=m_bucket(m),
+            a_sf_layout=layout,
+            alpha_kind=alpha,
+            out_dtype=out_dtype,
+        )
+        inputs = validate.make_inputs(problem, m, "cuda", seed=m + n)
+        res = validate.check(run(*inputs.args(problem)), inputs, problem.torch_out_dtype)
+        assert res.ok, (name, m, n, k, layout, alpha, out_dtype, res.reason)
+        out = torch.full((m, n), float("nan"), dtype=problem.torch_out_dtype, device="cuda")
+        got = run(*inputs.args(problem, out))
+        assert got is out
+        assert validate.check(out, inputs, problem.torch_out_dtype).ok
+
+
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
+    run, _ = RUNNERS[name]
+    m, n, k = 3, 256, 512
+    problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+    inputs = validate.make_inputs(problem, m, "cuda", seed=5)
+    wide = torch.zeros((m, k // 2 + 1), dtype=torch.uint8, device="cuda")
+    wide[:, 1:] = inputs.a
+    a = wide[:, 1:]  # same values, rows no longer 8-byte aligned
+    args = list(inputs.args(problem))
+    args[0] = a
+    assert validate.check(run(*args), inputs, problem.torch_out_dtype).ok
+
+
+def test_graph_capture_and_replay_give_the_same_bits():
+    for run, m in (
+        (triton_hopper.run_gemv, 2),
+        (triton_hopper.run_mma, 16),
+        (triton_hopper.run_prefill, 256),
+    ):
+        problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m))
+        inputs = validate.make_inputs(problem, m, "cuda", seed=9)
+        out = torch.empty((m, 4096), dtype=torch.bfloat16, device="cuda")
+        eager = run(*inputs.args(problem)).clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(*inputs.args(problem, out))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(*inputs.args(problem, out))
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
