@@ -267,7 +267,7 @@ class BackendSummary(TypedDict):
     """One backend over every problem verify tuned."""
 
     statuses: dict[str, int]  # verdict status -> how many problems
-    worst_ratio: float  # its worst error over the validation bound, over every problem
+    worst_ratio: float | None  # its worst error over the bound, over every problem; None: none ran
     wins: int  # problems it was chosen for
     first_failure: str  # "" when it never failed
     tactics: list[TacticRow]
@@ -352,7 +352,7 @@ class VerifyReport:
                 name,
                 BackendSummary(
                     statuses={},
-                    worst_ratio=0.0,
+                    worst_ratio=None,
                     wins=0,
                     first_failure="",
                     tactics=[],
@@ -365,7 +365,10 @@ class VerifyReport:
                 self._add_tactic(row, decision, name, verdict.detail, record)
             row["statuses"][verdict.status] = row["statuses"].get(verdict.status, 0) + 1
             if verdict.worst_ratio is not None:
-                row["worst_ratio"] = max(row["worst_ratio"], verdict.worst_ratio)
+                worst = row["worst_ratio"]
+                row["worst_ratio"] = (
+                    verdict.worst_ratio if worst is None else max(worst, verdict.worst_ratio)
+                )
             if verdict.status in _FAILURES and not row["first_failure"]:
                 row["first_failure"] = (
                     f"{decision.problem.describe()}: {verdict.status} {verdict.reason}"[:160]

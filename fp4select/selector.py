@@ -352,6 +352,10 @@ class Selector:
                 self.counters.add("waited_for_other_process")
             else:
                 decision = self.tune(problem, device, env=env)
+        if decision.winner is None and device.type not in ("cpu", "cuda"):
+            # A meta (or other data-less) call shares the CPU's environment but can run no
+            # backend: its failure must not answer the real CPU calls of this problem.
+            return decision
         with self._lock:
             self._memory[self._memory_key(env, problem)] = decision
         return decision

@@ -71,4 +71,9 @@ def test_the_quantizer_kernel_keeps_the_quantizers_constants():
     from fp4select import _quantize_triton as kernel
     from fp4select import quantize
 
-    assert (kernel.C_SIXTH, kernel.F32_MAX) == (quantize.C_SIXTH, quantize.F32_MAX)
+    def value(x):  # a tl.constexpr holds its number in .value
+        return getattr(x, "value", x)
+
+    kernel_values = (value(kernel.C_SIXTH), value(kernel.F32_MAX))
+    assert kernel_values == (quantize.C_SIXTH, quantize.F32_MAX)
+    assert all(type(v) is float for v in kernel_values)

@@ -142,7 +142,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             name,
             r["wins"],
             ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())),
-            f"{r['worst_ratio']:.2f}",
+            "-" if r["worst_ratio"] is None else f"{r['worst_ratio']:.2f}",
             tactics_cell(r["tactics"]),
             r["first_failure"],
         ]

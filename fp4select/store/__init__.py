@@ -27,12 +27,13 @@ a root without reading each other's files.  Each module keeps its own rules at i
 from __future__ import annotations
 
 from ._collection import SCHEMA_VERSION
-from ._jsonfile import digest
+from ._jsonfile import MAX_DEPTH, digest, too_deep
 from ._store import ClearResult, Store, default_root
 from ._warn import CacheWarning, first_time, warn_once
 from .archive import ExportResult, ImportResult, read_archive
 
 __all__ = [
+    "MAX_DEPTH",
     "SCHEMA_VERSION",
     "CacheWarning",
     "ClearResult",
@@ -43,5 +44,6 @@ __all__ = [
     "digest",
     "first_time",
     "read_archive",
+    "too_deep",
     "warn_once",
 ]
