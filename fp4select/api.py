@@ -46,6 +46,7 @@ from fp4select import native_key, tensor_guard
 from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
+from fp4select.backends import flashinfer_tactics
 from fp4select.keys import Problem, environment_for
 from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
@@ -171,8 +172,11 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
 
 
 def stats() -> dict[str, int]:
+    """This process's counters; ``tactic_fallbacks``: calls run at flashinfer's default tactic
+    because the stored one cannot serve their M (``explain`` names them and why)."""
     counters = selector().counters.as_dict()
     counters["bound_signatures"] = len(_checked)
+    counters["tactic_fallbacks"] = flashinfer_tactics.fallback_calls()
     return counters
 
 
@@ -426,9 +430,12 @@ def explain(
     if decision is None and tune:
         decision = sel.decide(problem, device, env=env)
         source = decision.source  # "tuned", or "disk" when another process finished first
+    fallbacks = flashinfer_tactics.tactic_fallbacks(problem)  # calls served at the default
     if decision is None:
-        return {"problem": problem.to_json(), "source": "none", "winner": None}
-    record = decision.to_json()
+        return {"problem": problem.to_json(), "source": "none", "winner": None} | {
+            "tactic_fallbacks": fallbacks
+        }
+    record = decision.to_json() | {"tactic_fallbacks": fallbacks}
     record["source"] = source  # how this call was served
     record["origin"] = decision.source  # how the decision entered this process
     return record

@@ -88,6 +88,22 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
     return parse
 
 
+def _tactic_mode(value: Any, what: str) -> str:
+    """``tune``, ``default``, or ``default:NAME[,NAME...]`` (those backends untuned only)."""
+    word = value.strip() if isinstance(value, str) else value
+    if isinstance(word, str) and word.lower().startswith("default:"):
+        names = [n.strip() for n in word.split(":", 1)[1].split(",") if n.strip()]
+        if names:
+            return "default:" + ",".join(names)
+    if isinstance(word, str) and word.lower() in TACTIC_MODES:
+        return word.lower()
+    raise SettingError(
+        what,
+        f"{what} must be one of {TACTIC_MODES}, got {value!r} (or 'default:' and backend "
+        "names, as in 'default:cute-dsl,b12x')",
+    )
+
+
 def _switch(value: Any, what: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -217,10 +233,18 @@ class Settings:
     tactics: str = _setting(
         "FP4SELECT_TACTICS",
         "tune",
-        _choice(TACTIC_MODES),
+        _tactic_mode,
         "`tune`",
         "`default` times and serves every flashinfer backend at flashinfer's default tactic (no "
-        "tuning): for backends whose per-tactic JIT outlasts `FP4SELECT_PROBE_TIMEOUT_S`",
+        "tuning); `default:cute-dsl,cutedsl_low_latency` does so for the backends named only",
+    )
+    tune_timeout_s: float = _setting(
+        "FP4SELECT_TUNE_TIMEOUT_S",
+        300.0,
+        _seconds,
+        "`300`",
+        "one backend's tactic tuning stops after this long (checked between tactics); the "
+        "backend is then kept at flashinfer's default tactic, with the reason, not blacklisted",
     )
     record: str | None = _setting(
         "FP4SELECT_RECORD",

@@ -58,7 +58,10 @@ def test_a_decision_nested_200_levels_is_a_miss_and_explain_works(inprocess, cac
         warnings.simplefilter("always")
         record = fp4select.explain(problem=PROBLEM, device="cpu", tune=False)
     assert record["source"] == "none"  # refused, not served (and no RecursionError)
-    assert any(issubclass(w.category, CacheWarning) and "nested deeper than 32" in str(w.message) for w in caught)
+    assert any(
+        issubclass(w.category, CacheWarning) and "nested deeper than 32" in str(w.message)
+        for w in caught
+    )
 
 
 def test_nesting_is_measured_without_recursion():

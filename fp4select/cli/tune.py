@@ -221,16 +221,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def tactic_summary(verdict: Mapping[str, Any]) -> tuple[str, str]:
-    """(the tactic cell, why it is untuned) for a verdict's JSON: the tactic the backend was
-    validated, timed and is served at, with its time at flashinfer's default tactic."""
+    """(the tactic cell, why it is not tuned) for a verdict's JSON: the tactic the backend was
+    validated, timed and is served at, with its time at flashinfer's default tactic and what
+    that default is (a heuristic, or CUTLASS's config 0)."""
     detail = verdict.get("detail") or {}
     record = detail.get("tactic")
     if not isinstance(record, Mapping):
         return "-", ""
     if record.get("tactic") is None:
         return "default", f"untuned: {record.get('reason') or '?'}"
+    if record.get("tactic") == -1:
+        return (
+            "default (-1)",
+            f"{record.get('fallback') or 'default'}: {record.get('reason') or '?'}",
+        )
     cell = json.dumps(record["tactic"])
     default = detail.get("default_timing")
     if isinstance(default, Mapping) and default.get("median_us") is not None:
-        cell += f" (default {default['median_us']:.2f} us)"
-    return cell, ""
+        kind = record.get("default_kind") or "unknown"
+        cell += f" (default, {kind}: {default['median_us']:.2f} us)"
+    at = [d.get("m") for d in record.get("default_at") or [] if isinstance(d, Mapping)]
+    return cell, (f"served at the default at M={at}" if at else "")
