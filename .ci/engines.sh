@@ -10,7 +10,9 @@
 # `engines`. Exits non-zero if the environment cannot be built, if the engines are not the
 # versions the tests were written for, or if a test fails.
 #
-#   FP4SELECT_ENGINES_VENV    where the environment lives (default /work/venvs/engines)
+#   FP4SELECT_ENGINES_VENV    where the environment lives (default .venv-engines in this
+#                             clone, which .gitignore leaves out); it takes about 8.5 GB of
+#                             disk, plus its build log beside it (<venv>.build.log)
 #   FP4SELECT_ENGINES_PYTHON  the interpreter to build it with (default python3.11)
 #
 # A second run reuses the environment while the requirements and pins below are unchanged.
@@ -20,7 +22,7 @@ repo=$(pwd)
 
 SGLANG=0.5.23
 VLLM=0.33.0
-venv=${FP4SELECT_ENGINES_VENV:-/work/venvs/engines}
+venv=${FP4SELECT_ENGINES_VENV:-$repo/.venv-engines}
 python=${FP4SELECT_ENGINES_PYTHON:-python3.11}
 requirements=.ci/engines-requirements.txt
 constraints=.ci/engines-constraints.txt

@@ -35,6 +35,22 @@ def machine(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def dumps(record: dict[str, Any]) -> str:
+    """A result as JSON that reads and diffs by the row: one line per top-level field, and a
+    field holding a list of objects (the rows of a table) one line per row."""
+
+    def one(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, default=str)
+
+    def field(value: Any) -> str:
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            return "[\n" + ",\n".join(f"  {one(v)}" for v in value) + "\n ]"
+        return one(value)
+
+    body = ",\n".join(f" {json.dumps(k)}: {field(v)}" for k, v in sorted(record.items()))
+    return "{\n" + body + "\n}\n"
+
+
 def write(name: str, device: torch.device, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}_{device.type}.json"
@@ -44,7 +60,7 @@ def write(name: str, device: torch.device, payload: dict[str, Any]) -> Path:
         "machine": machine(device),
         **payload,
     }
-    path.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    path.write_text(dumps(record))
     return path
 
 

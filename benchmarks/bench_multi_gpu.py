@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import RESULTS, machine, table
+from _common import RESULTS, dumps, machine, table
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_31_70B = {
@@ -74,9 +74,11 @@ def warm(model: Path, max_m: int, devices: str | None, timeout: float) -> dict[s
             timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return {"command": cmd[3:], "error": f"timed out after {timeout:.0f} s"}
+        shown = [a if a != str(model) else "<model dir>" for a in cmd[3:]]
+        return {"command": shown, "error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - started
-    row: dict[str, Any] = {"command": cmd[3:], "returncode": proc.returncode}
+    shown = [a if a != str(model) else "<model dir>" for a in cmd[3:]]  # no local paths
+    row: dict[str, Any] = {"command": shown, "returncode": proc.returncode}
     row["process_wall_s"] = round(wall, 2)
     if proc.returncode not in (0, 1):
         row["error"] = proc.stderr[-2000:]
@@ -155,7 +157,7 @@ def main() -> int:
     }
 
     def save() -> None:
-        path.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+        path.write_text(dumps(record))
 
     steps = [
         ("devices 0,1", lambda left: warm(model, args.max_m, "0,1", left)),

@@ -161,7 +161,8 @@ def main() -> None:
             "ns_per_call": stats,
             "target_added_ns_p50": target_ns,
             "native_guard": native_guard,
-            "native_key": str(native_key.library_path(args.native_dir)),
+            # its file name only: the folder is the machine's own (no local paths in results)
+            "native_key": native_key.library_path(args.native_dir).name,
             "target_met_by_native_key": added <= target_ns,
         },
     )

@@ -4,14 +4,22 @@ Runs anywhere: on a CPU or a GPU without FP4 tensor cores the winner is `emulati
 Blackwell it is whichever flashinfer backend proved fastest *and* correct there.
 
     python examples/quickstart.py
+
+A try-out leaves no trace: its decisions go to a temporary folder, removed at the end. In
+your own code leave the `configure` line out and they persist in the user cache.
 """
 
 from __future__ import annotations
+
+import tempfile
 
 import torch
 
 import fp4select
 from fp4select import formats
+
+scratch = tempfile.TemporaryDirectory(prefix="fp4select-example-")
+fp4select.configure(cache_dir=scratch.name)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 m, n, k = 37, 512, 1024
@@ -32,3 +40,5 @@ record = fp4select.explain(a.data, b.data.T, a.scales, b.scales.T, alpha, torch.
 print(f"chosen backend: {record['winner']} (decision {record['origin']} in this process)")
 for name, verdict in sorted(record["verdicts"].items()):
     print(f"  {name:20s} {verdict['status']:12s} {verdict['reason'][:70]}")
+fp4select.configure()  # closes the sandbox worker before the folder goes
+scratch.cleanup()

@@ -8,9 +8,14 @@ module level. Packages can publish backends through the `fp4select.backends` ent
     mine = "my_package.fp4:BACKEND"
 
     python examples/register_backend.py
+
+It uses a temporary cache, removed at the end: a decision won by `mine` must not land in your
+own cache, where a later process without this registration would meet it.
 """
 
 from __future__ import annotations
+
+import tempfile
 
 import torch
 
@@ -31,6 +36,8 @@ if __name__ == "__main__":
     # the function through its importable module name instead.
     import register_backend as this
 
+    scratch = tempfile.TemporaryDirectory(prefix="fp4select-example-")
+    fp4select.configure(cache_dir=scratch.name)
     fp4select.register_backend(
         this.decode_then_matmul, name="mine", formats={"nvfp4"}, devices={"cpu", "cuda"}
     )
@@ -40,3 +47,5 @@ if __name__ == "__main__":
     alpha = (1.0 / (a.global_scale * b.global_scale)).reshape(1).float()
     record = fp4select.explain(a.data, b.data.T, a.scales, b.scales.T, alpha)
     print("mine:", record["verdicts"]["mine"]["status"], "| winner:", record["winner"])
+    fp4select.configure()  # closes the sandbox worker before its folder goes
+    scratch.cleanup()

@@ -23,7 +23,9 @@ among the backends that read that layout (``marlin`` does not call flashinfer an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 
 # Before SGLang starts: its scheduler processes (which run the GEMMs) read the allow-list.
 os.environ.setdefault("SGLANG_PLUGINS", "fp4select")
@@ -64,6 +66,15 @@ def main() -> int:
         help="SGLang's --fp4-gemm-backend (the weight layout fp4select selects within)",
     )
     args = parser.parse_args()
+    missing = [name for name in ("sglang", "flashinfer") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"{' and '.join(missing)} not installed: this example needs SGLang and flashinfer "
+            "(pip install sglang==0.5.23 flashinfer-python; fp4select's plugin is tested with "
+            "SGLang 0.5.23)",
+            file=sys.stderr,
+        )
+        return 1
     return check() if args.check else serve(args.model, args.fp4_gemm_backend)
 
 

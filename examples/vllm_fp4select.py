@@ -24,7 +24,9 @@ weights at load; fp4select then selects only among backends that read that layou
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 
 # Before vLLM starts: every vLLM process (engine core, each GPU worker) reads the allow-list.
 os.environ.setdefault("VLLM_PLUGINS", "fp4select")
@@ -60,6 +62,15 @@ def main() -> int:
         help="vLLM's --linear-backend (a flashinfer_* one; the layout fp4select selects within)",
     )
     args = parser.parse_args()
+    missing = [name for name in ("vllm", "flashinfer") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"{' and '.join(missing)} not installed: this example needs vLLM and flashinfer "
+            "(pip install vllm==0.33.0 flashinfer-python; fp4select's plugin is tested with "
+            "vLLM 0.33.0)",
+            file=sys.stderr,
+        )
+        return 1
     return check() if args.check else serve(args.model, args.linear_backend)
 
 

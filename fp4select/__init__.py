@@ -14,7 +14,7 @@ from fp4select.backends import register_backend, unregister_backend
 from fp4select.backends.base import Backend, Capabilities, UnsupportedProblem
 from fp4select.keys import Problem, m_bucket
 from fp4select.selector import BlacklistedBackendError, NoCorrectBackendError
-from fp4select.settings import Settings
+from fp4select.settings import SettingError, Settings
 from fp4select.store import CacheWarning
 
 
@@ -32,6 +32,7 @@ __all__ = [
     "Capabilities",
     "NoCorrectBackendError",
     "Problem",
+    "SettingError",
     "Settings",
     "UnsupportedProblem",
     "__version__",

@@ -26,10 +26,9 @@ import triton.language as tl
 
 from fp4select import formats
 
-# The same constants as fp4select.quantize (which imports this module on first use, so this
-# one must not import it back): float32's 1/6 and its largest finite value.
-C_SIXTH = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
-F32_MAX = float(torch.finfo(torch.float32).max)
+# The same constants as fp4select.quantize (which imports this module, so not from there).
+C_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))
+F32_MAX = tl.constexpr(float(torch.finfo(torch.float32).max))
 
 
 @triton.jit

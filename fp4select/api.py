@@ -35,6 +35,7 @@ Design rules:
   ``tune_pending()``.
 """
 
+import dataclasses
 import os
 import threading
 from typing import Any, Literal
@@ -45,6 +46,7 @@ from fp4select import native_key, tensor_guard
 from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
+from fp4select.backends import flashinfer_tactics
 from fp4select.keys import Problem, environment_for
 from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
@@ -111,48 +113,25 @@ def _native_for(settings: Settings) -> None:
 
 
 def configure(
-    *,
-    settings: Settings | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    isolation: Literal["subprocess", "inprocess"] | None = None,
-    timing: TimingOptions | None = None,
-    time_budget_s: float | None = None,
-    probe_timeout_s: float | None = None,
-    worker_idle_s: float | None = None,
-    blacklist_scope: Literal["environment", "key"] | None = None,
-    experimental: bool | None = None,
-    check: Literal["first", "always"] | None = None,
-    tactics: Literal["tune", "default"] | None = None,
-    record: str | os.PathLike[str] | None = None,
-    native: Literal["auto", "off"] | None = None,
-    native_dir: str | os.PathLike[str] | None = None,
+    *, settings: Settings | None = None, timing: TimingOptions | None = None, **changes: Any
 ) -> Selector:
     """Replace the process-wide settings and selector (and forget bound runners).
 
-    The settings are ``settings``, or else read from the environment now, with every keyword
-    given (not None) written over them; they become ``fp4select.settings.current()`` and reach
-    the sandbox's children. ``timing`` replaces the whole ``TimingOptions`` (``time_budget_s``
-    only its budget). Returns the new selector.
+    The settings are ``settings``, or else read from the environment now, with each change
+    (a ``Settings`` field by name: ``isolation="inprocess"``, ``time_budget_s=0.5``, ...; see
+    ``fp4select.settings``) given not None written over them; they become
+    ``fp4select.settings.current()`` and reach the sandbox's children. An unknown name is a
+    ``TypeError``, a bad value a ``SettingError`` (a ``ValueError``) naming it. ``timing``
+    replaces the whole ``TimingOptions``; a ``time_budget_s`` given too sets its budget.
+    Returns the new selector.
     """
     global _selector, _always_check
-    changes = {
-        "cache_dir": cache_dir,
-        "isolation": isolation,
-        "time_budget_s": time_budget_s,
-        "probe_timeout_s": probe_timeout_s,
-        "worker_idle_s": worker_idle_s,
-        "blacklist_scope": blacklist_scope,
-        "experimental": experimental,
-        "check": check,
-        "tactics": tactics,
-        "record": record,
-        "native": native,
-        "native_dir": native_dir,
-    }
     base = settings if settings is not None else Settings.from_env()
     if not isinstance(base, Settings):
         raise TypeError(f"settings must be a fp4select.Settings, got {type(base).__name__}")
     chosen = base.replace(**{k: v for k, v in changes.items() if v is not None})
+    if timing is not None and changes.get("time_budget_s") is not None:
+        timing = dataclasses.replace(timing, budget_s=chosen.time_budget_s)
     with _table_lock:
         if _selector is not None:
             _selector.close()
@@ -193,8 +172,11 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
 
 
 def stats() -> dict[str, int]:
+    """This process's counters; ``tactic_fallbacks``: calls run at flashinfer's default tactic
+    because the stored one cannot serve their M (``explain`` names them and why)."""
     counters = selector().counters.as_dict()
     counters["bound_signatures"] = len(_checked)
+    counters["tactic_fallbacks"] = flashinfer_tactics.fallback_calls()
     return counters
 
 
@@ -412,14 +394,15 @@ def _miss(
     a = args[0]
     sel = selector()
     device = a.device
+    env = sel.environment(device)  # once per miss, passed down
     if backend != "auto":
-        return sel.named_runner(backend, problem, device, allow_blacklisted), True
-    decision = sel.lookup(problem, device)
+        return sel.named_runner(backend, problem, device, allow_blacklisted, env=env), True
+    decision = sel.lookup(problem, device, env=env)
     if decision is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        runner, _ = sel.fallback(problem, device)
+        runner, _ = sel.fallback(problem, device, env=env)
         return runner, False  # not bound: the next eager call tunes this key properly
     if decision is None:
-        decision = sel.decide(problem, device)
+        decision = sel.decide(problem, device, env=env)
     return sel.runner_for(decision, device), True
 
 
@@ -441,14 +424,18 @@ def explain(
         device = args[0].device if args else kwargs["a"].device
     device = torch.device(device or "cpu")
     sel = selector()
-    source = "memory" if sel.in_memory(problem, device) else "disk"
-    decision: Decision | None = sel.lookup(problem, device)
+    env = sel.environment(device)
+    source = "memory" if sel.in_memory(problem, device, env=env) else "disk"
+    decision: Decision | None = sel.lookup(problem, device, env=env)
     if decision is None and tune:
-        decision = sel.decide(problem, device)
+        decision = sel.decide(problem, device, env=env)
         source = decision.source  # "tuned", or "disk" when another process finished first
+    fallbacks = flashinfer_tactics.tactic_fallbacks(problem)  # calls served at the default
     if decision is None:
-        return {"problem": problem.to_json(), "source": "none", "winner": None}
-    record = decision.to_json()
+        return {"problem": problem.to_json(), "source": "none", "winner": None} | {
+            "tactic_fallbacks": fallbacks
+        }
+    record = decision.to_json() | {"tactic_fallbacks": fallbacks}
     record["source"] = source  # how this call was served
     record["origin"] = decision.source  # how the decision entered this process
     return record

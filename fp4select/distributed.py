@@ -50,7 +50,7 @@ from fp4select._version import __version__
 from fp4select.keys import Problem, environment_for
 from fp4select.records import Decision
 from fp4select.selector import Selector
-from fp4select.store import digest
+from fp4select.store import MAX_DEPTH, digest, too_deep
 
 __all__ = [
     "RankDisagreementError",
@@ -161,11 +161,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _decode(data: bytes, sender: str) -> Any:
     """Strict JSON from ``sender``; ValueError naming the sender and the problem."""
     try:
-        return json.loads(
+        obj = json.loads(
             data.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_unique_keys
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ValueError(f"{sender} sent a message that is not strict JSON: {exc}") from None
+    if too_deep(obj, MAX_DEPTH + 4):  # a decision record, inside the message's list
+        raise ValueError(f"{sender} sent a message that is not strict JSON: nested too deeply")
+    return obj
 
 
 def _too_long(lengths: Sequence[int]) -> str | None:
@@ -220,7 +223,6 @@ def _broadcast_json(obj: Any, src: int, dist: Any, group: Any) -> Any:
         buffer.copy_(_tensor(data, device))
     dist.broadcast(buffer, src=src, group=group)
     return obj if mine else _decode(_bytes(buffer), "rank 0")
-
 
 
 def _dist() -> Any:

@@ -33,6 +33,10 @@ ALPHA_KINDS = ("none", "scalar", "per_token")
 # is validated at INVARIANT_MS (decode to prefill), since no bucket narrows where it must hold.
 INVARIANT_BUCKET = 1
 INVARIANT_MS = (1, 37, 300)
+# The largest N or K a key may hold: 16 Mi elements, far beyond any dense layer (the widest
+# published FFN is ~10^5), small enough that a key read from a file cannot ask for tensors no
+# machine can hold (10**30 was accepted once).
+MAX_DIM = 1 << 24
 
 
 def _bucket_edges() -> list[int]:
@@ -122,6 +126,16 @@ class Problem:
         for name in ("use_nvfp4", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("n", "k"):
+            if getattr(self, name) > MAX_DIM:
+                raise ValueError(f"{name} must be at most {MAX_DIM}, got {getattr(self, name)}")
+        expected_block = 16 if self.use_nvfp4 is True else 32
+        if self.block_size != expected_block:
+            raise ValueError(
+                f"block_size must be {expected_block} for {self.format}, got {self.block_size}"
+            )
+        if self.k % self.block_size:
+            raise ValueError(f"k={self.k} must be a multiple of block_size={self.block_size}")
         if self.batch_invariant and self.m_bucket != INVARIANT_BUCKET:
             raise ValueError(
                 f"a batch-invariant problem has one decision for every M: m_bucket must be "

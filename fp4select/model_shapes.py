@@ -24,18 +24,28 @@ Design rules:
 * An architecture or a field it needs that is not known is a ``ModelConfigError`` naming what
   is missing, never a guess: a wrong table tunes the wrong shapes and gives a false sense of
   readiness.
+* A config is input from the internet (``warm --model``, ``shapes_from_path`` in a user's
+  process). Every field is read through ``_Cfg``, which checks its type and range (sizes 1 to
+  2^24, at most ``MAX_LAYERS`` layers; ``head_dim: 1.9`` or ``true`` is an error, not 1) and
+  names the field when it refuses; anything else a malformed config trips on is still one
+  ``ModelConfigError``, never a traceback. Nothing is allocated per decoder layer (a builder
+  gives the GEMMs of layer i on demand and the table counts rows), so ``num_hidden_layers:
+  10**9`` is refused by its range, not by a MemoryError. Only regular files are read (a FIFO
+  named ``hf_quant_config.json`` is refused with a reason, never skipped or waited on).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4select.keys import M_BUCKETS, Problem, m_bucket
+from fp4select.keys import M_BUCKETS, MAX_DIM, Problem, m_bucket
 from fp4select.quant_config import MODELOPT_QUANT_FILE, ModelConfigError, quant_scheme
 
 __all__ = [
@@ -50,6 +60,9 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 _MAX_CONFIG_BYTES = 16 << 20  # config files are kilobytes; refuse to parse something huge
+MAX_LAYERS = 4096  # decoder layers; the deepest published models have under 200
+_MAX_HEADS = 1 << 16
+_MAX_EXPERTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -117,34 +130,79 @@ class ModelShapes:
 
 # -- reading ------------------------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
+    """A regular file of at most ``_MAX_CONFIG_BYTES``, as a JSON object (links followed:
+    Hugging Face caches link a snapshot's files to their blobs)."""
     try:
-        size = path.stat().st_size
-        if size > _MAX_CONFIG_BYTES:
-            raise ModelConfigError(f"{path} is {size} bytes; a model config is far smaller")
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ModelConfigError(f"{path} is {_kind(info.st_mode)}, not a regular file")
+            if info.st_size > _MAX_CONFIG_BYTES:
+                raise ModelConfigError(
+                    f"{path} is {info.st_size} bytes; a model config is far smaller"
+                )
+            raw = fh.read(_MAX_CONFIG_BYTES + 1)
+        if len(raw) > _MAX_CONFIG_BYTES:
+            raise ModelConfigError(f"{path} is over {_MAX_CONFIG_BYTES} bytes")
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        if isinstance(exc, ModelConfigError):
+            raise
         raise ModelConfigError(f"cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _exists(path: Path) -> bool:
+    """Whether something (anything: a FIFO too) is at ``path``, its links followed."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return False
+        raise ModelConfigError(f"cannot read {path}: {exc.strerror}") from None
+    return True
+
+
 def load_model_config(
     path: str | os.PathLike[str],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(config.json, hf_quant_config.json or None) for a model folder or a config.json path."""
+    """(config.json, hf_quant_config.json or None) for a model folder or a config.json path.
+
+    Whatever is at either name must be a regular file: a FIFO or a device is refused with a
+    ``ModelConfigError`` saying so, never skipped (a skipped quantization config would tune
+    every layer as FP4) and never waited on."""
     p = Path(os.fsdecode(path))
     if p.is_dir():
         config_path = p / CONFIG_FILE
-        if not config_path.is_file():
+        if not _exists(config_path):
             raise ModelConfigError(f"{p} is a folder without {CONFIG_FILE}")
-    elif p.is_file():
+    elif _exists(p):
         config_path = p
     else:
         raise ModelConfigError(f"model path {p} does not exist")
     config = _read_json(config_path)
     quant_path = config_path.parent / MODELOPT_QUANT_FILE
-    quant = _read_json(quant_path) if quant_path.is_file() else None
+    quant = _read_json(quant_path) if _exists(quant_path) else None
     return config, quant
 
 
@@ -155,7 +213,7 @@ def shapes_from_path(path: str | os.PathLike[str], tp: int = 1) -> ModelShapes:
 
 # -- the architectures --------------------------------------------------------------------------
 class _Cfg:
-    """Field access that names the architecture and the field when one is missing."""
+    """Field access that checks each field's type and range and names it when it refuses."""
 
     def __init__(self, data: Mapping[str, Any], arch: str) -> None:
         self.data = data
@@ -169,13 +227,55 @@ class _Cfg:
             )
         return value
 
-    def int(self, name: str, why: str = "", default: int | None = None) -> int:
+    def integer(
+        self,
+        name: str,
+        why: str = "",
+        default: int | None = None,
+        lo: int = 1,
+        hi: int = MAX_DIM,
+    ) -> int:
+        """The int field ``name`` (``default`` when absent or null; required without one),
+        between ``lo`` and ``hi``."""
+        value = self.data.get(name)
+        if value is None:
+            if default is None:
+                return self.need(name, why)  # raises
+            return default
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ModelConfigError(f"{self.arch}: {name} must be an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise ModelConfigError(
+                f"{self.arch}: {name} must be between {lo} and {hi}, got {value!r}"
+            )
+        return value
+
+    def optional_int(self, name: str, lo: int = 1, hi: int = MAX_DIM) -> int | None:
+        """An int field that may be absent or null (then None)."""
+        if self.data.get(name) is None:
+            return None
+        return self.integer(name, lo=lo, hi=hi)
+
+    def flag(self, name: str, default: bool) -> bool:
         value = self.data.get(name, default)
         if value is None:
-            return self.need(name, why)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ModelConfigError(f"{self.arch}: {name} must be a non-negative int, got {value!r}")
+            return default
+        if not isinstance(value, bool):
+            raise ModelConfigError(f"{self.arch}: {name} must be true or false, got {value!r}")
         return value
+
+    def ints(self, name: str, hi: int) -> frozenset[int]:
+        """A list of ints between 0 and ``hi`` (layer indices), as a set."""
+        value = self.data.get(name)
+        if value is None:
+            return frozenset()
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= hi for v in value
+        ):
+            raise ModelConfigError(
+                f"{self.arch}: {name} must be a list of layer indices (0 to {hi})"
+            )
+        return frozenset(value)
 
     def get(self, name: str, default: Any = None) -> Any:
         value = self.data.get(name)
@@ -212,11 +312,19 @@ class _Gemm:
 
 
 class _Builder:
+    """What an architecture's rules fill in: how many decoder layers, and the GEMMs of layer
+    ``i`` on demand (``layer(i)``), so that nothing is held per layer."""
+
     def __init__(self, cfg: _Cfg, tp: int) -> None:
         self.cfg = cfg
         self.tp = tp
-        self.per_layer: list[list[_Gemm]] = []
+        self.count = 0
+        self.layer: Callable[[int], list[_Gemm]] = lambda i: []
         self.notes: list[str] = []
+
+    def layers(self, count: int, layer: Callable[[int], list[_Gemm]]) -> None:
+        self.count = count
+        self.layer = layer
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -256,54 +364,65 @@ class _Builder:
 
 
 def _hidden_heads(cfg: _Cfg) -> tuple[int, int, int, int]:
-    hidden = cfg.int("hidden_size", "every projection")
-    heads = cfg.int("num_attention_heads", "attention")
-    kv = cfg.int("num_key_value_heads", "attention", default=heads)
-    head_dim = cfg.get("head_dim")
+    hidden = cfg.integer("hidden_size", "every projection")
+    heads = cfg.integer("num_attention_heads", "attention", hi=_MAX_HEADS)
+    kv = cfg.integer("num_key_value_heads", "attention", default=heads, hi=_MAX_HEADS)
+    head_dim = cfg.optional_int("head_dim")
     if head_dim is None:
-        if heads == 0 or hidden % heads:
+        if hidden % heads:
             raise ModelConfigError(
                 f"{cfg.arch}: config lacks 'head_dim' and hidden_size {hidden} is not a "
                 f"multiple of num_attention_heads {heads}"
             )
         head_dim = hidden // heads
-    return hidden, heads, kv, int(head_dim)
+    return hidden, heads, kv, head_dim
+
+
+def _layer_count(cfg: _Cfg) -> int:
+    return cfg.integer("num_hidden_layers", "the layer count", hi=MAX_LAYERS)
 
 
 def _dense_decoder(b: _Builder) -> None:
     """Llama, Mistral, Qwen2, Qwen3: attention + gated MLP in every layer."""
     cfg = b.cfg
     hidden, heads, kv, head_dim = _hidden_heads(cfg)
-    inter = cfg.int("intermediate_size", "the MLP")
-    for _ in range(cfg.int("num_hidden_layers", "the layer count")):
-        b.per_layer.append(b.attention(hidden, heads, kv, head_dim) + b.mlp(hidden, inter))
+    inter = cfg.integer("intermediate_size", "the MLP")
+    gemms = b.attention(hidden, heads, kv, head_dim) + b.mlp(hidden, inter)
+    b.layers(_layer_count(cfg), lambda i: gemms)
 
 
-def _is_sparse(cfg: _Cfg, i: int, experts: int) -> bool:
-    if experts <= 0 or i in (cfg.get("mlp_only_layers") or []):
-        return False
-    step = cfg.int("decoder_sparse_step", default=1) or 1
-    return (i + 1) % step == 0
+def _sparse_rule(cfg: _Cfg, experts: int, layers: int) -> Callable[[int], bool]:
+    """Whether layer i is an MoE layer (Qwen2/3-MoE's decoder_sparse_step, mlp_only_layers)."""
+    dense_only = cfg.ints("mlp_only_layers", hi=layers)
+    step = cfg.integer("decoder_sparse_step", default=1, lo=0, hi=MAX_LAYERS) or 1
+    return lambda i: experts > 0 and i not in dense_only and (i + 1) % step == 0
 
 
 def _moe_decoder(b: _Builder) -> None:
     """Mixtral, Qwen2-MoE, Qwen3-MoE: attention; MoE (with a shared expert if any) or dense MLP."""
     cfg = b.cfg
     hidden, heads, kv, head_dim = _hidden_heads(cfg)
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if experts is None:
+    name = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    if cfg.get(name) is None:
         cfg.need("num_experts", "the MoE layers")
-    shared = cfg.int("shared_expert_intermediate_size", default=0)
+    experts = cfg.integer(name, lo=0, hi=_MAX_EXPERTS)
+    shared = cfg.integer("shared_expert_intermediate_size", default=0, lo=0)
+    layers = _layer_count(cfg)
+    sparse = _sparse_rule(cfg, experts, layers)
+    attention = b.attention(hidden, heads, kv, head_dim)
     b.moe_notes()
-    for i in range(cfg.int("num_hidden_layers", "the layer count")):
-        gemms = b.attention(hidden, heads, kv, head_dim)
-        if _is_sparse(cfg, i, int(experts)):
-            if shared:
-                gemms += b.mlp(hidden, shared, "mlp.shared_expert")
-                b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
-        else:
-            gemms += b.mlp(hidden, cfg.int("intermediate_size", "the dense MLP layers"))
-        b.per_layer.append(gemms)
+
+    def layer(i: int) -> list[_Gemm]:
+        if not sparse(i):
+            return attention + b.mlp(
+                hidden, cfg.integer("intermediate_size", "the dense MLP layers")
+            )
+        if shared:
+            b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
+            return attention + b.mlp(hidden, shared, "mlp.shared_expert")
+        return attention
+
+    b.layers(layers, layer)
 
 
 def _hybrid_decoder(b: _Builder) -> None:
@@ -317,25 +436,42 @@ def _hybrid_decoder(b: _Builder) -> None:
     cfg = b.cfg
     tp = b.tp
     hidden, heads, kv, head_dim = _hidden_heads(cfg)
-    layers = cfg.int("num_hidden_layers", "the layer count")
+    layers = _layer_count(cfg)
     types = cfg.get("layer_types")
     if types is None:
-        interval = cfg.int("full_attention_interval", "which layers are full attention")
-        types = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(layers)
-        ]
-    if len(types) != layers or set(types) - {"full_attention", "linear_attention"}:
+        interval = cfg.integer(
+            "full_attention_interval", "which layers are full attention", hi=MAX_LAYERS
+        )
+
+        def full(i: int) -> bool:
+            return (i + 1) % interval == 0
+
+    elif (
+        not isinstance(types, list)
+        or len(types) != layers
+        or not all(t in ("full_attention", "linear_attention") for t in types)
+    ):
         raise ModelConfigError(
             f"{cfg.arch}: layer_types must list full_attention/linear_attention for each of "
             f"{layers} layers"
         )
-    k_heads = _split(cfg.int("linear_num_key_heads", "linear attention"), tp, "linear key heads")
-    v_heads = _split(
-        cfg.int("linear_num_value_heads", "linear attention"), tp, "linear value heads"
+    else:
+
+        def full(i: int) -> bool:
+            return bool(types[i] == "full_attention")
+
+    k_heads = _split(
+        cfg.integer("linear_num_key_heads", "linear attention", hi=_MAX_HEADS),
+        tp,
+        "linear key heads",
     )
-    k_dim = k_heads * cfg.int("linear_key_head_dim", "linear attention")
-    v_dim = v_heads * cfg.int("linear_value_head_dim", "linear attention")
+    v_heads = _split(
+        cfg.integer("linear_num_value_heads", "linear attention", hi=_MAX_HEADS),
+        tp,
+        "linear value heads",
+    )
+    k_dim = k_heads * cfg.integer("linear_key_head_dim", "linear attention")
+    v_dim = v_heads * cfg.integer("linear_value_head_dim", "linear attention")
     linear = [
         _Gemm(
             "linear_attn.in_proj_qkvz",
@@ -359,23 +495,24 @@ def _hybrid_decoder(b: _Builder) -> None:
         ),
         _Gemm("linear_attn.out_proj", ("linear_attn.out_proj",), hidden, v_dim, "K"),
     ]
-    experts = int(cfg.get("num_experts", 0))
-    shared = cfg.int("shared_expert_intermediate_size", default=0)
+    experts = cfg.integer("num_experts", default=0, lo=0, hi=_MAX_EXPERTS)
+    shared = cfg.integer("shared_expert_intermediate_size", default=0, lo=0)
     if experts:
         b.moe_notes()
-    gate = bool(cfg.get("attn_output_gate", True))
-    for i, kind in enumerate(types):
-        if kind == "full_attention":
-            gemms = b.attention(hidden, heads, kv, head_dim, gate=gate)
-        else:
-            gemms = list(linear)
-        if _is_sparse(cfg, i, experts):
-            if shared:
-                gemms += b.mlp(hidden, shared, "mlp.shared_expert")
-                b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
-        else:
-            gemms += b.mlp(hidden, cfg.int("intermediate_size", "the dense MLP"))
-        b.per_layer.append(gemms)
+    gate = cfg.flag("attn_output_gate", True)
+    attention = b.attention(hidden, heads, kv, head_dim, gate=gate)
+    sparse = _sparse_rule(cfg, experts, layers)
+
+    def layer(i: int) -> list[_Gemm]:
+        gemms = attention if full(i) else linear
+        if not sparse(i):
+            return gemms + b.mlp(hidden, cfg.integer("intermediate_size", "the dense MLP"))
+        if shared:
+            b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
+            return gemms + b.mlp(hidden, shared, "mlp.shared_expert")
+        return gemms
+
+    b.layers(layers, layer)
     b.note("the checkpoint's parts (in_proj_qkv + in_proj_z, in_proj_b + in_proj_a) are fused")
 
 
@@ -383,19 +520,21 @@ def _mla_decoder(b: _Builder) -> None:
     """DeepSeek-V2/V3: multi-head latent attention, dense MLP layers, shared experts."""
     cfg = b.cfg
     tp = b.tp
-    hidden = cfg.int("hidden_size", "every projection")
-    heads = _split(cfg.int("num_attention_heads", "attention"), tp, "num_attention_heads")
-    q_lora = cfg.get("q_lora_rank")
-    kv_lora = cfg.int("kv_lora_rank", "MLA")
-    nope = cfg.int("qk_nope_head_dim", "MLA")
-    rope = cfg.int("qk_rope_head_dim", "MLA")
-    v_dim = cfg.int("v_head_dim", "MLA")
+    hidden = cfg.integer("hidden_size", "every projection")
+    heads = _split(
+        cfg.integer("num_attention_heads", "attention", hi=_MAX_HEADS), tp, "num_attention_heads"
+    )
+    q_lora = cfg.optional_int("q_lora_rank", lo=0)
+    kv_lora = cfg.integer("kv_lora_rank", "MLA")
+    nope = cfg.integer("qk_nope_head_dim", "MLA")
+    rope = cfg.integer("qk_rope_head_dim", "MLA")
+    v_dim = cfg.integer("v_head_dim", "MLA")
     if q_lora:
         attn = [
             _Gemm(
                 "self_attn.fused_qkv_a_proj_with_mqa",
                 ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
-                int(q_lora) + kv_lora + rope,
+                q_lora + kv_lora + rope,
                 hidden,
                 "none",
             ),
@@ -424,23 +563,23 @@ def _mla_decoder(b: _Builder) -> None:
         "MLA: kv_b_proj is included as engines run it in prefill; decode absorbs it into "
         "batched matmuls that are not mm_fp4"
     )
-    first_dense = cfg.int("first_k_dense_replace", default=0)
-    freq = cfg.int("moe_layer_freq", default=1) or 1
-    routed = cfg.int("n_routed_experts", default=0)
-    n_shared = cfg.int("n_shared_experts", default=0)
+    first_dense = cfg.integer("first_k_dense_replace", default=0, lo=0, hi=MAX_LAYERS)
+    freq = cfg.integer("moe_layer_freq", default=1, lo=0, hi=MAX_LAYERS) or 1
+    routed = cfg.integer("n_routed_experts", default=0, lo=0, hi=_MAX_EXPERTS)
+    n_shared = cfg.integer("n_shared_experts", default=0, lo=0, hi=_MAX_EXPERTS)
     if routed:
         b.moe_notes()
-    layers = cfg.int("num_hidden_layers", "the layer count")
-    for i in range(layers):
-        gemms = list(attn)
+
+    def layer(i: int) -> list[_Gemm]:
         if routed and i >= first_dense and i % freq == 0:
-            if n_shared:
-                moe_inter = cfg.int("moe_intermediate_size", "the shared experts")
-                gemms += b.mlp(hidden, moe_inter * n_shared, "mlp.shared_experts")
-        else:
-            gemms += b.mlp(hidden, cfg.int("intermediate_size", "the dense MLP layers"))
-        b.per_layer.append(gemms)
-    if cfg.int("num_nextn_predict_layers", default=0):
+            if not n_shared:
+                return attn
+            moe_inter = cfg.integer("moe_intermediate_size", "the shared experts")
+            return attn + b.mlp(hidden, moe_inter * n_shared, "mlp.shared_experts")
+        return attn + b.mlp(hidden, cfg.integer("intermediate_size", "the dense MLP layers"))
+
+    b.layers(_layer_count(cfg), layer)
+    if cfg.integer("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS):
         b.note("MTP (next-n prediction) layers are left out: they serve speculative decoding")
 
 
@@ -449,8 +588,8 @@ def _gpt_oss(b: _Builder) -> None:
     cfg = b.cfg
     hidden, heads, kv, head_dim = _hidden_heads(cfg)
     b.moe_notes()
-    for _ in range(cfg.int("num_hidden_layers", "the layer count")):
-        b.per_layer.append(b.attention(hidden, heads, kv, head_dim))
+    attention = b.attention(hidden, heads, kv, head_dim)
+    b.layers(_layer_count(cfg), lambda i: attention)
 
 
 _ARCHITECTURES: dict[str, Callable[[_Builder], None]] = {
@@ -498,6 +637,26 @@ def model_shapes(
         )
     nested = isinstance(config.get("text_config"), dict)
     data = config["text_config"] if nested else config
+    try:
+        return _table(arch, build, config, data, hf_quant, tp, nested)
+    except ModelConfigError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError, IndexError) as exc:
+        # every field is checked where it is read; this is the net under that rule
+        raise ModelConfigError(
+            f"{arch}: the config is malformed ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _table(
+    arch: str,
+    build: Callable[[_Builder], None],
+    config: Mapping[str, Any],
+    data: Mapping[str, Any],
+    hf_quant: Mapping[str, Any] | None,
+    tp: int,
+    nested: bool,
+) -> ModelShapes:
     quant = quant_scheme(config, hf_quant)
     builder = _Builder(_Cfg(data, arch), tp)
     build(builder)
@@ -508,8 +667,8 @@ def model_shapes(
     )
     rows: dict[tuple[str, int, int, str], int] = {}
     left_out: dict[str, int] = {}
-    for i, gemms in enumerate(builder.per_layer):
-        for g in gemms:
+    for i in range(builder.count):
+        for g in builder.layer(i):
             flags = [
                 quant.is_fp4([f"{prefix}.{i}.{name}" for prefix in prefixes for name in names])
                 for names in g.spellings()

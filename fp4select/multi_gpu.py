@@ -29,7 +29,7 @@ from fp4select.keys import Problem, environment_for
 from fp4select.store import digest
 
 if TYPE_CHECKING:
-    from fp4select.selector import Isolation
+    from fp4select.settings import Isolation
 
 __all__ = [
     "DeviceError",
@@ -122,6 +122,7 @@ def _worker(
                     "winner": decision.winner,
                     "source": decision.source,
                     "seconds": round(decision.tuning_seconds, 3),
+                    "stored": not sel.store.memory_only,
                 }
             except Exception as exc:  # reported per key; the worker goes on with the next
                 row = {"winner": None, "source": "error", "error": f"{type(exc).__name__}: {exc}"}

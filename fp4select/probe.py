@@ -131,7 +131,15 @@ def _validate(
         if backend.tune is not None:  # tune first: the tactic that is validated is the one timed
             m = problem.timing_m()
             report({"event": "run", "backend": backend.name, "phase": "tune", "m": m})
-            tactic.update(backend.tune(runner, problem, inputs[m].args(problem)) or {})
+            tune_m = m
+
+            def progress() -> None:  # per tactic profiled: tuning is alive, however long
+                report({"event": "run", "backend": backend.name, "phase": "tune", "m": tune_m})
+
+            record = backend.tune(
+                runner, problem, inputs[m].args(problem), name=backend.name, progress=progress
+            )
+            tactic.update(record or {})
             _sync(device)
             if tactic:
                 runner = backend.checked_runner_for(problem, tactic)
@@ -165,6 +173,12 @@ def _validate(
             )
         if isinstance(returned, torch.Tensor) and returned.data_ptr() != poisoned.data_ptr():
             return Verdict(backend.name, Status.WRONG, "with out=: returned a different tensor", m)
+        # Validation Ms where the stored tactic cannot run: served (and so checked) at the default.
+        pin = getattr(runner, "fp4select_pin", None)
+        if pin is not None and tactic:
+            defaults = [{"m": k, "reason": e["reason"]} for k, e in pin.checked.items() if e]
+            if defaults:
+                tactic["default_at"] = defaults
         deterministic = bool(torch.equal(poisoned, last)) if last is not None else None
         if problem.batch_invariant and last is not None:  # last: the output at M = ms[-1]
             why = _variance(runner, problem, data, last, device, report, backend.name)

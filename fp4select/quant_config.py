@@ -9,7 +9,10 @@ Design rules:
   (``exclude_modules``, or ``quantized_layers`` for mixed precision), or ``quantization_config``
   in ``config.json`` (``ignore`` / ``exclude_modules`` / ``modules_to_not_convert``). Patterns
   are exact names, shell globs, or ``re:`` regular expressions; a pattern that names a parent
-  module (``model.layers.*.self_attn``) covers its children. Without a quantization config
+  module (``model.layers.*.self_attn``) covers its children. A config is input from the
+  internet: ``re:`` patterns are matched without backtracking (fp4select.module_patterns:
+  linear time, whatever the pattern), and every field is checked for its type before use, a
+  wrong one being a ``ModelConfigError`` that names it. Without a quantization config
   every dense projection is assumed FP4, and the scheme's ``notes`` say so.
 * A scheme that is not FP4 W4A4 (weight-only FP4, an unknown method) is a ``ModelConfigError``
   naming the field, never a guess: a wrong table tunes the wrong shapes.
@@ -18,10 +21,11 @@ Design rules:
 from __future__ import annotations
 
 import fnmatch
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from fp4select.module_patterns import MAX_PATTERN, PatternError, compile_pattern
 
 __all__ = ["MODELOPT_QUANT_FILE", "ModelConfigError", "QuantScheme", "quant_scheme"]
 
@@ -41,27 +45,43 @@ class QuantScheme:
     dense: bool = True  # False: the scheme makes no dense layer FP4 (gpt-oss's mxfp4)
     notes: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self._matchers = [_matcher(p, self.source) for p in self.exclude]
+
     def is_fp4(self, names: Sequence[str]) -> bool:
         """Whether the module known by any of ``names`` (spellings of one part) is FP4."""
         if not self.dense:
             return False
         if self.only is not None:
             return any(self.only.get(n, False) for n in names)
-        return not any(_excluded(n, self.exclude) for n in names)
+        return not any(_excluded(n, self._matchers) for n in names)
 
 
-def _pattern_matches(name: str, pattern: str) -> bool:
+def _matcher(pattern: str, where: str) -> Callable[[str], bool]:
+    """``pattern`` as a function of a module name (exact, glob, or ``re:``)."""
+    if len(pattern) > MAX_PATTERN:
+        raise ModelConfigError(
+            f"{where}: a pattern is longer than {MAX_PATTERN} characters ({pattern[:40]!r}...)"
+        )
     if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
+        try:
+            return compile_pattern(pattern[3:])
+        except PatternError as exc:
+            raise ModelConfigError(f"{where}: pattern {pattern!r} is refused: {exc}") from None
     if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(name, pattern)
-    return name == pattern
+        # fnmatch's translation has no nested quantifiers (each * is one lazy .*), and a
+        # pattern is at most MAX_PATTERN characters.
+        return lambda name: fnmatch.fnmatchcase(name, pattern)
+    return lambda name: name == pattern
 
 
-def _excluded(name: str, patterns: Iterable[str]) -> bool:
+def _excluded(name: str, matchers: Iterable[Callable[[str], bool]]) -> bool:
     parts = name.split(".")
     prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-    return any(_pattern_matches(p, pat) for pat in patterns for p in prefixes)
+    return any(m(p) for m in matchers for p in prefixes)
+
+
+_MAX_PATTERNS = 10000  # entries in one exclude list; real ones are at most a few hundred
 
 
 def _strings(value: Any, where: str) -> list[str]:
@@ -69,6 +89,8 @@ def _strings(value: Any, where: str) -> list[str]:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ModelConfigError(f"{where} must be a list of module names or patterns")
+    if len(value) > _MAX_PATTERNS:
+        raise ModelConfigError(f"{where} lists {len(value)} patterns (at most {_MAX_PATTERNS})")
     return list(value)
 
 
@@ -94,8 +116,12 @@ def _modelopt_quant(section: Mapping[str, Any], where: str) -> QuantScheme:
             raise ModelConfigError(f"{where}: MIXED_PRECISION needs a quantized_layers object")
         only: dict[str, bool] = {}
         formats = set()
+        if len(layers) > 1 << 20:
+            raise ModelConfigError(f"{where}.quantized_layers lists {len(layers)} layers")
         for name, spec in layers.items():
-            a = spec.get("quant_algo") if isinstance(spec, dict) else None
+            if not isinstance(spec, dict):
+                raise ModelConfigError(f"{where}.quantized_layers[{name!r}] must be an object")
+            a = spec.get("quant_algo")
             if isinstance(a, str) and a.upper() in _FP4_ALGOS:
                 only[name] = True
                 formats.add(_FP4_ALGOS[a.upper()])
@@ -108,13 +134,21 @@ def _modelopt_quant(section: Mapping[str, Any], where: str) -> QuantScheme:
 def _compressed_tensors_quant(qc: Mapping[str, Any]) -> QuantScheme:
     where = "config.json quantization_config (compressed-tensors)"
     groups = qc.get("config_groups")
-    fmt = str(qc.get("format", ""))
+    fmt = qc.get("format", "")
+    if not isinstance(fmt, str):
+        raise ModelConfigError(f"{where}: format must be a string, got {fmt!r}")
+    if groups is not None and not isinstance(groups, dict):
+        raise ModelConfigError(f"{where}: config_groups must be an object")
     if isinstance(groups, dict) and groups:
         for name, group in groups.items():
             if not isinstance(group, dict):
-                continue
+                raise ModelConfigError(f"{where}: config_groups[{name!r}] must be an object")
             weights = group.get("weights") or {}
             acts = group.get("input_activations")
+            if not isinstance(weights, dict):
+                raise ModelConfigError(
+                    f"{where}: config_groups[{name!r}].weights must be an object"
+                )
             if weights.get("num_bits") != 4 or weights.get("type") != "float":
                 raise ModelConfigError(f"{where}: group {name!r} is not FP4 weights")
             if not acts:
@@ -134,6 +168,8 @@ def quant_scheme(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None) 
     """Which dense layers of the model are FP4, from ``hf_quant_config.json`` (``hf_quant``,
     first) or ``config.json``'s ``quantization_config``; ``ModelConfigError`` if unreadable."""
     if hf_quant is not None:
+        if not isinstance(hf_quant, Mapping):
+            raise ModelConfigError(f"{MODELOPT_QUANT_FILE} must hold a JSON object")
         section = hf_quant.get("quantization")
         if not isinstance(section, dict):
             raise ModelConfigError(f"{MODELOPT_QUANT_FILE} has no 'quantization' object")
@@ -152,7 +188,12 @@ def quant_scheme(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None) 
         )
     if not isinstance(qc, dict):
         raise ModelConfigError("config.json quantization_config must be a JSON object")
-    method = str(qc.get("quant_method", "")).lower()
+    method = qc.get("quant_method", "")
+    if not isinstance(method, str):
+        raise ModelConfigError(
+            f"config.json quantization_config.quant_method must be a string, got {method!r}"
+        )
+    method = method.lower()
     if method in ("modelopt", "modelopt_fp4"):
         return _modelopt_quant(qc, "config.json quantization_config")
     if method == "compressed-tensors":

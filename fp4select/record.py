@@ -11,12 +11,16 @@ Design rules:
 * Safe from many processes without a lock: each line is written with one ``write()`` on a
   descriptor opened with ``O_APPEND``, so the kernel places every line whole at the end of
   the file (local file systems; over NFS use one file per host). A line is small (~300 bytes).
+* Reading holds at most one line of ``_MAX_LINE`` bytes: a longer line is skipped (as
+  damaged) while it is read past in bounded pieces, so a 3 GB line costs no memory. Its key
+  must be one a call could have made (``Problem`` refuses the rest: N = 10**30, block size 7).
 * A line is one JSON object ``{"fp4select_record": 1, "key": {...}, "pid": ..., "host": ...,
   "time": ...}``. The count of a key is the number of lines naming it: how many processes met
   it. Reading skips a damaged line (a torn tail after a crash, a foreign line) with one warning
   that says how many were skipped and the first line number; it never fails the warm.
 * Never write into a file fp4select did not make: a non-empty file whose first line is not a
-  record line disables recording with one warning. Any error while recording (permissions, a
+  record line disables recording with one warning, and so does a symbolic link at the path
+  (``O_NOFOLLOW``: a dangling one would otherwise create its target wherever it points). Any error while recording (permissions, a
   full disk) disables it with one warning: recording must never break a GEMM call.
 """
 
@@ -66,10 +70,22 @@ def record_line(problem: Problem) -> bytes:
     return (json.dumps(line, sort_keys=True, separators=(",", ":")) + "\n").encode("ascii")
 
 
-def _open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+def _open_regular(
+    path: str | os.PathLike[str], flags: int, mode: int = 0o644, follow: bool = True
+) -> int:
     """A descriptor for ``path`` only if it is a regular file: a FIFO would block the caller's
-    first GEMM (or the CLI) forever, and a device would be read or written without end."""
-    fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    first GEMM (or the CLI) forever, and a device would be read or written without end.
+    ``follow=False``: a symbolic link at ``path`` is refused (``O_NOFOLLOW``), dangling or not."""
+    flags |= os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        if not follow and exc.errno == errno.ELOOP:
+            why = "is a symbolic link (not followed)"
+            raise OSError(errno.ELOOP, why, os.fsdecode(path)) from None
+        raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", os.fsdecode(path))
@@ -79,7 +95,7 @@ def _open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -
 def _foreign(path: str) -> str | None:
     """Why ``path`` must not be appended to, or None when it is empty or a record file."""
     try:
-        with os.fdopen(_open_regular(path, os.O_RDONLY), "rb") as fh:
+        with os.fdopen(_open_regular(path, os.O_RDONLY, follow=False), "rb") as fh:
             first = fh.readline(_MAX_LINE)
     except FileNotFoundError:
         return None
@@ -123,7 +139,7 @@ def note(problem: Problem) -> None:
             return
         _state["seen"].add(problem)
         try:
-            fd = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            fd = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, follow=False)
             try:
                 data = record_line(problem)
                 if os.write(fd, data) != len(data):  # a short write to a regular file: disk full
@@ -146,6 +162,21 @@ def _parse(line: bytes) -> Problem:
     return Problem.from_json(dict(key))
 
 
+def _bounded_lines(fh: Any) -> Any:
+    """Each line of ``fh`` (bytes), or None for one longer than ``_MAX_LINE`` (read past in
+    pieces of that size, never held whole)."""
+    while True:
+        line = fh.readline(_MAX_LINE + 1)
+        if not line:
+            return
+        if len(line) <= _MAX_LINE or line.endswith(b"\n"):
+            yield line if len(line) <= _MAX_LINE else None
+            continue
+        while line and not line.endswith(b"\n"):  # the rest of an overlong line
+            line = fh.readline(_MAX_LINE)
+        yield None
+
+
 def read_record(path: str | os.PathLike[str]) -> dict[Problem, int]:
     """Every problem key in a record file with how many lines (process sightings) name it.
 
@@ -155,14 +186,16 @@ def read_record(path: str | os.PathLike[str]) -> dict[Problem, int]:
     counts: dict[Problem, int] = {}
     skipped: list[int] = []
     with os.fdopen(_open_regular(Path(os.fsdecode(path)), os.O_RDONLY), "rb") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
+        for number, line in enumerate(_bounded_lines(fh), start=1):
+            if line is not None and not line.strip():
                 continue
             try:
+                if line is None:
+                    raise ValueError(f"longer than {_MAX_LINE} bytes")
                 if not line.endswith(b"\n"):
                     raise ValueError("no line end (torn write)")
                 problem = _parse(line)
-            except (ValueError, TypeError, UnicodeDecodeError):
+            except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
                 skipped.append(number)
                 continue
             counts[problem] = counts.get(problem, 0) + 1

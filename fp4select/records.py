@@ -72,6 +72,21 @@ STATUSES = frozenset(Status)
 CAUSE_EXPERIMENTAL = "experimental"
 
 
+class Reason(str):
+    """Why a backend cannot compete: the text it always was, with its ``cause`` as data.
+
+    A ``str``, so whatever shows or stores a reason is unchanged; ``candidates`` copies the
+    cause into ``Verdict.cause``, where code reads it instead of searching the text.
+    """
+
+    cause: str
+
+    def __new__(cls, text: str, cause: str = "") -> Reason:
+        made = super().__new__(cls, text)
+        made.cause = cause
+        return made
+
+
 class MalformedRecord(ValueError):
     """A record read from disk, an archive or a pipe is not what fp4select writes."""
 

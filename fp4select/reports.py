@@ -251,8 +251,14 @@ class TacticRow(TypedDict):
     """One passed problem of a backend that has tactics: the tactic served, tuned vs default."""
 
     problem: str
-    tactic: Any  # the backend's own tactic value (JSON); None when it runs untuned
-    untuned_reason: str | None
+    tactic: Any  # the backend's own tactic value (JSON); -1 its default; None untuned
+    # "tuned"; "default" (tuning gave up or ran out of time: flashinfer's -1 is pinned);
+    # "untuned" (tuning off or unavailable: flashinfer chooses, its default unless an engine
+    # tunes it)
+    served: str
+    untuned_reason: str | None  # why it is not tuned ("default" and "untuned" rows)
+    default_kind: str  # what flashinfer's -1 runs: "heuristic", "config 0", ... "unknown"
+    default_at: list[int]  # validation Ms where the tuned tactic cannot run: served at -1
     tuned_us: float | None
     default_us: float | None
 
@@ -261,10 +267,14 @@ class BackendSummary(TypedDict):
     """One backend over every problem verify tuned."""
 
     statuses: dict[str, int]  # verdict status -> how many problems
-    worst_ratio: float  # its worst error over the validation bound, over every problem
+    worst_ratio: float | None  # its worst error over the bound, over every problem; None: none ran
     wins: int  # problems it was chosen for
     first_failure: str  # "" when it never failed
     tactics: list[TacticRow]
+    # Over its passed problems with tactics: how many serve a tuned tactic, flashinfer's
+    # default ("default") or flashinfer's choice ("untuned"); and each reason, counted.
+    tactic_counts: dict[str, int]
+    default_reasons: dict[str, int]
 
 
 @dataclass
@@ -295,29 +305,70 @@ class VerifyReport:
             "failed": self.failed,
         }
 
+    @staticmethod
+    def _add_tactic(
+        row: BackendSummary,
+        decision: Decision,
+        name: str,
+        detail: Mapping[str, Any],
+        record: Mapping[str, Any],
+    ) -> None:
+        from fp4select.backends import flashinfer_tactics
+
+        tactic = record.get("tactic")
+        if flashinfer_tactics.is_tuned(record):
+            served = "tuned"
+        else:
+            served = "untuned" if tactic is None else "default"
+        reason = None if served == "tuned" else str(record.get("reason") or "?")
+        defaults = record.get("default_at") or []
+        default_at = [d.get("m") for d in defaults if isinstance(d, Mapping)]
+        tuned = decision.timings.get(name)
+        default = detail.get("default_timing") or {}
+        row["tactics"].append(
+            TacticRow(
+                problem=decision.problem.describe(),
+                tactic=tactic,
+                served=served,
+                untuned_reason=reason,
+                default_kind=flashinfer_tactics.default_kind(record.get("runner")),
+                default_at=[m for m in default_at if isinstance(m, int)],
+                tuned_us=tuned.median_us if tuned else None,
+                default_us=default.get("median_us"),
+            )
+        )
+        row["tactic_counts"][served] = row["tactic_counts"].get(served, 0) + 1
+        if reason is not None:
+            row["default_reasons"][reason] = row["default_reasons"].get(reason, 0) + 1
+        for entry in defaults:  # a tuned tactic that cannot run at some M of its bucket
+            if isinstance(entry, Mapping):
+                why = f"at M={entry.get('m')}: {entry.get('reason')}"
+                row["default_reasons"][why] = row["default_reasons"].get(why, 0) + 1
+
     def add(self, decision: Decision) -> None:
         """Count one decision into the per-backend summary."""
         for name, verdict in decision.verdicts.items():
             row = self.backends.setdefault(
                 name,
-                BackendSummary(statuses={}, worst_ratio=0.0, wins=0, first_failure="", tactics=[]),
+                BackendSummary(
+                    statuses={},
+                    worst_ratio=None,
+                    wins=0,
+                    first_failure="",
+                    tactics=[],
+                    tactic_counts={},
+                    default_reasons={},
+                ),
             )
             record = verdict.detail.get("tactic")
             if verdict.passed and isinstance(record, Mapping):  # tuned vs default, per problem
-                tuned = decision.timings.get(name)
-                default = verdict.detail.get("default_timing") or {}
-                row["tactics"].append(
-                    TacticRow(
-                        problem=decision.problem.describe(),
-                        tactic=record.get("tactic"),
-                        untuned_reason=record.get("reason"),
-                        tuned_us=tuned.median_us if tuned else None,
-                        default_us=default.get("median_us"),
-                    )
-                )
+                self._add_tactic(row, decision, name, verdict.detail, record)
             row["statuses"][verdict.status] = row["statuses"].get(verdict.status, 0) + 1
             if verdict.worst_ratio is not None:
-                row["worst_ratio"] = max(row["worst_ratio"], verdict.worst_ratio)
+                worst = row["worst_ratio"]
+                row["worst_ratio"] = (
+                    verdict.worst_ratio if worst is None else max(worst, verdict.worst_ratio)
+                )
             if verdict.status in _FAILURES and not row["first_failure"]:
                 row["first_failure"] = (
                     f"{decision.problem.describe()}: {verdict.status} {verdict.reason}"[:160]

@@ -33,10 +33,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -48,6 +47,7 @@ from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
 from fp4select.probe import InProcessProber, Prober
 from fp4select.records import (
+    CAUSE_EXPERIMENTAL,
     FATAL_STATUSES,
     Decision,
     MalformedRecord,
@@ -57,14 +57,12 @@ from fp4select.records import (
     Verdict,
     _now,
 )
-from fp4select.settings import Settings
-from fp4select.store import CacheWarning, Store, digest
+from fp4select.settings import Isolation, Settings
+from fp4select.store import Store, digest, warn_once
 from fp4select.timing import TimingOptions, preference_ranking, rank
 
 log = logging.getLogger("fp4select")
 
-Isolation = Literal["subprocess", "inprocess"]
-ISOLATIONS: tuple[Isolation, ...] = ("subprocess", "inprocess")  # as fp4select.settings
 # Never blacklisted beyond one key, and never by an imported archive: every supported problem
 # must keep a correct answer.
 PROTECTED_BACKENDS = frozenset({emulation.NAME})
@@ -76,23 +74,6 @@ class BlacklistedBackendError(RuntimeError):
 
 class NoCorrectBackendError(RuntimeError):
     """No candidate passed validation for a problem (not even emulation)."""
-
-
-def _isolation(value: str, what: str) -> Isolation:
-    """``value`` as one of ``ISOLATIONS``; a ValueError naming ``what`` otherwise."""
-    for known in ISOLATIONS:
-        if value == known:
-            return known
-    raise ValueError(f"{what} must be one of {ISOLATIONS}, got {value!r}")
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, CacheWarning, stacklevel=3)
 
 
 @dataclass
@@ -128,7 +109,10 @@ class Selector:
         # What is not given comes from ``settings``, by default the process-wide ones.
         self.settings = settings if settings is not None else settings_mod.current()
         self.store = store if store is not None else Store(self.settings.cache_dir)
-        self.isolation = _isolation(isolation or self.settings.isolation, "isolation")
+        # A bad ``isolation`` is a SettingError naming it, as a bad setting is.
+        self.isolation: Isolation = (
+            self.settings.replace(isolation=isolation) if isolation else self.settings
+        ).isolation
         self.timing = timing or TimingOptions(budget_s=self.settings.time_budget_s)
         self.lock_timeout = lock_timeout
         self.counters = Counters()
@@ -220,7 +204,8 @@ class Selector:
                 continue
             why = backend.unavailable_reason(env)
             if why:
-                excluded[name] = Verdict(name, Status.UNAVAILABLE, why)
+                cause = getattr(why, "cause", "")  # a records.Reason says why as data
+                excluded[name] = Verdict(name, Status.UNAVAILABLE, str(why), cause=cause)
                 continue
             why = backend.rejects(problem, env)
             if why:
@@ -230,13 +215,25 @@ class Selector:
         return runnable, excluded
 
     # -- decisions ----------------------------------------------------------------------------
-    def in_memory(self, problem: Problem, device: torch.device) -> bool:
-        with self._lock:
-            return self._memory_key(environment_for(device), problem) in self._memory
+    # Each takes the ``env`` of ``device`` when its caller knows it already (computed once per
+    # miss, by ``environment``, and passed down); without it, it computes it.
+    @staticmethod
+    def environment(device: torch.device) -> dict[str, Any]:
+        """The environment fingerprint of ``device``: what decisions and blacklists are kept for."""
+        return environment_for(device)
 
-    def lookup(self, problem: Problem, device: torch.device) -> Decision | None:
+    def in_memory(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> bool:
+        env = env if env is not None else environment_for(device)
+        with self._lock:
+            return self._memory_key(env, problem) in self._memory
+
+    def lookup(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> Decision | None:
         """Memory, then disk; no tuning."""
-        env = environment_for(device)
+        env = env if env is not None else environment_for(device)
         mkey = self._memory_key(env, problem)
         with self._lock:
             decision = self._memory.get(mkey)
@@ -261,10 +258,11 @@ class Selector:
         try:
             decision = Decision.from_json(record, source="disk")
         except MalformedRecord as exc:
-            _warn_once(
+            message = (
                 f"fp4select cache: ignoring the stored decision for {problem.describe()}: {exc}. "
                 "Treated as a miss; tuning again replaces it."
             )
+            warn_once(message, message)
             return None
         if decision.problem != problem or (decision.imported and not unproven):
             return None
@@ -322,7 +320,7 @@ class Selector:
                 entry and _blacklist_applies(entry, problem)
             ):
                 return False  # its blacklisting was cleared since: it may compete now
-            experimental = flashinfer_backends.EXPERIMENTAL_ENV in verdict.reason
+            experimental = verdict.cause == CAUSE_EXPERIMENTAL
             if verdict.status == Status.UNAVAILABLE and experimental and allowed:
                 return False  # experimental backends were allowed since: it may compete now
         return True
@@ -337,31 +335,39 @@ class Selector:
         with self._lock:
             self._memory[self._memory_key(decision.env, decision.problem)] = decision
 
-    def decide(self, problem: Problem, device: torch.device) -> Decision:
-        decision = self.lookup(problem, device)
+    def decide(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> Decision:
+        env = env if env is not None else environment_for(device)
+        decision = self.lookup(problem, device, env=env)
         if decision is not None:
             return decision
-        env = environment_for(device)
         with self.store.lock(env, problem.to_json(), timeout=self.lock_timeout):
             decision = self._read(env, problem, unproven=True)
             if decision is not None and decision.imported:  # from another machine: prove it
-                decision = self.prove(decision, device)
+                decision = self.prove(decision, device, env=env)
                 if decision is None:
-                    decision = self.tune(problem, device)
+                    decision = self.tune(problem, device, env=env)
             elif decision is not None:  # another process tuned it while we waited for the lock
                 self.counters.add("waited_for_other_process")
             else:
-                decision = self.tune(problem, device)
+                decision = self.tune(problem, device, env=env)
+        if decision.winner is None and device.type not in ("cpu", "cuda"):
+            # A meta (or other data-less) call shares the CPU's environment but can run no
+            # backend: its failure must not answer the real CPU calls of this problem.
+            return decision
         with self._lock:
             self._memory[self._memory_key(env, problem)] = decision
         return decision
 
-    def prove(self, decision: Decision, device: torch.device) -> Decision | None:
+    def prove(
+        self, decision: Decision, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> Decision | None:
         """Validate an imported decision's winner alone, here, at the bucket's M values (in the
         sandbox unless isolation is inprocess): the proven decision (stored, ``proven_here``
         set, the winner's verdict and tactic the ones reached here), or None when it fails
         (the caller tunes; a fatal failure blacklists as tuning would)."""
-        env = environment_for(device)
+        env = env if env is not None else environment_for(device)
         problem, winner = decision.problem, decision.winner
         backend = self.backend(winner) if winner is not None else None
         if backend is None:
@@ -388,8 +394,10 @@ class Selector:
         log.info("imported decision for %s: %s proven here", problem.describe(), winner)
         return decision
 
-    def tune(self, problem: Problem, device: torch.device) -> Decision:
-        env = environment_for(device)
+    def tune(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> Decision:
+        env = env if env is not None else environment_for(device)
         registry = self.registry()
         runnable, excluded = self.candidates(problem, env, registry)
         log.info(
@@ -482,7 +490,9 @@ class Selector:
             )
         return backend.fast_runner_for(decision.problem, decision.tactic(decision.winner))
 
-    def fallback(self, problem: Problem, device: torch.device) -> tuple[Runner, str]:
+    def fallback(
+        self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
+    ) -> tuple[Runner, str]:
         """A runner that needs no probing, for a miss while a CUDA graph is being captured.
 
         In order: a backend proven on the same shape class in another M bucket; with
@@ -495,7 +505,7 @@ class Selector:
                 "is being captured; a fallback now could compute these rows with another kernel "
                 "than the one chosen later. Call once eagerly (or `fp4select warm`) before capture."
             )
-        env = environment_for(device)
+        env = env if env is not None else environment_for(device)
         self.counters.add("fallbacks")
         with self._lock:
             self.pending.add((problem, str(device)))
@@ -510,16 +520,22 @@ class Selector:
             if backend is not None:
                 return backend.fast_runner_for(problem), d.winner  # type: ignore[return-value]
         if self.isolation == "inprocess":
-            runner = flashinfer_backends.auto_runner(environment_for(device), problem)
+            runner = flashinfer_backends.auto_runner(env, problem)
             if runner is not None:
                 return runner, "flashinfer:auto"
         return emulation.BACKEND.fast_runner_for(problem), emulation.NAME
 
     def named_runner(
-        self, name: str, problem: Problem, device: torch.device, allow_blacklisted: bool
+        self,
+        name: str,
+        problem: Problem,
+        device: torch.device,
+        allow_blacklisted: bool,
+        *,
+        env: Mapping[str, Any] | None = None,
     ) -> Runner:
         """A caller-named backend: refused if blacklisted, proven before it runs in this process."""
-        env = environment_for(device)
+        env = env if env is not None else environment_for(device)
         backend = self.backend(name)
         if backend is None:
             raise ValueError(
@@ -532,7 +548,7 @@ class Selector:
                 f"({entry.get('kind')}: {entry.get('reason')}); pass allow_blacklisted=True to use it anyway"
             )
         self.counters.add("explicit")
-        decision = self.lookup(problem, device)
+        decision = self.lookup(problem, device, env=env)
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
             return backend.fast_runner_for(problem, decision.tactic(name))
         if self.isolation == "inprocess" or backend.family == "builtin":

@@ -65,6 +65,14 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def store(tmp_path):
+    """An empty store of this test's own (``tmp_path / "cache"``, made on first write)."""
+    from fp4select.store import Store
+
+    return Store(tmp_path / "cache")
+
+
+@pytest.fixture
 def inprocess(cache_dir):
     """A selector that probes in this process, with a tiny timing budget."""
     selector = fp4select.configure(cache_dir=cache_dir, isolation="inprocess", timing=FAST_TIMING)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import _posixsubprocess
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,22 @@ _SPAWNERS = (
     (_posixsubprocess, "fork_exec"),  # multiprocessing's spawn and forkserver
     (subprocess, "_fork_exec"),  # the name subprocess took it under (Python 3.11 and later)
 )
+
+
+_SPAWNERS_BY_NAME = tuple((f"{m.__name__}.{n}", m) for m, n in _SPAWNERS)
+
+
+def _importing_flashinfer() -> bool:
+    """Whether flashinfer's own module code is running its import (the first test to import
+    flashinfer would otherwise fail or pass by the order tests run in)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__", "").startswith(
+            "flashinfer"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class UnmarkedSpawn(RuntimeError):
@@ -112,7 +129,11 @@ def _spawn_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     tried: list[str] = []
 
     def refuse(name: str) -> Any:
+        real = getattr(dict(_SPAWNERS_BY_NAME)[name], name.rpartition(".")[2])
+
         def spawn(*args: Any, **kwargs: Any) -> Any:
+            if _importing_flashinfer():  # its import asks ldconfig and ptxas: not the test's doing
+                return real(*args, **kwargs)
             tried.append(name)
             raise UnmarkedSpawn(
                 f"{request.node.nodeid} started a process ({name}) without the 'subprocess' "

@@ -114,3 +114,23 @@ BACKEND = Backend(
     pin=flashinfer_tactics.pinned,
     description="a fake TunableRunner with two tactics, tuned by flashinfer's AutoTuner",
 )
+
+
+def slow_tune(runner, problem, args, *, name=None, progress=None):
+    """A tactic tuning whose first JIT compile outlasts the sandbox's patience."""
+    if progress is not None:
+        progress()
+    import time
+
+    time.sleep(600)
+    raise AssertionError("the sandbox should have ended this child")
+
+
+SLOW_TUNING = Backend(
+    name="slow_tuning",
+    checked_runner=fake_mm_fp4,
+    caps=Capabilities(devices=frozenset({"cpu"})),
+    tune=slow_tune,
+    pin=flashinfer_tactics.pinned,
+    description="two tactics, but tuning them takes longer than the probe timeout",
+)

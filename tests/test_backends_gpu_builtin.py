@@ -64,7 +64,7 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     backends = discover(include_flashinfer=False).backends
     trtllm = Problem(n=256, k=256, m_bucket=1, b_layout="trtllm")
     for name in ("hopper-gemv", "hopper-mma", "hopper-prefill"):
-        for problem in (trtllm, Problem(n=256, k=256, m_bucket=1, use_nvfp4=False)):
+        for problem in (trtllm, Problem(n=256, k=256, m_bucket=1, use_nvfp4=False, block_size=32)):
             assert backends[name].rejects(problem, H200), (name, problem)
     assert "M <= 8" in backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=16), H200)
     assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=128), H200) is None

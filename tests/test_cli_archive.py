@@ -79,9 +79,10 @@ def test_export_never_deletes_a_directory_or_overwrites_a_file(tmp_path: Path) -
     assert f"exported 1 entry and 0 blacklist records to {archive}" in out
     archive.write_text("someone's file")
     _, err = run(cache, "export", str(archive), "--all", expect=1)
-    assert "already exists" in err and "--force" in err
+    assert "already exists; add --overwrite to replace it" in err
+    assert "overwrite=True" not in err  # a Python keyword means nothing on the command line
     assert archive.read_text() == "someone's file"
-    out, _ = run(cache, "export", str(archive), "--all", "--force", "--json")
+    out, _ = run(cache, "export", str(archive), "--all", "--overwrite", "--json")
     assert json.loads(out) == {"path": str(archive), "entries": 1, "blacklist": 0}
     assert len(json.loads(archive.read_text())["entries"]) == 1
 

@@ -155,7 +155,12 @@ def test_warm_a_model_export_and_import_elsewhere(tmp_path):
     proc = _run(tmp_path / "fleet", "warm", "--model", str(path), "--max-m", "2", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads(proc.stdout)
-    assert again["stats"]["tunings"] == 0 and again["stats"]["disk_hits"] == 8
+    # Received, so proven here first (each winner validated alone), never tuned again
+    assert again["stats"]["tunings"] == 0 and again["stats"]["proofs"] == 8
+    proc = _run(tmp_path / "fleet", "warm", "--model", str(path), "--max-m", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(proc.stdout)  # proven already: plain disk hits
+    assert again["stats"]["proofs"] == 0 and again["stats"]["disk_hits"] == 8
     # Same environment here: every entry applies.
     here = environment_for(torch.device("cpu"))
     assert bundle.applicability(bundle_file, here) == {
@@ -219,4 +224,4 @@ def test_deploy_recipe_runs_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "8 of 8 entries apply here" in proc.stdout
-    assert "tuned on the fleet: 0, read from the bundle: 8" in proc.stdout
+    assert "tuned on the fleet: 0, read from the bundle: 8 (8 proven here first)" in proc.stdout

@@ -187,3 +187,7 @@ def test_torchrun_example_runs(tmp_path):
     out = proc.stdout
     assert "rank 1/2: 8 keys agreed" in out and "adopted 8 from rank 0, tuned 0 here" in out
     assert out.count("tunings after sync: 0") == 2
+    # Rank 0 shows progress: one line per key as it decides it, before the ranks agree.
+    progress = [line for line in out.splitlines() if line.startswith("rank 0: [")]
+    assert [line.split("]")[0] for line in progress] == [f"rank 0: [{i}/8" for i in range(1, 9)]
+    assert out.index("rank 0: [8/8]") < out.index("keys agreed")

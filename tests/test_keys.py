@@ -81,7 +81,9 @@ def test_every_problem_field_is_covered_by_the_test():
 def test_changing_any_problem_field_changes_the_key(field):
     # A batch-invariant problem has one bucket for every M: compare it with its regular twin.
     base = dataclasses.replace(BASE, m_bucket=1) if field == "batch_invariant" else BASE
-    changed = dataclasses.replace(base, **{field: ALTERNATES[field]})
+    # block_size follows the format (16 for nvfp4, 32 for mxfp4): they change together.
+    coupled = {"block_size": {"use_nvfp4": False}, "use_nvfp4": {"block_size": 32}}
+    changed = dataclasses.replace(base, **{field: ALTERNATES[field]}, **coupled.get(field, {}))
     assert changed.digest() != base.digest()
     assert Problem.from_json(changed.to_json()) == changed
 
@@ -148,3 +150,19 @@ def test_changing_any_environment_field_changes_the_env_hash(field):
 def test_problem_rejects_values_outside_its_domain(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(BASE, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"n": 10**30}, "n must be at most"),
+        ({"k": 1 << 40}, "k must be at most"),
+        ({"block_size": 7}, "block_size must be 16 for nvfp4"),
+        ({"use_nvfp4": False}, "block_size must be 32 for mxfp4"),
+        ({"k": 4104}, "multiple of block_size"),
+    ],
+)
+def test_an_impossible_problem_is_refused(changes, message):
+    """Keys come from files (records, archives, ranks): one no call could make is refused."""
+    with pytest.raises(ValueError, match=message):
+        Problem.from_json({**BASE.to_json(), **changes})

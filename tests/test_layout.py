@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
 assert _spec is not None and _spec.loader is not None
@@ -47,3 +49,31 @@ def test_a_module_over_500_lines_says_why_at_its_top():
     for path, lines in import_graph.long_files(500).items():
         head = (ROOT / path).read_text().split('"""')[1]
         assert "Why one file" in head, f"{path} has {lines} lines and no reason at its top"
+
+
+def test_benchmark_results_hold_no_local_paths_and_parse():
+    import json
+    import re
+
+    results = ROOT / "benchmarks" / "results"
+    for path in sorted(results.iterdir()):
+        if path.suffix == ".png":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"/(work|home|root|Users)/", text), f"{path.name} names a local path"
+        if path.suffix == ".json":
+            json.loads(text)
+
+
+def test_the_quantizer_kernel_keeps_the_quantizers_constants():
+    """_quantize_triton restates two of quantize's values rather than import it back."""
+    pytest.importorskip("triton")
+    from fp4select import _quantize_triton as kernel
+    from fp4select import quantize
+
+    def value(x):  # a tl.constexpr holds its number in .value
+        return getattr(x, "value", x)
+
+    kernel_values = (value(kernel.C_SIXTH), value(kernel.F32_MAX))
+    assert kernel_values == (quantize.C_SIXTH, quantize.F32_MAX)
+    assert all(type(v) is float for v in kernel_values)

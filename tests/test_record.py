@@ -222,3 +222,64 @@ def test_a_fifo_at_the_record_path_never_blocks_a_call(tmp_path, monkeypatch):
     assert any("not a regular file" in str(w.message) for w in caught)
     with pytest.raises(OSError, match="not a regular file"):
         record.read_record(fifo)
+
+
+def test_a_symlink_at_the_record_path_is_never_followed(tmp_path, monkeypatch):
+    """A dangling link would have had its target created; a live one written through."""
+    target = tmp_path / "elsewhere" / "created-by-fp4select"
+    target.parent.mkdir()
+    link = tmp_path / "rec.jsonl"
+    link.symlink_to(target)
+    monkeypatch.setenv(record.RECORD_ENV, str(link))
+    with pytest.warns(record.RecordWarning, match="symbolic link"):
+        record.note(Problem(n=64, k=128, m_bucket=4))
+    assert not target.exists(), "the target of a dangling link was created"
+    live = tmp_path / "live.jsonl"
+    live.write_bytes(b"")
+    link.unlink()
+    link.symlink_to(live)
+    record._state.update(pid=None, seen=set(), disabled=None)
+    with pytest.warns(record.RecordWarning, match="symbolic link"):
+        record.note(Problem(n=64, k=128, m_bucket=4))
+    assert live.read_bytes() == b""
+
+
+def test_impossible_keys_and_overlong_lines_are_skipped(tmp_path):
+    good = Problem(n=64, k=128, m_bucket=4)
+    line = json.loads(record.record_line(good))
+    bad_n = {**line, "key": {**line["key"], "n": 10**30}}
+    bad_block = {**line, "key": {**line["key"], "block_size": 7}}
+    path = tmp_path / "rec.jsonl"
+    with open(path, "wb") as fh:
+        fh.write(record.record_line(good))
+        fh.write(json.dumps(bad_n).encode() + b"\n")
+        fh.write(json.dumps(bad_block).encode() + b"\n")
+        fh.write(b'{"fp4select_record": 1, "key": "' + b"x" * (3 * record._MAX_LINE) + b'"}\n')
+        fh.write(b"[" * 5000 + b"\n")
+        fh.write(record.record_line(good))
+    with pytest.warns(record.RecordWarning, match="skipped 4 damaged line"):
+        assert record.read_record(path) == {good: 2}
+
+
+def test_reading_an_overlong_line_holds_one_bounded_piece(tmp_path, monkeypatch):
+    """A 3 GB line used to be read whole; now at most _MAX_LINE + 1 bytes a read."""
+    path = tmp_path / "rec.jsonl"
+    with open(path, "wb") as fh:
+        fh.write(b"x" * (1 << 24) + b"\n")
+    sizes = []
+    lines = record._bounded_lines
+    monkeypatch.setattr(record, "_bounded_lines", lambda fh: lines(_Spy(fh, sizes)))
+    with pytest.warns(record.RecordWarning):
+        assert record.read_record(path) == {}
+    assert sizes and max(sizes) <= record._MAX_LINE + 1
+
+
+class _Spy:
+    def __init__(self, fh, sizes):
+        self.fh, self.sizes = fh, sizes
+
+    def readline(self, limit=-1):
+        assert limit > 0, "an unbounded read"
+        line = self.fh.readline(limit)
+        self.sizes.append(len(line))
+        return line

@@ -92,6 +92,26 @@ def test_warm_path_does_not_touch_the_selector_again(inprocess):
     assert after["tunings"] == 1
 
 
+@pytest.mark.parametrize("backend", ["auto", "fast"])
+def test_a_miss_computes_the_environment_once(inprocess, monkeypatch, backend):
+    """It is computed where the miss is first known and passed down (it used to be seven)."""
+    import fp4select.selector as selector_mod
+
+    register("fast", "slow")
+    calls = []
+    real = selector_mod.environment_for
+
+    def counting(device):
+        calls.append(device)
+        return real(device)
+
+    monkeypatch.setattr(selector_mod, "environment_for", counting)
+    call(backend=backend)
+    assert len(calls) == 1
+    fp4select.explain(problem=Problem(n=64, k=128, m_bucket=32), device="cpu")  # a miss: tunes
+    assert len(calls) == 2
+
+
 def test_every_m_in_the_bucket_uses_one_decision(inprocess):
     register("fast")
     for m in (9, 12, 16):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import fp4select
 from fp4select import api, settings
 from fp4select.backends import flashinfer as fi
 from fp4select.keys import Problem
+from fp4select.records import TimingOptions
 from fp4select.sandbox.process import child_environment
 from fp4select.selector import Selector
 from fp4select.settings import VARIABLES, Settings
@@ -50,90 +50,118 @@ def test_the_engine_variables_are_the_ones_the_plugins_read():
     assert engine == read
 
 
-def test_an_empty_environment_gives_the_defaults():
+# One good raw value per variable and what it reads as: the table below drives the tests, and a
+# test checks that it covers every row of VARIABLES, so a new variable cannot go untested.
+GOOD = {
+    "FP4SELECT_CACHE_DIR": ("/tmp/somewhere", "/tmp/somewhere"),
+    "FP4SELECT_ISOLATION": (" InProcess ", "inprocess"),
+    "FP4SELECT_TIME_BUDGET_S": ("0.5", 0.5),
+    "FP4SELECT_PROBE_TIMEOUT_S": ("30", 30.0),
+    "FP4SELECT_WORKER_IDLE_S": ("7", 7.0),
+    "FP4SELECT_BLACKLIST_SCOPE": ("key", "key"),
+    "FP4SELECT_EXPERIMENTAL": ("yes", True),
+    "FP4SELECT_CHECK": ("always", "always"),
+    "FP4SELECT_TACTICS": ("default", "default"),
+    "FP4SELECT_TUNE_TIMEOUT_S": ("45", 45.0),
+    "FP4SELECT_RECORD": ("/tmp/rec.jsonl", "/tmp/rec.jsonl"),
+    "FP4SELECT_NATIVE": ("OFF", "off"),
+    "FP4SELECT_NATIVE_DIR": ("/tmp/native", "/tmp/native"),
+    "FP4SELECT_ENGINE_PLUGIN": ("0", False),
+    "FP4SELECT_ALLOW_UNTESTED_ENGINE": ("on", True),
+    "FP4SELECT_WARM_AT_LOAD": ("false", False),
+    "FP4SELECT_WARM_MAX_M": ("64", 64),
+}
+# One bad raw value per variable (a path takes any text but one with a NUL) and the words of the
+# error after "<VARIABLE> must be ".
+BAD = {
+    "FP4SELECT_CACHE_DIR": ("a\0b", "a path"),
+    "FP4SELECT_ISOLATION": ("thread", "one of ('subprocess', 'inprocess')"),
+    "FP4SELECT_TIME_BUDGET_S": ("fast", "a number of seconds"),
+    "FP4SELECT_PROBE_TIMEOUT_S": ("inf", "a positive number of seconds"),
+    "FP4SELECT_WORKER_IDLE_S": ("-1", "a positive number of seconds"),
+    "FP4SELECT_BLACKLIST_SCOPE": ("host", "one of ('environment', 'key')"),
+    "FP4SELECT_EXPERIMENTAL": ("maybe", "1 or 0 (also true/false, yes/no, on/off)"),
+    "FP4SELECT_CHECK": ("sometimes", "one of ('first', 'always')"),
+    "FP4SELECT_TACTICS": ("fastest", "one of ('tune', 'default')"),
+    "FP4SELECT_TUNE_TIMEOUT_S": ("0", "a positive number of seconds"),
+    "FP4SELECT_RECORD": ("x\0", "a path"),
+    "FP4SELECT_NATIVE": ("on", "one of ('auto', 'off')"),
+    "FP4SELECT_NATIVE_DIR": ("\0", "a path"),
+    "FP4SELECT_ENGINE_PLUGIN": ("maybe", "1 or 0 (also true/false, yes/no, on/off)"),
+    "FP4SELECT_ALLOW_UNTESTED_ENGINE": ("2", "1 or 0 (also true/false, yes/no, on/off)"),
+    "FP4SELECT_WARM_AT_LOAD": ("later", "1 or 0 (also true/false, yes/no, on/off)"),
+    "FP4SELECT_WARM_MAX_M": ("lots", "a positive integer"),
+}
+SETTINGS_ROWS = [v for v in VARIABLES if v.field is not None]
+ENGINE_ROWS = [v for v in VARIABLES if v.engine]
+
+
+def test_the_tables_of_these_tests_cover_every_variable():
+    assert set(GOOD) == set(BAD) == {v.env for v in VARIABLES}
+
+
+def test_an_empty_environment_gives_the_typed_defaults():
     assert Settings.from_env({}) == Settings()
-    assert Settings() == Settings(
-        cache_dir=None,
-        isolation="subprocess",
-        time_budget_s=3.0,
-        probe_timeout_s=600.0,
-        worker_idle_s=120.0,
-        blacklist_scope="environment",
-        experimental=False,
-        check="first",
-        tactics="tune",
-        record=None,
-    )
-
-
-def test_every_variable_is_read():
-    env = {
-        "FP4SELECT_CACHE_DIR": "/tmp/somewhere",
-        "FP4SELECT_ISOLATION": " InProcess ",
-        "FP4SELECT_TIME_BUDGET_S": "0.5",
-        "FP4SELECT_PROBE_TIMEOUT_S": "30",
-        "FP4SELECT_WORKER_IDLE_S": "7",
-        "FP4SELECT_BLACKLIST_SCOPE": "key",
-        "FP4SELECT_EXPERIMENTAL": "yes",
-        "FP4SELECT_CHECK": "always",
-        "FP4SELECT_TACTICS": "default",
-        "FP4SELECT_RECORD": "/tmp/rec.jsonl",
+    assert {f.name: getattr(Settings(), f.name) for f in dataclasses.fields(Settings)} == {
+        v.field: v.default for v in SETTINGS_ROWS
     }
-    assert Settings.from_env(env) == Settings(
-        cache_dir="/tmp/somewhere",
-        isolation="inprocess",
-        time_budget_s=0.5,
-        probe_timeout_s=30.0,
-        worker_idle_s=7.0,
-        blacklist_scope="key",
-        experimental=True,
-        check="always",
-        tactics="default",
-        record="/tmp/rec.jsonl",
-    )
+    assert Settings().isolation == "subprocess" and Settings().time_budget_s == 3.0
+    assert {v.env: settings.engine_setting(v.env, {}) for v in ENGINE_ROWS} == {
+        "FP4SELECT_ENGINE_PLUGIN": None,
+        "FP4SELECT_ALLOW_UNTESTED_ENGINE": False,
+        "FP4SELECT_WARM_AT_LOAD": True,
+        "FP4SELECT_WARM_MAX_M": None,
+    }
+
+
+@pytest.mark.parametrize("variable", SETTINGS_ROWS, ids=lambda v: v.env)
+def test_every_variable_is_read(variable):
+    raw, value = GOOD[variable.env]
+    read = Settings.from_env({variable.env: raw})
+    assert getattr(read, variable.field) == value
+    assert read == Settings().replace(**{variable.field: value})
+    assert Settings.from_env(read.to_env()) == read  # what a sandbox child reads back
+
+
+@pytest.mark.parametrize("variable", ENGINE_ROWS, ids=lambda v: v.env)
+def test_every_engine_variable_is_read_by_the_same_parsers(variable, caplog):
+    raw, value = GOOD[variable.env]
+    assert settings.engine_setting(variable.env, {variable.env: raw}) == value
+    bad, _ = BAD[variable.env]
+    # A plugin never raises into the engine: a bad value is logged by name, the default used.
+    assert settings.engine_setting(variable.env, {variable.env: bad}) == variable.default
+    assert variable.env in caplog.text
 
 
 def test_an_empty_variable_reads_as_unset():
     """As it always has; a blank one too, except a path (a blank path is a name, if odd)."""
-    assert Settings.from_env({v.env: "" for v in VARIABLES if v.field is not None}) == Settings()
+    assert Settings.from_env({v.env: "" for v in SETTINGS_ROWS}) == Settings()
     paths = ("cache_dir", "record", "native_dir")
-    blank = {v.env: "  " for v in VARIABLES if v.field is not None and v.field not in paths}
+    blank = {v.env: "  " for v in SETTINGS_ROWS if v.field not in paths}
     assert Settings.from_env(blank) == Settings()
+    for v in ENGINE_ROWS:
+        assert settings.engine_setting(v.env, {v.env: " "}) == v.default
 
 
-@pytest.mark.parametrize(
-    ("name", "value", "expected"),
-    [
-        ("FP4SELECT_ISOLATION", "thread", "one of ('subprocess', 'inprocess')"),
-        ("FP4SELECT_TIME_BUDGET_S", "fast", "a number of seconds"),
-        ("FP4SELECT_TIME_BUDGET_S", "0", "a positive number of seconds"),
-        ("FP4SELECT_PROBE_TIMEOUT_S", "inf", "a positive number of seconds"),
-        ("FP4SELECT_WORKER_IDLE_S", "-1", "a positive number of seconds"),
-        ("FP4SELECT_BLACKLIST_SCOPE", "host", "one of ('environment', 'key')"),
-        ("FP4SELECT_EXPERIMENTAL", "maybe", "1 or 0 (also true/false, yes/no, on/off)"),
-        ("FP4SELECT_CHECK", "sometimes", "one of ('first', 'always')"),
-        ("FP4SELECT_TACTICS", "fastest", "one of ('tune', 'default')"),
-        ("FP4SELECT_NATIVE", "on", "one of ('auto', 'off')"),
-    ],
-)
-def test_a_bad_variable_is_named_with_what_it_must_be(name, value, expected):
-    with pytest.raises(ValueError, match=re.escape(f"{name} must be {expected}, got {value!r}")):
-        Settings.from_env({name: value})
+@pytest.mark.parametrize("variable", SETTINGS_ROWS, ids=lambda v: v.env)
+def test_a_bad_variable_is_named_with_what_it_must_be(variable):
+    value, expected = BAD[variable.env]
+    message = f"{variable.env} must be {expected}, got {value!r}"
+    with pytest.raises(settings.SettingError, match=re.escape(message)) as caught:
+        Settings.from_env({variable.env: value})
+    assert caught.value.variable == variable.env
+    assert isinstance(caught.value, ValueError)  # what callers caught before the type existed
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "expected"),
-    [
-        ("isolation", "thread", "isolation must be one of"),
-        ("time_budget_s", -2.0, "time_budget_s must be a positive number of seconds"),
-        ("experimental", "perhaps", "experimental must be 1 or 0"),
-        ("check", "never", "check must be one of ('first', 'always')"),
-        ("record", 3, "record must be a path"),
-    ],
-)
-def test_a_bad_field_is_named(field, value, expected):
-    with pytest.raises(ValueError, match=re.escape(expected)):
-        Settings(**{field: value})
+@pytest.mark.parametrize("variable", SETTINGS_ROWS, ids=lambda v: v.field)
+def test_a_bad_field_is_named(variable):
+    value, expected = BAD[variable.env]
+    message = re.escape(f"{variable.field} must be {expected}, got {value!r}")
+    with pytest.raises(settings.SettingError, match=message) as caught:
+        Settings(**{variable.field: value})
+    assert caught.value.variable == variable.field
+    with pytest.raises(settings.SettingError, match=message):
+        fp4select.configure(**{variable.field: value})
 
 
 def test_replace_refuses_an_unknown_setting():
@@ -162,19 +190,35 @@ def test_the_cache_dir_variable_reaches_the_selectors_store(tmp_path, monkeypatc
 
 
 def test_configure_takes_every_setting_by_keyword(tmp_path):
-    params = inspect.signature(fp4select.configure).parameters
-    fields = {f.name for f in dataclasses.fields(Settings)}
-    assert fields <= set(params)
-    assert set(params) - fields == {"settings", "timing"}
     chosen = Settings(cache_dir=str(tmp_path), isolation="inprocess", worker_idle_s=5)
     sel = fp4select.configure(settings=chosen, blacklist_scope="key")
     assert sel.settings == settings.current() == chosen.replace(blacklist_scope="key")
     assert sel.store.root == tmp_path and sel.isolation == "inprocess"
     assert sel.timing.budget_s == 3.0
+    for variable in SETTINGS_ROWS:  # every field, by its name
+        _, value = GOOD[variable.env]
+        sel = fp4select.configure(settings=chosen, **{variable.field: value})
+        assert getattr(sel.settings, variable.field) == value
     with pytest.raises(TypeError, match=r"settings must be a fp4select\.Settings"):
         fp4select.configure(settings={"check": "always"})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="check must be one of"):
-        fp4select.configure(check="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"unknown setting.*chek"):
+        fp4select.configure(chek="always")
+    fp4select.configure(cache_dir=tmp_path, isolation="inprocess")
+
+
+def test_configure_with_timing_and_a_time_budget_takes_both(tmp_path):
+    """It used to keep the TimingOptions' own budget and drop time_budget_s silently."""
+    mine = TimingOptions(budget_s=9.0, min_rounds=2)
+    sel = fp4select.configure(cache_dir=tmp_path, isolation="inprocess", timing=mine)
+    assert sel.timing == mine
+    sel = fp4select.configure(
+        cache_dir=tmp_path, isolation="inprocess", timing=mine, time_budget_s=0.25
+    )
+    assert sel.timing == TimingOptions(budget_s=0.25, min_rounds=2)
+    assert sel.settings.time_budget_s == 0.25
+    sel = fp4select.configure(cache_dir=tmp_path, isolation="inprocess", time_budget_s=0.5)
+    assert sel.timing.budget_s == 0.5
+    fp4select.configure(cache_dir=tmp_path, isolation="inprocess")
 
 
 @pytest.mark.parametrize("check", ["first", "always"])

@@ -273,6 +273,9 @@ def test_an_experimental_backend_allowed_since_gets_its_chance(
     problem = Problem(n=256, k=256, m_bucket=16, alpha_kind="per_token")
     store = Store(tmp_path)
     _store_decision(store, "emulation", problem)
+    # Why it was skipped is a field of its verdict, not a phrase to search its reason for.
+    cake = store.read_entry(GPU_ENV, problem.to_json())["verdicts"]["cake"]
+    assert cake["status"] == "unavailable" and cake["cause"] == "experimental"
     loads.clear()
     assert Selector(store, isolation="inprocess").lookup(problem, CPU) is not None
     assert loads == []

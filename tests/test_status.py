@@ -128,3 +128,15 @@ def test_a_stored_entry_keeps_plain_strings_on_disk_and_loads_again(inprocess, c
     assert json.dumps(again, sort_keys=True) == json.dumps(
         {k: v for k, v in stored.items() if k != "source"}, sort_keys=True
     )
+
+
+def test_a_verdicts_cause_is_kept_and_left_out_when_empty():
+    """``cause`` (why a backend could not compete, as data) round-trips; empty, records read as
+    they did before the field existed."""
+    plain = Verdict("x", Status.UNAVAILABLE, "no GPU")
+    assert "cause" not in plain.to_json()
+    skipped = Verdict("cake", Status.UNAVAILABLE, "any words", cause="experimental")
+    assert skipped.to_json()["cause"] == "experimental"
+    assert Verdict.from_json(skipped.to_json()) == skipped
+    with pytest.raises(MalformedRecord, match=r"verdict\.cause must be a string"):
+        Verdict.from_json({**skipped.to_json(), "cause": 3})

@@ -55,11 +55,6 @@ from fp4select.store import (
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "cache")
-
-
-@pytest.fixture
 def open_dir() -> Iterator[Path]:
     """A directory that an unprivileged uid can reach (pytest's tmp_path is 0o700 root-only)."""
     path = Path(tempfile.mkdtemp(prefix="fp4select-test-"))
@@ -848,3 +843,13 @@ def test_add_to_blacklist_rejects_bad_records(
     with pytest.raises(ValueError, match=match):
         store.add_to_blacklist(ENV, backend, record)
     assert not store.root.exists()
+
+
+def test_first_time_says_yes_once_per_tag_and_set():
+    """fp4select's one say-it-once helper (the selector, tactics and plugins use it too)."""
+    from fp4select.store import first_time
+
+    tag = f"test-{os.getpid()}-{id(object())}"
+    assert first_time(tag) and not first_time(tag)
+    mine: set[str] = set()
+    assert first_time(tag, mine) and not first_time(tag, mine) and mine == {tag}

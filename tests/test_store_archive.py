@@ -156,11 +156,12 @@ BAD_ARCHIVES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_ARCHIVES))
-def test_import_of_a_damaged_archive_raises_and_writes_nothing(tmp_path: Path, case: str) -> None:
+def test_import_of_a_damaged_archive_raises_and_writes_nothing(
+    tmp_path: Path, store: Store, case: str
+) -> None:
     data, problem = BAD_ARCHIVES[case]
     archive = tmp_path / "bad.json"
     archive.write_bytes(data)
-    store = Store(tmp_path / "cache")
     with pytest.raises(ValueError, match="not a usable fp4select archive") as info:
         store.import_archive(archive)
     assert problem in str(info.value)
@@ -173,8 +174,7 @@ def test_import_of_a_missing_archive_raises_oserror(tmp_path: Path) -> None:
         Store(tmp_path / "cache").import_archive(tmp_path / "nope.json")
 
 
-def test_export_failure_raises(tmp_path: Path) -> None:
-    store = Store(tmp_path / "cache")
+def test_export_failure_raises(tmp_path: Path, store: Store) -> None:
     store.write_entry(ENV, KEY, RECORD)
     with pytest.raises(OSError):
         store.export_archive(tmp_path / "missing-dir" / "a.json")
@@ -276,14 +276,13 @@ def test_exclusive_write_never_replaces_a_name(
 # --------------------------------------------------------------------------- import is checked
 
 
-def test_import_refuses_to_blacklist_protected_backends(tmp_path: Path) -> None:
+def test_import_refuses_to_blacklist_protected_backends(tmp_path: Path, store: Store) -> None:
     archive = tmp_path / "a.json"
     blacklist = [
         {"env": ENV, "backend": name, "record": {"reason": "r", "kind": "hang"}}
         for name in ("emulation", "cutlass")
     ]
     archive.write_bytes(_archive(blacklist=blacklist))
-    store = Store(tmp_path / "cache")
     with pytest.raises(TypeError, match="protected_backends"):
         store.import_archive(archive, protected_backends="emulation")
     result = store.import_archive(archive, protected_backends=frozenset({"emulation"}))
@@ -299,11 +298,10 @@ def test_import_refuses_to_blacklist_protected_backends(tmp_path: Path) -> None:
 
 
 def test_import_into_a_failing_disk_counts_what_stayed_in_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     archive = tmp_path / "a.json"
     archive.write_bytes(_archive())
-    store = Store(tmp_path / "cache")
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
     with one_cache_warning("memory"):
         result = store.import_archive(archive)

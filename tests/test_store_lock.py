@@ -32,12 +32,6 @@ from fp4select.store import (
     digest,
 )
 
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "cache")
-
-
 # --------------------------------------------------------------------------- locks
 
 

@@ -135,3 +135,27 @@ def test_a_marked_test_may_start_processes(suite):
         """
     )
     suite.runpytest_inprocess("--all").assert_outcomes(passed=2)
+
+
+@pytest.mark.subprocess  # flashinfer's stand-in really starts a process while it is imported
+def test_flashinfers_own_import_may_start_processes_a_test_may_not(suite):
+    """flashinfer's import asks ldconfig and ptxas: allowed, so that which test imports it first
+    does not decide which fails; the test's own spawn is still refused."""
+    suite.makepyfile(
+        flashinfer_stand_in="import subprocess\nsubprocess.run(['true'], check=True)\n"
+    )
+    suite.makepyfile(
+        test_imports="""
+import subprocess
+
+def test_imports_it():
+    import flashinfer_stand_in
+
+def test_spawns_itself():
+    subprocess.run(["true"])
+"""
+    )
+    result = suite.runpytest_inprocess("-p", "no:cacheprovider")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == 1 and outcomes.get("failed") == 1, outcomes
+    result.stdout.fnmatch_lines(["*test_spawns_itself*"])

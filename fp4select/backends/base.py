@@ -130,9 +130,10 @@ class Backend:
     make_fast_runner: Callable[[Problem], Runner] | None = None
     unsupported_errors: tuple[type[BaseException], ...] = ()
     # Optional tactic hooks (flashinfer's autotuner, see flashinfer_tactics): ``tune(runner,
-    # problem, args)`` returns a JSON record of the tactic chosen at M = the bucket's top;
-    # ``pin(runner, record)`` returns a runner that runs at the recorded tactic.
-    tune: Callable[[Runner, Problem, tuple[Any, ...]], Mapping[str, Any]] | None = None
+    # problem, args, *, name, progress)`` returns a JSON record of the tactic chosen at M = the
+    # bucket's top (``progress()`` is called as it goes); ``pin(runner, record)`` returns a
+    # runner that runs at the recorded tactic.
+    tune: Callable[..., Mapping[str, Any]] | None = None
     pin: Callable[[Runner, Mapping[str, Any]], Runner] | None = None
 
     def __post_init__(self) -> None:

@@ -33,14 +33,13 @@ from fp4select import settings
 from fp4select.backends import flashinfer_tactics
 from fp4select.backends.base import Backend, Capabilities, Runner
 from fp4select.keys import Problem
+from fp4select.records import CAUSE_EXPERIMENTAL, Reason
 
 FAMILY = "flashinfer"
 # Compute capabilities to ask flashinfer about, to say *where* a backend would run.
 KNOWN_CCS = (75, 80, 86, 87, 89, 90, 100, 103, 107, 110, 120, 121)
-EXPERIMENTAL_ENV = "FP4SELECT_EXPERIMENTAL"  # named in reasons, which selector.py reads back
+EXPERIMENTAL_ENV = "FP4SELECT_EXPERIMENTAL"  # named in the reason an experimental one is skipped
 
-_PLAIN = frozenset({"plain"})
-_128 = frozenset({"128x4"})
 _NV = frozenset({"nvfp4"})
 _BF16 = frozenset({"bfloat16"})
 
@@ -152,7 +151,10 @@ def _availability(name: str, modules: tuple[str, ...]):
             where = ", ".join(f"SM{c}" for c in ccs) or "no compute capability"
             return f"flashinfer reports '{name}' unsupported on SM{cc} (supported: {where})"
         if name in experimental_names(mm_fp4) and not experimental_allowed():
-            return f"experimental in flashinfer; set {EXPERIMENTAL_ENV}=1 to consider it"
+            return Reason(
+                f"experimental in flashinfer; set {EXPERIMENTAL_ENV}=1 to consider it",
+                CAUSE_EXPERIMENTAL,
+            )
         for module in modules:
             if importlib.util.find_spec(module) is None:
                 return f"needs the Python module '{module}', which is not installed"

@@ -1,5 +1,9 @@
 """flashinfer tactics: compare backends at their best tactic for the bucket, serve that tactic.
 
+Why one file of ~770 lines: like Triton's ``autotuner.py``, the whole tactic mechanism (what the
+installed flashinfer offers, tuning through its autotuner, the stored record, the per-call hook
+that serves and checks it) reads in one place, against flashinfer's source it mirrors.
+
 ``flashinfer.mm_fp4`` asks ``AutoTuner.get().choose_one("fp4_gemm", runners, tuning_config,
 inputs)`` on every call and then runs ``runner(inputs=inputs, tactic=tactic)``. Outside a
 ``flashinfer.autotune(True)`` context choose_one returns a cached tactic or the default (-1), so
@@ -12,8 +16,8 @@ and 0.7.4):
   child), the backend's runner runs once at M = the bucket's top inside
   ``flashinfer.autotune(True, tuning_buckets=(bucket,))``: flashinfer profiles that one
   profile with the measurement policy mm_fp4 declares (CUDA graphs and cold L2 since 0.7.2),
-  and with ``tie_tolerance`` equal to fp4select's noise floor where autotune() takes it (0.7.4),
-  so near-tied tactics resolve to the same one in every process. Without ``tuning_buckets``
+  and with flashinfer's own tie rule (the fastest measured: a ``tie_tolerance`` would only make
+  separate processes agree, and a stored tactic is tuned once for all). Without ``tuning_buckets``
   (flashinfer 0.6.0 and other early 0.6 releases) it would profile every power of two up to M
   and bucket M downwards, so tuning is reported unavailable there and backends are timed at
   flashinfer's default, as before. The same holds where mm_fp4's tuning configs map M to
@@ -39,27 +43,46 @@ and 0.7.4):
   by ``(runners[0], tactic)``, with no cache lookup and no tuning. Anything else (other ops,
   other callers, backend="auto", a runner of another class) goes to flashinfer unchanged. No
   re-tuning ever happens in a process that read the decision from disk.
+* **A served tactic is checked for the call's own problem, once per M**, as flashinfer checks a
+  cached one (``_tactic_still_valid``, i.e. the runner's ``validate_tactic``), or, for a runner
+  without a validator, by membership in its ``get_valid_tactics`` for these inputs (trtllm's
+  cubins and SM12x cute-dsl's "raw" tiles depend on M). Where it fails, that call runs at
+  flashinfer's default tactic, as flashinfer itself would fall back: logged once, counted in
+  ``stats()["tactic_fallbacks"]``, listed by ``explain``, and recorded per validation M in the
+  verdict (``default_at``), so what is served is what was checked. A stored record of the
+  wrong type ("abc", 1.5, true) is a miss: one warning, flashinfer's default.
+* **Tuning that cannot finish is not a fault**: tuning has its own limit
+  (``FP4SELECT_TUNE_TIMEOUT_S``, checked between tactic profiles, each of which reports
+  progress to the sandbox); past it, or when flashinfer's autotuner gives up (-1 after an OOM
+  or with every tactic failing), the record holds tactic -1 with ``fallback`` and the reason,
+  and the backend competes at flashinfer's default. ``default_kind`` says what -1 runs
+  (CUTLASS: its config 0, not a heuristic), so no speed-up is claimed against an arbitrary
+  kernel.
 * **Engines defer to fp4select for the calls it decided**: inside an engine's warmup
   ``flashinfer.autotune(True)`` a pinned call returns the stored tactic, so flashinfer tunes
   nothing for it (its tuning would pick a tactic fp4select has neither validated nor timed).
   Calls fp4select did not pin (no decision, no tactic recorded, other ops) are tuned by the
-  engine as before. Pinned calls never reach flashinfer's ``set_autotune_process_group``
-  collectives; ranks that share the store pin the same calls. fp4select does not set a process
-  group itself: it tunes in a child process outside any group.
+  engine as before. fp4select's calls never join an engine's ``set_autotune_process_group``
+  collectives, whatever this rank's store holds: pinned calls skip them, untuned ones answer
+  the default while a group tunes, and tuning (in-process isolation) leaves the group unset
+  for its duration. So ranks that disagree on what is decided still meet the same collectives.
 * Everything is feature-detected; a missing piece is a reason string in the tactic record,
   never an exception. ``FP4SELECT_TACTICS=default`` turns tuning off (backends are then timed
-  and served at flashinfer's default, as before), e.g. where JIT-compiling every tactic of a
-  backend takes longer than the sandbox's ``FP4SELECT_PROBE_TIMEOUT_S`` allows.
+  and served at flashinfer's default, as before); ``default:cute-dsl,b12x`` for those only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import inspect
+import json
 import logging
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,20 +92,18 @@ import torch
 from fp4select import settings as settings_mod
 from fp4select.backends.base import Runner
 from fp4select.keys import Problem
-from fp4select.timing import MIN_TIE_TOLERANCE
+from fp4select.store import first_time
 
 log = logging.getLogger("fp4select")
 
 TACTICS_ENV = "FP4SELECT_TACTICS"  # "tune" (default) or "default": time at flashinfer's default
 OP = "fp4_gemm"  # mm_fp4's custom_op name in choose_one, 0.6.0 to 0.7.4
 DEFAULT_TACTIC = -1  # flashinfer's fallback tactic: what choose_one returns on a cache miss
-TIE_TOLERANCE = MIN_TIE_TOLERANCE
 _HOOK_MARK = "__fp4select_hook__"
 _MAX_TACTIC_DEPTH = 8
 
-_state = threading.local()  # .pin: (tactic, runner class or None) | None; .capture: list | None
+_state = threading.local()  # .pin: _Pin | None; .capture: list | None
 _install_lock = threading.Lock()
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -199,17 +220,193 @@ def bucket_mapping_disagreement() -> str | None:
     return None
 
 
+# -- what flashinfer runs at its default tactic ------------------------------------------------
+# Read from flashinfer 0.7.4's source, per runner class: what ``tactic=-1`` means. Only where
+# it is a heuristic for the shape is "tuned vs default" a speed-up worth printing; CUTLASS's -1
+# is its config 0 ("No heuristic for now", fp4_gemm_cutlass.cu), an arbitrary kernel.
+DEFAULT_KINDS: Mapping[str, str] = {
+    "CudnnFp4GemmRunner": "heuristic",  # cuDNN's heuristic plan
+    "TrtllmGemmRunner": "heuristic",  # runner.selectHeuristic(m, n, k)
+    "CuteDSLFp4GemmRunner": "heuristic",  # untuned_tactic(): the analytical selector
+    "Sm12xCuTeFp4GemmRunner": "heuristic",  # policy.default_tactic(m, n, k)
+    "B12xFp4GemmRunner": "heuristic",  # _default_dense_plan(m, n, k)
+    "CutlassFp4GemmRunner": "config 0",
+    "CutedslLowLatencyBlockscaledGemmRunner": "first valid",  # valid_tactics(...)[0]
+}
+
+
+def default_kind(runner_class: Any) -> str:
+    """What ``runner_class`` runs at tactic -1: "heuristic", "config 0", ... or "unknown"."""
+    return (
+        DEFAULT_KINDS.get(runner_class, "unknown") if isinstance(runner_class, str) else "unknown"
+    )
+
+
+# -- served tactics: checked for the actual problem, once per M ------------------------------
+_MAX_CHECKED_MS = 4096  # per bound runner; past that a new M is checked on every call
+_fallbacks: dict[tuple[Any, ...], dict[str, Any]] = {}  # (runner, tactic, n, k, m) -> entry
+_fallbacks_lock = threading.Lock()
+
+
+def _shaped_like_a_tactic(tactic: Any) -> bool:
+    """An int (bool is not one) or a tuple: the only tactic values flashinfer's runners use."""
+    return (isinstance(tactic, int) and not isinstance(tactic, bool)) or isinstance(tactic, tuple)
+
+
+def _profile_of(inputs: Sequence[Any]) -> Any:
+    """An OptimizationProfile of the call's own shapes (trtllm reads M, N, K from it)."""
+    autotuner = importlib.import_module("flashinfer.autotuner")
+    static = autotuner.StaticDim
+    shapes = [
+        [static(int(d)) for d in t.shape] if isinstance(t, torch.Tensor) else [static(0)]
+        for t in inputs
+    ]
+    return autotuner.OptimizationProfile(shapes=shapes, tensor_initializers=[None] * len(shapes))
+
+
+def why_not_valid(tuner: Any, runner: Any, inputs: Sequence[Any], tactic: Any) -> str | None:
+    """Why ``runner`` cannot run ``tactic`` on these inputs, or None when it can.
+
+    flashinfer's own check first: its cache lookup calls ``_tactic_still_valid`` (the runner's
+    ``validate_tactic``) before it serves a cached tactic, so the same check here. A runner
+    without a validator is asked for its valid tactics for this very problem (trtllm's cubins
+    and cute-dsl's tiles depend on M, N, K), and the tactic must be one of them.
+    """
+    cls = type(runner).__name__
+    m = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else "?"
+    if not _shaped_like_a_tactic(tactic):
+        return f"{tactic!r} is not a tactic value (an int or a tuple)"
+    if callable(getattr(runner, "validate_tactic", None)):
+        still_valid = getattr(tuner, "_tactic_still_valid", None)
+        try:
+            if callable(still_valid):
+                ok = bool(still_valid(runner, list(inputs), tactic, OP, "fp4select"))
+            else:
+                ok = bool(runner.validate_tactic(list(inputs), tactic))
+        except Exception as exc:
+            return f"{cls}.validate_tactic raised at M={m} ({type(exc).__name__}: {exc})"[:300]
+        return None if ok else f"{cls}.validate_tactic rejects it at M={m}"
+    try:
+        valid = runner.get_valid_tactics(list(inputs), _profile_of(inputs))
+    except Exception as exc:
+        return f"{cls}.get_valid_tactics raised at M={m} ({type(exc).__name__}: {exc})"[:300]
+    if tactic in list(valid):
+        return None
+    return f"not among {cls}'s {len(valid)} valid tactics at M={m}"
+
+
+def _note_fallback(runner: Any, tactic: Any, inputs: Sequence[Any], why: str) -> dict[str, Any]:
+    """Remember (and log, once) that calls at this M run at flashinfer's default instead."""
+    a, b = inputs[0], inputs[1]
+    cls = type(runner).__name__
+    try:
+        tactic_json = _tactic_to_json(tactic)
+        n, k, m = int(b.shape[1]), int(a.shape[1]) * 2, int(a.shape[0])
+    except Exception:
+        tactic_json, n, k, m = repr(tactic)[:100], -1, -1, -1
+    key = (cls, repr(tactic_json), n, k, m)
+    with _fallbacks_lock:
+        entry = _fallbacks.get(key)
+        if entry is None:
+            entry = {"runner": cls, "tactic": tactic_json, "n": n, "k": k, "m": m}
+            entry.update(reason=why, calls=0)
+            _fallbacks[key] = entry
+            log.warning(
+                "flashinfer tactic %s of %s cannot serve N=%d K=%d M=%d (%s): those calls run at "
+                "flashinfer's default tactic",
+                json.dumps(tactic_json),
+                cls,
+                n,
+                k,
+                m,
+                why,
+            )
+    return entry
+
+
+def tactic_fallbacks(problem: Problem | None = None) -> list[dict[str, Any]]:
+    """Calls served at flashinfer's default because the stored tactic could not serve them.
+
+    One entry per (runner class, tactic, N, K, M) with the reason and how many calls; only
+    those of ``problem`` (its N, K and M bucket) when given.
+    """
+    from fp4select.keys import m_bucket
+
+    with _fallbacks_lock:
+        entries = [dict(e) for e in _fallbacks.values()]
+    if problem is not None:
+        entries = [
+            e
+            for e in entries
+            if e["n"] == problem.n and e["k"] == problem.k and m_bucket(e["m"]) == problem.m_bucket
+        ]
+    return entries
+
+
+def fallback_calls() -> int:
+    """How many calls in this process ran at flashinfer's default instead of a stored tactic."""
+    with _fallbacks_lock:
+        return sum(e["calls"] for e in _fallbacks.values())
+
+
+class _Pin:
+    """The tactic a bound runner serves, and what each M it met says of it (checked once)."""
+
+    __slots__ = ("checked", "runner", "tactic")
+
+    def __init__(self, tactic: Any, runner: str | None):
+        self.tactic, self.runner = tactic, runner
+        self.checked: dict[int, dict[str, Any] | None] = {}  # M -> None (valid) or fallback
+
+    def serve(self, tuner: Any, runner: Any, inputs: Sequence[Any]) -> Any:
+        tactic = self.tactic
+        if tactic == DEFAULT_TACTIC and isinstance(tactic, int):
+            return tactic
+        m = inputs[0].shape[0]
+        fallback = self.checked.get(m, _UNCHECKED)
+        if fallback is _UNCHECKED:
+            why = why_not_valid(tuner, runner, inputs, tactic)
+            fallback = None if why is None else _note_fallback(runner, tactic, inputs, why)
+            if len(self.checked) < _MAX_CHECKED_MS:
+                self.checked[m] = fallback
+        if fallback is None:
+            return tactic
+        fallback["calls"] += 1
+        return DEFAULT_TACTIC
+
+
+_UNCHECKED: Any = object()
+
+
 # -- the choose_one hook ---------------------------------------------------------------------
+def _group_tuning(tuner: Any) -> bool:
+    """Whether this choose_one would join an engine's ``set_autotune_process_group``."""
+    if not getattr(tuner, "is_tuning_mode", False):
+        return False
+    group = getattr(sys.modules.get("flashinfer.autotuner"), "get_autotune_process_group", None)
+    try:
+        return callable(group) and group() is not None
+    except Exception:
+        return False
+
+
 def _hook(original: Callable[..., Any]) -> Callable[..., Any]:
+    tuner = getattr(original, "__self__", None)
+
     def choose_one(custom_op, runners, tuning_config, inputs, **kwargs):
         pin = getattr(_state, "pin", None)
         if (
             pin is not None
             and custom_op == OP
             and len(runners) == 1
-            and (pin[1] is None or type(runners[0]).__name__ == pin[1])
+            and (pin.runner is None or type(runners[0]).__name__ == pin.runner)
         ):
-            return runners[0], pin[0]
+            if pin.tactic is not None:
+                return runners[0], pin.serve(tuner, runners[0], inputs)
+            # A call fp4select serves untuned: flashinfer chooses, except inside an engine's
+            # group tuning, which fp4select's calls never join (see the module's rules).
+            if _group_tuning(tuner):
+                return runners[0], DEFAULT_TACTIC
         result = original(custom_op, runners, tuning_config, inputs, **kwargs)
         capture = getattr(_state, "capture", None)
         if capture is not None and custom_op == OP:
@@ -256,47 +453,78 @@ def _plain(value: Any, depth: int = 0) -> bool:
     return isinstance(value, list) and all(_plain(v, depth + 1) for v in value)
 
 
+def record_error(record: Any) -> str | None:
+    """Why a stored tactic record cannot be served as it is, or None (no tactic is fine).
+
+    A tactic is an int (not a bool) or a list (a tuple in flashinfer) of JSON scalars and
+    lists: 99 passes here and is refused per call by the runner's own check; "abc", 1.5 and
+    true are refused here.
+    """
+    if not isinstance(record, Mapping):
+        return f"a tactic record must be an object, not {type(record).__name__}"
+    value, runner = record.get("tactic"), record.get("runner")
+    if record.get("op", OP) != OP:
+        return f"the record is for {record.get('op')!r}, not {OP!r}"
+    if not isinstance(runner, (str, type(None))):
+        return f"runner must be a class name, got {runner!r}"
+    if value is None:
+        return None
+    if not (isinstance(value, list) or (isinstance(value, int) and not isinstance(value, bool))):
+        return f"tactic must be an int or a list, got {value!r}"
+    if not _plain(value):
+        return f"tactic must hold JSON scalars and lists only, got {value!r}"[:200]
+    return None
+
+
 def tactic_of(record: Any) -> tuple[Any, str | None] | None:
     """(tactic, runner class) from a stored record, or None when it holds no usable tactic.
 
     Records come from disk: anything not shaped as fp4select writes it is ignored (with one
-    warning), so a damaged entry serves flashinfer's default instead of a guessed kernel.
+    warning); ``pinned`` then serves flashinfer's default tactic, not a guessed kernel.
     """
     if not isinstance(record, Mapping) or record.get("tactic") is None:
         return None
-    value, runner = record.get("tactic"), record.get("runner")
-    if record.get("op", OP) != OP or not _plain(value) or not isinstance(runner, (str, type(None))):
+    why = record_error(record)
+    if why is not None:
         key = repr(record)[:200]
-        if key not in _warned:
-            _warned.add(key)
-            log.warning("ignoring a malformed flashinfer tactic record: %s", key)
+        if first_time(f"flashinfer tactic record: {key}"):
+            log.warning("ignoring a malformed flashinfer tactic record (%s): %s", why, key)
         return None
     api, _ = tuner_api()
     decode = api.json_to_tactic if api is not None else _json_to_tactic
-    return decode(value), runner
+    return decode(record["tactic"]), record.get("runner")
 
 
-def default_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record that pins flashinfer's default tactic on the runner ``record`` tuned."""
-    return {**record, "tactic": DEFAULT_TACTIC}
+def is_tuned(record: Any) -> bool:
+    """Whether ``record`` serves a tuned tactic (not none, not flashinfer's default)."""
+    if not isinstance(record, Mapping):
+        return False
+    tactic = record.get("tactic")
+    return tactic is not None and not (isinstance(tactic, int) and tactic == DEFAULT_TACTIC)
 
 
 def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
     """``runner`` running at the recorded tactic, whatever flashinfer's cache or context says.
 
-    Returns ``runner`` itself when the record holds no tactic or the hook cannot be installed
-    (then flashinfer chooses, as without fp4select).
+    Every call's tactic is checked for the call's own problem first (once per M): where the
+    runner cannot run it, that call runs at flashinfer's default tactic and is counted
+    (``tactic_fallbacks``). A record without a tactic serves flashinfer's choice; a malformed
+    one serves flashinfer's default (a miss, warned once). Returns ``runner`` itself when the
+    record is empty or the hook cannot be installed (then flashinfer chooses, as without
+    fp4select).
     """
-    decoded = tactic_of(record)
-    if decoded is None:
+    if not isinstance(record, Mapping) or "tactic" not in record:
         return runner
+    if record.get("tactic") is None:
+        pin = _Pin(None, record.get("runner") if isinstance(record.get("runner"), str) else None)
+    else:
+        decoded = tactic_of(record)  # None: malformed, a miss (as flashinfer treats one)
+        pin = _Pin(DEFAULT_TACTIC, None) if decoded is None else _Pin(*decoded)
     why = install()
     if why is not None:
-        if why not in _warned:
-            _warned.add(why)
+        if first_time(f"flashinfer tactics: {why}"):
             log.warning("cannot pin flashinfer tactics (%s); flashinfer chooses", why)
         return runner
-    pin = decoded
     state = _state
 
     def run(*args: Any) -> torch.Tensor:
@@ -307,7 +535,8 @@ def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
         finally:
             state.pin = previous
 
-    run.fp4select_tactic = pin  # type: ignore[attr-defined]
+    run.fp4select_tactic = (pin.tactic, pin.runner)  # type: ignore[attr-defined]
+    run.fp4select_pin = pin  # type: ignore[attr-defined]
     return run
 
 
@@ -325,27 +554,147 @@ def _fatal(exc: BaseException) -> bool:
     return any(marker in str(exc) for marker in _FATAL_MARKERS)
 
 
-def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any]:
+def untuned_by_setting(mode: str, name: str | None) -> bool:
+    """Whether ``FP4SELECT_TACTICS`` (``tune``, ``default`` or ``default:a,b``) spares ``name``."""
+    if mode == "default":
+        return True
+    if mode.startswith("default:"):
+        return name is not None and name in mode.split(":", 1)[1].split(",")
+    return False
+
+
+class _TuneTimeout(RuntimeError):
+    """Raised into flashinfer's profiling loop past the tuning time limit (a failed tactic)."""
+
+
+class _Watch(logging.Handler):
+    """flashinfer's autotuner warnings while one tuning runs (its OOM fallback says so)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.messages.append(record.getMessage()[:300])
+
+
+class _Tuning:
+    """Around one tuning: the time limit, progress per tactic, the group left out, the reasons."""
+
+    def __init__(self, tuner: Any, limit_s: float, progress: Callable[[], None] | None):
+        self.tuner, self.limit_s, self.progress = tuner, limit_s, progress
+        self.profiled = 0
+        self.timed_out = False
+        self.oom = ""  # the out-of-memory error a tactic's profiling raised, if any
+        self.deadline = 0.0
+        self.watch = _Watch()
+        self._group: Any = None
+        self._set_group: Callable[[Any], None] | None = None
+        self._logger: logging.Logger | None = None
+        self._had_profile = False
+        self._failed_before = 0
+        self._successes_before = 0
+
+    def __enter__(self) -> _Tuning:
+        tuner = self.tuner
+        self.deadline = time.monotonic() + self.limit_s
+        autotuner = sys.modules.get("flashinfer.autotuner")
+        get_group = getattr(autotuner, "get_autotune_process_group", None)
+        set_group = getattr(autotuner, "set_autotune_process_group", None)
+        if callable(get_group) and callable(set_group):
+            self._group = get_group()
+            if self._group is not None:  # an engine's group: fp4select's tuning never joins it
+                set_group(None)
+                self._set_group = set_group
+        logger = getattr(sys.modules.get(type(tuner).__module__), "logger", None)
+        if isinstance(logger, logging.Logger):
+            self._logger = logger
+            logger.addHandler(self.watch)
+        stats = getattr(tuner, "stats", None)
+        self._failed_before = sum(len(v) for v in getattr(stats, "failed_tactics", {}).values())
+        self._successes_before = getattr(stats, "tuned_op_successful_configs", {}).get(OP, 0)
+        self._had_profile = "_profile_single_kernel" in tuner.__dict__
+        watched = self
+
+        def profile(*args: Any, **kwargs: Any) -> Any:
+            watched.profiled += 1
+            if watched.progress is not None:
+                watched.progress()
+            if time.monotonic() > watched.deadline:
+                watched.timed_out = True
+                raise _TuneTimeout("fp4select's tuning time limit is reached")
+            try:
+                return type(tuner)._profile_single_kernel(tuner, *args, **kwargs)
+            except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+                watched.oom = f"{type(exc).__name__}: {exc}"[:200]
+                raise
+
+        if not self._had_profile:
+            tuner._profile_single_kernel = profile
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._had_profile:
+            self.tuner.__dict__.pop("_profile_single_kernel", None)
+        if self._logger is not None:
+            self._logger.removeHandler(self.watch)
+        if self._set_group is not None:
+            self._set_group(self._group)
+
+    def gave_up(self, runner_class: str) -> str:
+        """Why flashinfer's autotuner answered its default tactic (-1) after tuning."""
+        oom = [m for m in self.watch.messages if "OOM" in m or "out of memory" in m.lower()]
+        if oom or self.oom:
+            said = "; ".join(x for x in (self.oom, oom[-1] if oom else "") if x)
+            return f"flashinfer's autotuner ran out of memory and fell back ({said})"
+        stats = getattr(self.tuner, "stats", None)
+        failed = (
+            sum(len(v) for v in getattr(stats, "failed_tactics", {}).values()) - self._failed_before
+        )
+        if self.profiled == 0:
+            return f"{runner_class} offered no valid tactic for this problem"
+        if (
+            failed > 0
+            or getattr(stats, "tuned_op_successful_configs", {}).get(OP, 0)
+            == self._successes_before
+        ):
+            return f"every one of the {self.profiled} tactics flashinfer profiled failed"
+        return "flashinfer's autotuner measured its default tactic fastest"
+
+
+def tune(
+    runner: Runner,
+    problem: Problem,
+    args: Sequence[Any],
+    *,
+    name: str | None = None,
+    progress: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Run ``runner(*args)`` (M = the bucket's top) under flashinfer's autotuner; the record.
 
-    The record is plain JSON: ``tactic`` (None when nothing was tuned, with ``reason``),
-    ``runner`` (the TunableRunner class that holds it), ``default`` (flashinfer's fallback
-    tactic), the bucket and tuning settings, and flashinfer's version. Out-of-memory and CUDA
-    errors propagate (the probe classifies them); other tuning failures become a reason and the
-    backend is timed at its default tactic.
+    The record is plain JSON: ``tactic`` (the tuned tactic; -1, flashinfer's default, with
+    ``reason`` and ``fallback`` when tuning gave up or ran out of time; None when nothing was
+    tuned, with ``reason``), ``runner`` (the TunableRunner class that holds it), ``default``
+    (flashinfer's fallback tactic) and ``default_kind`` (what that runs), the bucket, the
+    number of tactics profiled, and flashinfer's version. ``progress`` is called before each
+    tactic is profiled (the sandbox's sign of life); ``name`` is the backend's, for
+    ``FP4SELECT_TACTICS=default:NAME,...``. Out-of-memory and CUDA errors propagate (the probe
+    classifies them); other tuning failures become a reason and the backend is timed at its
+    default tactic.
     """
     try:
-        mode = settings_mod.current().tactics
+        settings = settings_mod.current()
+        mode, limit_s = settings.tactics, settings.tune_timeout_s
     except ValueError as exc:  # a bad variable in this process's environment
         # Raised here it would read as "unsupported" for every backend (flashinfer's checks
         # raise ValueError): say it in each record and the log instead, and tune nothing.
         bad = f"{exc}; not tuned"
-        if bad not in _warned:
-            _warned.add(bad)
+        if first_time(f"flashinfer tactics: {bad}"):
             log.error(bad)
         return {"op": OP, "tactic": None, "reason": bad}
-    if mode == "default":
-        return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}=default"}
+    if untuned_by_setting(mode, name):
+        return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}={mode}"}
     if getattr(problem, "batch_invariant", False):
         return {"op": OP, "tactic": None, "reason": "batch-invariant problems are not tuned here"}
     api, why = tuner_api()
@@ -354,24 +703,24 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
     why = install() or bucket_mapping_disagreement()
     if why is not None:
         return {"op": OP, "tactic": None, "reason": why}
-    settings: dict[str, Any] = {"tuning_buckets": (problem.m_bucket,)}
-    if api.takes_tie_tolerance:
-        settings["tie_tolerance"] = TIE_TOLERANCE
     record: dict[str, Any] = {
         "op": OP,
         "tactic": None,
         "runner": None,
         "default": DEFAULT_TACTIC,
         "m": problem.m_bucket,
-        "tie_tolerance": settings.get("tie_tolerance"),
+        # flashinfer's own rule (0: the fastest measured). A tie tolerance would only make
+        # separate processes agree, and the tactic is tuned once and stored for all of them.
+        "tie_tolerance": 0.0,
         "flashinfer": api.version,
     }
     captured: list[tuple[str, Any]] = []
     previous_capture = getattr(_state, "capture", None)
     previous_pin = getattr(_state, "pin", None)
     _state.capture, _state.pin = captured, None
+    watch = _Tuning(api.tuner_class.get(), limit_s, progress)
     try:
-        with api.autotune(True, **settings):
+        with watch, api.autotune(True, tuning_buckets=(problem.m_bucket,)):
             runner(*args)
     except Exception as exc:
         if _fatal(exc):
@@ -383,10 +732,40 @@ def tune(runner: Runner, problem: Problem, args: Sequence[Any]) -> dict[str, Any
         return record
     finally:
         _state.capture, _state.pin = previous_capture, previous_pin
+    record["profiled"] = watch.profiled
     if not captured:
         record["reason"] = "mm_fp4 did not ask flashinfer's autotuner: this backend has no tactics"
         return record
     runner_class, tactic = captured[-1]
     record["runner"] = runner_class
+    record["default_kind"] = default_kind(runner_class)
+    if watch.timed_out:
+        record.update(
+            tactic=DEFAULT_TACTIC,
+            fallback="timeout",
+            reason=(
+                f"tuning stopped at the {limit_s:g} s limit (FP4SELECT_TUNE_TIMEOUT_S) after "
+                f"{watch.profiled} tactic profiles; served at flashinfer's default tactic"
+            ),
+        )
+        return record
+    if isinstance(tactic, int) and not isinstance(tactic, bool) and tactic == DEFAULT_TACTIC:
+        record.update(
+            tactic=DEFAULT_TACTIC,
+            fallback="gave-up",
+            reason=watch.gave_up(runner_class) + "; served at flashinfer's default tactic",
+        )
+        return record
     record["tactic"] = api.tactic_to_json(tactic)
     return record
+
+
+def untuned_tune(reason: str) -> Callable[..., dict[str, Any]]:
+    """A ``tune`` hook that tunes nothing and serves flashinfer's default, saying why (the
+    sandbox's answer to tuning that hung a child: slow, so kept, not blamed)."""
+
+    def tune_nothing(runner: Runner, problem: Problem, args: Sequence[Any], **_: Any) -> dict:
+        record = {"op": OP, "tactic": DEFAULT_TACTIC, "runner": None, "default": DEFAULT_TACTIC}
+        return {**record, "m": problem.m_bucket, "fallback": "timeout", "reason": reason[:500]}
+
+    return tune_nothing

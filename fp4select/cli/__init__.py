@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from typing import TextIO
 
 from fp4select._version import __version__
 from fp4select.cli._common import UsageError, compute_capability, parse_shape, positive_int
@@ -154,7 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help="the JSON file to write (its folder must exist)")
     p.add_argument("--all", action="store_true", help="every environment")
-    p.add_argument("--force", action="store_true", help="replace an existing file at PATH")
+    p.add_argument(
+        "--overwrite",
+        "--force",  # the older spelling
+        dest="overwrite",
+        action="store_true",
+        help="replace an existing file at PATH (--force is the older spelling)",
+    )
     p = command("import", cmd_import, "read decisions from an exported JSON file")
     p.add_argument("path", help="a JSON file written by fp4select export")
     p.add_argument(
@@ -194,13 +204,93 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command. User mistakes print one line and exit 2; failures the user can act on
-    (a missing file, a full disk) one line and exit 1; a closed pipe (``| head``) ends quietly.
-    Anything else is a bug in fp4select and keeps its traceback."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+_LOOKS_NEGATIVE = re.compile(r"-[0-9.]")
+
+
+def _attach_negative_values(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> list[str]:
+    """``--shape -1,1024`` as ``--shape=-1,1024``: argparse takes a value that starts with '-'
+    (other than a plain negative number) for an option, and would say "expected one argument"
+    instead of what is wrong with the value."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    takes_value = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                takes_value |= {
+                    option
+                    for a in sub._actions
+                    if a.option_strings and a.nargs is None
+                    for option in a.option_strings
+                }
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            out += args[i:]
+            break
+        if arg in takes_value and i + 1 < len(args) and _LOOKS_NEGATIVE.match(args[i + 1]):
+            out.append(f"{arg}={args[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+@contextmanager
+def _plain_warnings() -> Iterator[None]:
+    """While a command runs, a warning prints as one plain line on stderr (``warning: ...``),
+    not as Python's file path, line number and quoted source line. Only the command line does
+    this: the library leaves the warnings module as its host configured it."""
+    saved = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        stream = file if file is not None else sys.stderr
+        with suppress(OSError, ValueError):  # a closed or gone stderr: say nothing
+            stream.write(f"warning: {' '.join(str(message).split())}\n")
+
+    warnings.showwarning = show
     try:
+        yield
+    finally:
+        warnings.showwarning = saved
+
+
+def _load_settings() -> None:
+    """Read the FP4SELECT_* variables now, so that a bad value is one line naming it (exit 2)
+    instead of a traceback from wherever a command first needs a setting."""
+    from fp4select import settings
+
+    try:
+        settings.current()
+    except settings.SettingError as exc:  # its message names the variable and what it must be
+        raise UsageError(str(exc)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. User mistakes (bad options, a bad FP4SELECT_* variable) print one line
+    and exit 2; failures the user can act on (a missing file, a full disk) one line and exit 1;
+    a closed pipe (``| head``) ends quietly. Warnings print as one line each. Anything else is
+    a bug in fp4select and keeps its traceback."""
+    parser = build_parser()
+    args = parser.parse_args(_attach_negative_values(parser, argv))
+    with _plain_warnings():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        _load_settings()
         return int(args.fn(args) or 0)
     except UsageError as exc:
         print(f"fp4select {args.command}: {exc}", file=sys.stderr)

@@ -50,7 +50,16 @@ def cmd_blacklist(args: argparse.Namespace) -> int:
     store = selector().store
     env = environment_for(parse_device(args.device))
     if args.clear is not None:
-        removed = store.remove_from_blacklist(env, args.clear or None)
+        name = args.clear or None
+        removed = store.remove_from_blacklist(env, name)
+        if name is not None and not removed:
+            listed = ", ".join(sorted(store.blacklist(env))) or "none"
+            print(
+                f"fp4select blacklist: {name} is not blacklisted here, nothing cleared "
+                f"(blacklisted here: {listed})",
+                file=sys.stderr,
+            )
+            return 1
         print(f"removed {removed} blacklist entr{'y' if removed == 1 else 'ies'}")
         return 0
     bl = store.blacklist(env)
@@ -82,8 +91,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"export failed: {folder}: no such directory", file=sys.stderr)
         return 1
     try:
-        result = selector().store.export_archive(args.path, env, overwrite=args.force)
-    except OSError as exc:  # a directory, an existing file without --force, a failing disk
+        result = selector().store.export_archive(args.path, env, overwrite=args.overwrite)
+    except FileExistsError:
+        print(
+            f"export failed: {args.path} already exists; add --overwrite to replace it",
+            file=sys.stderr,
+        )
+        return 1
+    except OSError as exc:  # a directory, a failing disk
         print(f"export failed: {os_error(exc)}", file=sys.stderr)
         return 1
     if args.json:

@@ -142,7 +142,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             name,
             r["wins"],
             ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())),
-            f"{r['worst_ratio']:.2f}",
+            "-" if r["worst_ratio"] is None else f"{r['worst_ratio']:.2f}",
             tactics_cell(r["tactics"]),
             r["first_failure"],
         ]
@@ -153,10 +153,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         "wins",
         "verdicts",
         "worst/bound",
-        "tuned (default/tuned)",
+        "tactics (default/tuned time)",
         "first failure",
     ]
     print(table(rows, header))
+    for name, r in report.backends.items():  # why a backend runs at flashinfer's default
+        for why, count in sorted(r["default_reasons"].items(), key=lambda kv: -kv[1])[:5]:
+            print(f"  {name}: {count} x flashinfer's default: {why}"[:200])
     failed = report.failed
     print(
         f"{report.problems} problems on {report.environment.get('gpu') or 'cpu'}; "
@@ -170,12 +173,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def tactics_cell(tactics: Sequence[Mapping[str, Any]]) -> str:
-    """How many problems ran at a tuned tactic, and the range of default/tuned time ratios."""
+    """How many problems ran at a tuned tactic (of those with tactics), how many at flashinfer's
+    default, and the range of default/tuned time ratios where the default is a heuristic (a
+    speed-up over CUTLASS's config 0 says nothing)."""
     if not tactics:
         return "-"
-    tuned = [t for t in tactics if t["tactic"] is not None]
-    ratios = [t["default_us"] / t["tuned_us"] for t in tuned if t["default_us"] and t["tuned_us"]]
-    cell = f"{len(tuned)}/{len(tactics)}"
+
+    def served(t: Mapping[str, Any]) -> str:
+        if "served" in t:
+            return str(t["served"])
+        tactic = t.get("tactic")
+        return "untuned" if tactic is None else ("default" if tactic == -1 else "tuned")
+
+    tuned = [t for t in tactics if served(t) == "tuned"]
+    ratios = [
+        t["default_us"] / t["tuned_us"]
+        for t in tuned
+        if t.get("default_us")
+        and t.get("tuned_us")
+        and t.get("default_kind", "heuristic") == "heuristic"
+    ]
+    cell = f"{len(tuned)}/{len(tactics)} tuned"
     if ratios:
         cell += f" ({min(ratios):.2f}x-{max(ratios):.2f}x)"
+    at_default = sum(served(t) == "default" for t in tactics)
+    if at_default:
+        cell += f", {at_default} default"
+    partly = sum(bool(t.get("default_at")) for t in tuned)
+    if partly:
+        cell += f", {partly} partly default"
     return cell

@@ -15,9 +15,18 @@ from typing import Any
 
 import torch
 
+from fp4select.cli._common import UsageError
 from fp4select.keys import M_BUCKETS, Problem, m_bucket
 
-__all__ = ["WarmUsageError", "buckets", "problems_for", "shapes_file", "warm_devices", "warm_plan"]
+__all__ = [
+    "WarmUsageError",
+    "buckets",
+    "check_shape",
+    "problems_for",
+    "shapes_file",
+    "warm_devices",
+    "warm_plan",
+]
 
 
 def buckets(max_m: int) -> list[int]:
@@ -46,8 +55,18 @@ def problems_for(
     ]
 
 
-class WarmUsageError(Exception):
-    """Bad warm input: printed as ``warm: <message>``, exit status 2."""
+class WarmUsageError(UsageError):
+    """Bad warm input: printed as ``fp4select warm: <message>``, exit status 2."""
+
+
+def check_shape(n: int, k: int, fmt: str) -> None:
+    """Refuse a shape no FP4 GEMM of ``fmt`` can have (``warm`` and ``explain`` alike)."""
+    block = 16 if fmt == "nvfp4" else 32
+    if k % block:
+        raise WarmUsageError(
+            f"shape {n},{k}: K must be a multiple of {block} for {fmt} (one block scale "
+            f"per {block} values of K)"
+        )
 
 
 def shapes_file(path: str) -> list[tuple[int, int]]:
@@ -92,13 +111,8 @@ def warm_plan(args: argparse.Namespace) -> dict[str, Any]:
     for path in args.shapes_file or []:
         shapes += shapes_file(path)
     fmt = args.format or "nvfp4"
-    block = 16 if fmt == "nvfp4" else 32
     for n, k in shapes:
-        if k % block:
-            raise WarmUsageError(
-                f"shape {n},{k}: K must be a multiple of {block} for {fmt} (one block scale "
-                f"per {block} values of K)"
-            )
+        check_shape(n, k, fmt)
     problems: list[Problem] = []
     if args.model:
         try:

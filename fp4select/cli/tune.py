@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp4select.cli._common import parse_device, print_json, progress_bar, table
-from fp4select.cli.plan import WarmUsageError, warm_devices, warm_plan
+from fp4select.cli.plan import check_shape, warm_devices, warm_plan
 from fp4select.keys import Problem, environment_for, m_bucket
 from fp4select.settings import Settings
 
@@ -62,11 +62,11 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from fp4select.api import selector
     from fp4select.multi_gpu import DeviceError, warm_parallel
 
+    plan = warm_plan(args)  # a bad input raises WarmUsageError: one line, exit 2
     try:
-        plan = warm_plan(args)
         devices = None if args.dry_run else warm_devices(args)
-    except (WarmUsageError, DeviceError) as exc:
-        print(f"warm: {exc}", file=sys.stderr)
+    except DeviceError as exc:
+        print(f"fp4select warm: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
         print_plan(plan, args.json)
@@ -109,6 +109,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
                         "source": decision.source,
                         "seconds": round(decision.tuning_seconds, 3),
                         "why_none": "" if decision.winner else why_none(decision),
+                        "stored": not sel.store.memory_only,
                     }
                 )
                 if bar is not None:
@@ -121,6 +122,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
         counters = sel.counters.as_dict()
     wall = time.perf_counter() - started
     failures = sum(1 for r in results if r["winner"] is None)
+    # Warming at deploy time is for the processes that come after: a decision kept only in this
+    # process's memory (an unwritable cache) is lost when it ends, so that is a failure too.
+    lost = sum(1 for r in results if r["winner"] is not None and r.get("stored") is False)
     exported = None
     if args.export:
         try:
@@ -155,7 +159,13 @@ def cmd_warm(args: argparse.Namespace) -> int:
         for r in results:
             if r["winner"] is None and r.get("why_none"):
                 print(f"NONE for {r['problem']}: {r['why_none']}")
-    return 1 if failures else 0
+    if lost:
+        print(
+            f"warm failed: {lost} of {len(results)} decisions could not be written to the cache "
+            f"{sel.store.root} (see the warning above) and are lost when this command ends",
+            file=sys.stderr,
+        )
+    return 1 if failures or lost else 0
 
 
 def why_none(decision: Any) -> str:
@@ -169,6 +179,7 @@ def why_none(decision: Any) -> str:
 def cmd_explain(args: argparse.Namespace) -> int:
     from fp4select.api import explain
 
+    check_shape(args.n, args.k, args.format)  # what warm refuses, explain refuses alike
     problem = Problem(
         n=args.n,
         k=args.k,
@@ -210,16 +221,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def tactic_summary(verdict: Mapping[str, Any]) -> tuple[str, str]:
-    """(the tactic cell, why it is untuned) for a verdict's JSON: the tactic the backend was
-    validated, timed and is served at, with its time at flashinfer's default tactic."""
+    """(the tactic cell, why it is not tuned) for a verdict's JSON: the tactic the backend was
+    validated, timed and is served at, with its time at flashinfer's default tactic and what
+    that default is (a heuristic, or CUTLASS's config 0)."""
     detail = verdict.get("detail") or {}
     record = detail.get("tactic")
     if not isinstance(record, Mapping):
         return "-", ""
     if record.get("tactic") is None:
         return "default", f"untuned: {record.get('reason') or '?'}"
+    if record.get("tactic") == -1:
+        return (
+            "default (-1)",
+            f"{record.get('fallback') or 'default'}: {record.get('reason') or '?'}",
+        )
     cell = json.dumps(record["tactic"])
     default = detail.get("default_timing")
     if isinstance(default, Mapping) and default.get("median_us") is not None:
-        cell += f" (default {default['median_us']:.2f} us)"
-    return cell, ""
+        kind = record.get("default_kind") or "unknown"
+        cell += f" (default, {kind}: {default['median_us']:.2f} us)"
+    at = [d.get("m") for d in record.get("default_at") or [] if isinstance(d, Mapping)]
+    return cell, (f"served at the default at M={at}" if at else "")

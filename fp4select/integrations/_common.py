@@ -38,6 +38,9 @@ from typing import Any, Literal
 
 import torch
 
+from fp4select.settings import engine_setting
+from fp4select.store import first_time
+
 log = logging.getLogger("fp4select.integrations")
 
 PLUGIN_NAME = "fp4select"
@@ -45,9 +48,6 @@ ENABLE_ENV = "FP4SELECT_ENGINE_PLUGIN"
 UNTESTED_ENV = "FP4SELECT_ALLOW_UNTESTED_ENGINE"
 WARM_ENV = "FP4SELECT_WARM_AT_LOAD"
 WARM_MAX_M_ENV = "FP4SELECT_WARM_MAX_M"
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 # flashinfer backend name -> the layout family of the weights an engine prepares for it.
 # "auto" is what SGLang passes when no FP4 backend was configured; its weights are then plain,
@@ -64,22 +64,9 @@ LAYOUT_OF_BACKEND: dict[str, Literal["plain", "trtllm"]] = {
 _DROPPED_KEYWORDS = frozenset({"skip_check"})
 
 
-def _flag(name: str) -> bool | None:
-    """True / False for a set on/off variable, None when unset; a bad value is named and ignored."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return None
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    log.warning("fp4select: ignoring %s=%r (expected 1 or 0)", name, raw)
-    return None
-
-
 def plugin_enabled(allow_list_env: str) -> bool:
     """Whether an engine's plugin call should patch (see the module rules)."""
-    forced = _flag(ENABLE_ENV)
+    forced = engine_setting(ENABLE_ENV)
     if forced is not None:
         return forced
     allowed = os.environ.get(allow_list_env)
@@ -95,9 +82,8 @@ def version_allowed(engine: str, version: str | None, tested: Sequence[str]) -> 
     """True for a tested engine version; otherwise one warning per engine and process."""
     if version is not None and version in tested:
         return True
-    allow = bool(_flag(UNTESTED_ENV))
-    if engine not in _warned_untested:
-        _warned_untested.add(engine)
+    allow = bool(engine_setting(UNTESTED_ENV))
+    if first_time(engine, _warned_untested):
         action = (
             f"patching anyway because {UNTESTED_ENV}=1"
             if allow
@@ -379,22 +365,13 @@ def then_tune(original: Callable[..., Any], tune: Callable[[Any], Any]) -> Calla
 
 
 def warm_enabled() -> bool:
-    flag = _flag(WARM_ENV)
-    return True if flag is None else flag
+    return bool(engine_setting(WARM_ENV))
 
 
 def warm_max_m(engine_max_m: int) -> int:
     """The largest M to tune for: the engine's own bound unless FP4SELECT_WARM_MAX_M says."""
-    raw = os.environ.get(WARM_MAX_M_ENV, "").strip()
-    if raw:
-        try:
-            value = int(raw)
-            if value >= 1:
-                return value
-        except ValueError:
-            pass
-        log.warning("fp4select: ignoring %s=%r (expected a positive integer)", WARM_MAX_M_ENV, raw)
-    return max(1, int(engine_max_m))
+    value = engine_setting(WARM_MAX_M_ENV)
+    return int(value) if value is not None else max(1, int(engine_max_m))
 
 
 def problems_for(shapes: Iterable[LinearShape], max_m: int) -> list:

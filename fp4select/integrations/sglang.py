@@ -96,8 +96,9 @@ def plugin() -> None:
 
 
 def is_patched() -> bool:
-    module = importlib.import_module(TARGET_MODULE)
-    return _patches.holds(module, TARGET_NAME)
+    """Whether ``patch()`` holds SGLang's call site; never imports SGLang (False without it)."""
+    module = sys.modules.get(TARGET_MODULE)
+    return module is not None and _patches.holds(module, TARGET_NAME)
 
 
 def patch(*, tune_at_load: bool | None = None) -> bool:
@@ -106,6 +107,9 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     ``tune_at_load`` (default: ``FP4SELECT_WARM_AT_LOAD``, on) wraps ``ModelRunner.initialize``
     to tune the loaded model's FP4 layers before memory is sized.
     """
+    if engine_version() is None:
+        log.info("fp4select: SGLang is not installed; nothing to patch")
+        return False
     if not _common.version_allowed(ENGINE, engine_version(), TESTED_VERSIONS):
         return False
     module = importlib.import_module(TARGET_MODULE)

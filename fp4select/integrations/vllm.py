@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import sys
 import typing
 from typing import Any
 
@@ -89,7 +90,9 @@ def plugin() -> None:
 
 
 def is_patched() -> bool:
-    return _patches.holds(importlib.import_module(LINEAR_MODULE), "_POSSIBLE_NVFP4_KERNELS")
+    """Whether ``patch()`` holds vLLM's kernel list; never imports vLLM (False without it)."""
+    module = sys.modules.get(LINEAR_MODULE)
+    return module is not None and _patches.holds(module, "_POSSIBLE_NVFP4_KERNELS")
 
 
 def patch(*, tune_at_load: bool | None = None) -> bool:
@@ -98,6 +101,10 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     ``tune_at_load`` (default: ``FP4SELECT_WARM_AT_LOAD``, on) wraps ``Worker.load_model`` to
     tune the loaded model's FP4 layers before vLLM profiles memory.
     """
+    if engine_version() is None:
+        # flashinfer.mm_fp4 is process-wide: without vLLM there is nothing of vLLM's to route.
+        log.info("fp4select: vLLM is not installed; flashinfer.mm_fp4 left alone")
+        return False
     if not _common.version_allowed(ENGINE, engine_version(), TESTED_VERSIONS):
         return False
     if _patches:

@@ -45,7 +45,7 @@ import itertools
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,7 +157,8 @@ class SandboxProber:
                 if rounds_left < 0:
                     run.settle_all("the sandbox gave up after too many restarts")
                     break
-                attempt = run_attempt(self._pool.get(run.key), self._request(job, run.pending), job)
+                request = self._request(job, run.pending, untuned=run.untuned)
+                attempt = run_attempt(self._pool.get(run.key), request, job)
                 for name, lines in attempt.stray.items():
                     if name is not None:
                         run.stray.setdefault(name, []).extend(lines)
@@ -171,7 +172,8 @@ class SandboxProber:
                         done = self._returned(run, attempt, attempt.result)
                     elif attempt.failure is not None:
                         self._pool.retire(run.key)
-                        self._settle(run, attempt.failure, attempt.ran)
+                        if not self._tuning_hung(run, attempt.failure):
+                            self._settle(run, attempt.failure, attempt.ran)
                         done = False
                     else:
                         done = self._lost(run, attempt)
@@ -247,7 +249,35 @@ class SandboxProber:
             return True
         return False
 
-    def _request(self, job: Job, names: Sequence[str], alone: bool = False) -> dict[str, Any]:
+    @staticmethod
+    def _tuning_hung(run: _Run, failure: Failure) -> bool:
+        """A hang while a backend tuned its tactics: slow JIT, not a fault. That backend runs
+        again untuned (at flashinfer's default tactic, the reason recorded), never blacklisted
+        for it; a second hang there is blamed as usual."""
+        name = failure.suspect
+        if (
+            failure.status != Status.HANG
+            or failure.detail.get("phase") != "tune"
+            or name is None
+            or name in run.untuned
+        ):
+            return False
+        window = failure.detail.get("timeout_s")
+        window = f"{window:g}" if isinstance(window, (int, float)) else "?"
+        run.untuned[name] = (
+            f"tuning its tactics made no progress for {window} s "
+            "in the sandbox (FP4SELECT_PROBE_TIMEOUT_S; a tactic's JIT can take minutes); "
+            "served at flashinfer's default tactic"
+        )
+        return True
+
+    def _request(
+        self,
+        job: Job,
+        names: Sequence[str],
+        alone: bool = False,
+        untuned: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
         request: dict[str, Any] = {
             "op": "probe",
             # A counter makes ids unique here; the token makes a stale or guessed one unlikely.
@@ -257,6 +287,9 @@ class SandboxProber:
             "options": job.options.to_json(),
             "backends": [{"name": n, "spec": job.specs[n]} for n in names],
         }
+        for item in request["backends"]:
+            if item["name"] in (untuned or {}):
+                item["untuned"] = (untuned or {})[item["name"]]
         if alone:
             request["alone"] = True
             request["linger_s"] = self.linger_s
@@ -383,6 +416,9 @@ class _Run:
     unexplained: int = 0  # attempts lost before anything ran
     strikes: dict[str | None, int] = field(default_factory=dict)  # out of step, per backend
     spared: set[str] = field(default_factory=set)  # built-ins already given a second chance
+    # Backends whose tactic tuning hung the child: run again at flashinfer's default tactic,
+    # with this reason, rather than blamed (tuning is slow, not faulty).
+    untuned: dict[str, str] = field(default_factory=dict)
 
     def settle_all(self, reason: str) -> None:
         """An ``error`` verdict for every pending candidate that has none (or passed)."""

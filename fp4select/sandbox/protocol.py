@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fp4select.records import Status, Timing, Verdict
+from fp4select.records import Status, Timing, Verdict, is_int, is_number
 
 __all__ = ["CHILD_STATUSES", "MAX_LINE_BYTES", "OutOfStep", "Stream", "parse"]
 
@@ -48,16 +47,6 @@ class OutOfStep(Exception):
     """The worker's stream cannot be trusted any more."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(
-        value
-    )
-
-
 def _verdict_error(data: Any, names: Iterable[str], finished: set[str]) -> str | None:
     if not isinstance(data, dict):
         return f"a verdict must be an object, got {type(data).__name__}"
@@ -70,10 +59,10 @@ def _verdict_error(data: Any, names: Iterable[str], finished: set[str]) -> str |
         return f"status {data['status']!r} is not one a child may give"
     if not isinstance(data["reason"], str):
         return "a verdict's reason must be a string"
-    if data["m"] is not None and not (_is_int(data["m"]) and data["m"] >= 0):
+    if data["m"] is not None and not is_int(data["m"]):
         return f"a verdict's m must be null or a count, got {data['m']!r}"
     ratio = data["worst_ratio"]
-    if ratio is not None and not (_is_number(ratio) and ratio >= 0):
+    if ratio is not None and not is_number(ratio):
         return f"a verdict's worst_ratio must be null or a finite number >= 0, got {ratio!r}"
     if data["deterministic"] not in (None, True, False):
         return "a verdict's deterministic must be null or a boolean"
@@ -88,9 +77,9 @@ def _timing_error(name: str, data: Any) -> str | None:
     if not isinstance(data, dict) or set(data) != _TIMING_KEYS:
         return f"the timing of {name!r} is not a timing"
     numbers = ("median_us", "p10_us", "p90_us")
-    if not all(_is_number(data[k]) and data[k] >= 0 for k in numbers):
+    if not all(is_number(data[k]) for k in numbers):
         return f"the timing of {name!r} has a number that is not finite and >= 0"
-    if not all(_is_int(data[k]) and data[k] >= 1 for k in ("samples", "calls_per_sample")):
+    if not all(is_int(data[k], 1) for k in ("samples", "calls_per_sample")):
         return f"the timing of {name!r} has a count that is not a positive int"
     if not isinstance(data["method"], str):
         return f"the timing of {name!r} has no method"
@@ -105,7 +94,7 @@ def _result_error(data: Any, names: frozenset[str], finished: set[str]) -> str |
         return "a result's verdicts and timings must be objects"
     if not isinstance(data["aborted"], bool) or not isinstance(data["method"], str):
         return "a result's aborted must be a boolean and its method a string"
-    if not (_is_number(data["seconds"]) and data["seconds"] >= 0):
+    if not is_number(data["seconds"]):
         return "a result's seconds must be a finite number >= 0"
     for name, verdict in verdicts.items():
         problem = _verdict_error(verdict, names, finished)
@@ -143,7 +132,7 @@ class Stream:
                 return f"a run of {name!r}, which this request did not name"
             if not isinstance(phase, str) or len(phase) > 40:
                 return f"a run event's phase must be a short string, got {phase!r}"
-            if m is not None and not (_is_int(m) and m >= 0):
+            if m is not None and not is_int(m):
                 return f"a run event's m must be null or a count, got {m!r}"
             if phase == _LAST_VALIDATION_PHASE and name is not None:
                 self.finished.add(name)

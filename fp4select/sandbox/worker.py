@@ -26,6 +26,7 @@ Design rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import os
@@ -42,6 +43,7 @@ import torch
 from fp4select import probe as probe_mod
 from fp4select.backends import Registry, discover
 from fp4select.backends.base import Backend
+from fp4select.backends.flashinfer_tactics import untuned_tune
 from fp4select.keys import Problem
 from fp4select.records import ProbeOptions, ProbeResult, Status, Verdict
 
@@ -143,6 +145,10 @@ def _serve_one(
             )
         if name in early:
             send({"event": "verdict", "verdict": early[name].to_json()})
+        elif isinstance(item.get("untuned"), str) and chosen[-1].tune is not None:
+            # its tuning hung an earlier child: flashinfer's default tactic, with the reason
+            why = item["untuned"]
+            chosen[-1] = dataclasses.replace(chosen[-1], tune=untuned_tune(why))
     if request.get("alone") and len(chosen) == 1:
         linger_s = float(request.get("linger_s") or 0.0)
         result = _probe_alone(problem, chosen[0], request["device"], options, linger_s, send)

@@ -19,6 +19,7 @@ a root without reading each other's files.  Each module keeps its own rules at i
 - ``_records``: what an entry and a blacklist record are, checked field by field.
 - ``_lock``: per-key locks across processes and threads (``filelock``), fork-safe.
 - ``_warn``: ``CacheWarning``, once per path per process; a cache problem never raises.
+  ``first_time``/``warn_once`` are fp4select's one say-it-once helper, exported for all.
 - ``_store``: ``Store``, the public face of all of the above.
 - ``archive``: export and import of one archive file, where problems raise.
 """
@@ -26,12 +27,13 @@ a root without reading each other's files.  Each module keeps its own rules at i
 from __future__ import annotations
 
 from ._collection import SCHEMA_VERSION
-from ._jsonfile import digest
+from ._jsonfile import MAX_DEPTH, digest, too_deep
 from ._store import ClearResult, Store, default_root
-from ._warn import CacheWarning
+from ._warn import CacheWarning, first_time, warn_once
 from .archive import ExportResult, ImportResult, read_archive
 
 __all__ = [
+    "MAX_DEPTH",
     "SCHEMA_VERSION",
     "CacheWarning",
     "ClearResult",
@@ -40,5 +42,8 @@ __all__ = [
     "Store",
     "default_root",
     "digest",
+    "first_time",
     "read_archive",
+    "too_deep",
+    "warn_once",
 ]

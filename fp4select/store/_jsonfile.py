@@ -3,7 +3,9 @@
 Nothing here knows what a file means; the store decides that.  The rules kept:
 
 - Strict JSON only.  Nothing read is imported or executed, and parsing refuses NaN, Infinity
-  and floats that overflow to infinity (Python's json accepts all three).  Encoding refuses
+  and floats that overflow to infinity (Python's json accepts all three), and nesting deeper
+  than ``MAX_DEPTH`` (a record 950 levels deep parsed, then broke every recursive reader
+  such as ``explain`` with RecursionError).  Encoding refuses
   them too, so what is written can always be read back.
 - ``digest(obj)`` is the first 20 hex digits of the sha256 of the canonical JSON
   (``sort_keys=True, separators=(",", ":")``, ASCII, no NaN or infinity): dict order never
@@ -34,6 +36,9 @@ from pathlib import Path
 from typing import Any, Final
 
 MAX_FILE_BYTES: Final = 1 << 20  # an entry, blacklist or env file; real ones are a few KiB
+# Deepest nesting read: fp4select writes about 8 levels (an archive's entry's record's
+# verdict's detail's tactic ...); 32 leaves room for tactic records and refuses the rest.
+MAX_DEPTH: Final = 32
 _DIGEST_CHARS: Final = 20
 # O_NONBLOCK: opening a FIFO must not wait for a writer.  O_NOFOLLOW: a symlink is refused by
 # the kernel, closing the gap between the lstat check and the open where the flag exists.
@@ -118,7 +123,23 @@ def decode(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"not valid JSON, truncated or corrupt ({exc})"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, found {json_type(obj)}"
+    if too_deep(obj):
+        return None, f"JSON nested deeper than {MAX_DEPTH} levels"
     return obj, None
+
+
+def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``obj`` nests dicts and lists deeper than ``limit`` (told without recursion)."""
+    todo = [(obj, 1)]
+    while todo:
+        value, depth = todo.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > limit:
+            return True
+        todo.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 # --------------------------------------------------------------------------- reading

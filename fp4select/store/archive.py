@@ -136,7 +136,7 @@ def export_archive(
     if not overwrite and os.path.lexists(target):
         raise FileExistsError(
             errno.EEXIST,
-            "already exists; pass overwrite=True (--force) to replace it",
+            "already exists; pass overwrite=True to replace it",
             str(target),
         )
     entries = [{"env": e, "key": k, "record": r} for e, k, r in store.iter_entries(env)]

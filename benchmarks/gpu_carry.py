@@ -1,4 +1,4 @@
-"""Prepare what benchmarks/h200_run.sh carries to a GPU machine that cannot reach PyPI.
+"""Prepare what benchmarks/gpu_run.sh carries to a GPU machine that cannot reach PyPI.
 
 * ``.whl/``: wheels that machine lacks (platformdirs; apache-tvm-ffi for Python 3.12).
 * ``.fi/``: the Python modules that ``import flashinfer`` loads, copied from this machine's
@@ -6,10 +6,10 @@
   anyway; the modules are enough for its runtime backend list and support answers.
 
 Run here (with flashinfer-python installed), then call the device tool with
-``carry=[".whl", ".fi"]`` and ``bash benchmarks/h200_run.sh``. Both folders are for
+``carry=[".whl", ".fi"]`` and ``bash benchmarks/gpu_run.sh``. Both folders are for
 ``.git/info/exclude``, never for a commit.
 
-    python benchmarks/h200_carry.py
+    python benchmarks/gpu_carry.py
 """
 
 from __future__ import annotations

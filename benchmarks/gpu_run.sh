@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU suite, in one call, on a machine with a GPU and no package registry (a lent H200).
+#
+# Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
+#   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
+# There, from a copy of this working tree, carrying .whl and .fi:
+#   bash benchmarks/gpu_run.sh [tests|bench|all]      (default: all)
+#
+#   tests  the tests marked gpu, then the warm path's, the guard's, the C++ key's, batch
+#          invariance's and start-up's tests, which take CUDA tensors where there is a GPU
+#          (python -m pytest --all); with 2 or more GPUs also fp4select.distributed over NCCL
+#   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
+#          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
+#
+# Results and the log (gpu_run_<mode>_log.txt) go to $OUT (default benchmarks/results).
+# Exit status: non-zero if any step failed (the log says which).
+set -u
+MODE=${1:-all}
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/fp4select-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/fp4select-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -d .fi ] && export PYTHONPATH=$PWD/.fi:${PYTHONPATH:-}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree, not an installed fp4select
+export PYTHONUNBUFFERED=1 FP4SELECT_CACHE_DIR=/tmp/fp4select-cache
+# Shared multi-GPU hosts: NVLink multicast stays off in every process started here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+failed=()
+step() {  # step NAME COMMAND...: run it, remember a failure, go on
+  local name=$1; shift
+  echo "== $name"
+  "$@" || failed+=("$name")
+}
+{
+  echo "== $(date -u +%FT%TZ) mode=$MODE gpus=$GPUS"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
+    step "tests marked gpu" timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs
+    step "tests that take CUDA tensors where there is a GPU" timeout 420 python3 -m pytest --all \
+      -p no:cacheprovider -q -rs tests/test_api.py tests/test_tensor_guard.py \
+      tests/test_native_key.py tests/test_batch_invariant.py tests/test_startup.py
+    if [ "$GPUS" -ge 2 ]; then
+      step "fp4select.distributed over NCCL" env FP4SELECT_TEST_DIST_BACKEND=nccl timeout 200 \
+        python3 -m pytest --all -p no:cacheprovider -q -rs tests/test_distributed.py
+    fi
+  fi
+  if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
+    step "bench_gpu.py" timeout 420 python3 benchmarks/bench_gpu.py --out "$OUT"
+    step "build the warm path's C++ key" timeout 300 python3 -m fp4select native --build
+    step "warm path" timeout 120 python3 benchmarks/bench_warm_path.py --device cuda
+    cp benchmarks/results/warm_path_cuda.json "$OUT/" 2>/dev/null
+    step "verify" timeout 200 python3 -m fp4select verify --m 1 --m 16 --m 256
+    python3 -m fp4select doctor --json > "$OUT/doctor_$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | awk '{print tolower($NF)}').json"
+    if [ "$GPUS" -ge 2 ]; then
+      step "bench_multi_gpu.py" timeout 300 python3 benchmarks/bench_multi_gpu.py --out "$OUT"
+    fi
+  fi
+  echo "== $(date -u +%FT%TZ) done; failed: ${failed[*]:-none}"
+} 2>&1 | tee "$OUT/gpu_run_${MODE}_log.txt"
+grep -q "failed: none" "$OUT/gpu_run_${MODE}_log.txt"
