@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
-import json
 import time
 import traceback
 from pathlib import Path
 
 import torch
-from _common import machine
+from _common import dumps, machine
 
 from fp4select import formats, timing, validate
 from fp4select.backends import torch_dequant, triton_fp4, triton_hopper
@@ -189,7 +188,7 @@ def main() -> None:
     }
     path = Path(args.out) / "hopper_sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, default=str) + "\n")
+    path.write_text(dumps(record))
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
 
 
