@@ -224,4 +224,4 @@ def test_deploy_recipe_runs_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "8 of 8 entries apply here" in proc.stdout
-    assert "tuned on the fleet: 0, read from the bundle and proven here: 8" in proc.stdout
+    assert "tuned on the fleet: 0, read from the bundle: 8 (8 proven here first)" in proc.stdout
