@@ -119,3 +119,22 @@ def test_an_archive_can_never_blacklist_emulation_whoever_imports_it(tmp_path):
     assert result.blacklist_protected == ("emulation",) and result.blacklist_written == 0
     assert store.blacklist(env) == {}
     assert ALWAYS_PROTECTED == PROTECTED_BACKENDS
+
+
+@pytest.mark.subprocess
+def test_the_proof_runs_in_the_sandbox(inprocess, tmp_path, cache_dir):
+    """With subprocess isolation (the default) the imported winner is validated in the child."""
+    from conftest import FAST_TIMING
+
+    register("fast", "wrong_fast")
+    archive = _bundle(tmp_path, inprocess, flip_to="wrong_fast")
+    Store(cache_dir).import_archive(archive)
+    sel = fp4select.configure(cache_dir=cache_dir, isolation="subprocess", timing=FAST_TIMING)
+    try:
+        out, inputs = call()
+        assert check(out, inputs, torch.bfloat16).ok
+        record = fp4select.explain(problem=PROBLEM, device="cpu", tune=False)
+        assert record["winner"] != "wrong_fast" and record["isolation"] == "subprocess"
+        assert sel.counters.as_dict()["proofs"] == 1
+    finally:
+        sel.close()
