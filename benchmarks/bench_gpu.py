@@ -36,7 +36,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from _common import machine
+from _common import dumps, machine
 
 import fp4select
 from fp4select import formats, timing, validate
@@ -434,7 +434,7 @@ def main() -> None:
     record["summary"] = summarize(rows, bw)
     record["seconds"] = time.perf_counter() - started
     path = out_dir / f"{args.name}.json"
-    path.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+    path.write_text(dumps(record))
     try:
         plot(rows, out_dir / f"{args.name}.png")
     except Exception:

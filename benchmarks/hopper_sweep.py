@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
-import json
 import time
 import traceback
 from pathlib import Path
 
 import torch
-from _common import machine
+from _common import dumps, machine
 
 from fp4select import formats, timing, validate
 from fp4select.backends import torch_dequant, triton_fp4, triton_hopper
@@ -40,13 +39,16 @@ GEMV = [
 MMA = [
     triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
     for bn, bt, bkw, w, st, sp in [
-        (64, 16, 32, 4, 3, 0),
         (128, 16, 32, 4, 3, 0),
-        (64, 16, 16, 4, 4, 0),
-        (64, 32, 32, 4, 3, 0),
-        (64, 64, 32, 4, 3, 0),
-        (128, 64, 32, 8, 3, 0),
-        (128, 16, 32, 4, 4, 0),
+        (128, 16, 32, 4, 3, 4),
+        (128, 16, 32, 4, 3, 8),
+        (64, 16, 32, 4, 3, 4),
+        (64, 16, 32, 4, 3, 8),
+        (64, 16, 16, 4, 3, 8),
+        (64, 32, 32, 4, 3, 4),
+        (64, 64, 32, 4, 3, 4),
+        (128, 64, 32, 8, 3, 4),
+        (64, 16, 32, 4, 2, 16),
     ]
 ]
 PREFILL = [
@@ -186,7 +188,7 @@ def main() -> None:
     }
     path = Path(args.out) / "hopper_sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, default=str) + "\n")
+    path.write_text(dumps(record))
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
 
 
