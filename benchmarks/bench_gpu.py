@@ -315,7 +315,7 @@ def summarize(rows: list[dict], bw: float) -> dict:
     triton_decode = {}
     for r in decode:
         best = min(
-            ((t, nm) for nm, t in r["backend_us"].items() if nm.startswith("triton")),
+            ((t, nm) for nm, t in r["backend_us"].items() if nm.startswith(("triton", "hopper"))),
             default=(None, None),
         )
         if best[0] is not None:

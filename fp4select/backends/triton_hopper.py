@@ -116,23 +116,31 @@ def _fallback(args: tuple[Any, ...]) -> torch.Tensor:
     return triton_fp4._run(*args, cfg=triton_fp4._BY_NAME["triton-m64"])
 
 
+def _checked_words(
+    args: tuple[Any, ...], name: str, dtype: torch.dtype
+) -> tuple[triton_fp4.Checked, torch.Tensor | None, torch.Tensor | None]:
+    """The call's arguments checked, and a and the weight viewed as words (None: misaligned)."""
+    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
+    c = triton_fp4.check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
+    )
+    if not use_nvfp4:
+        raise ValueError(f"{name} takes NVFP4 only (use_nvfp4=True)")
+    return c, _words(a, dtype), _words(b.T, dtype)
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
 def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     """``hopper-gemv``: mm_fp4's positional order (without backend)."""
-    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
-    c = triton_fp4.check_call(
-        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
-    )
-    if not use_nvfp4:
-        raise ValueError("hopper-gemv takes NVFP4 only (use_nvfp4=True)")
+    c, a64, w64 = _checked_words(args, "hopper-gemv", torch.int64)
+    b_descale, a8x4 = args[3], args[8]
     if c.m > 8:
         raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
     if c.m == 0 or c.n == 0:
         return c.out
-    a64, w64 = _words(a, torch.int64), _words(b.T, torch.int64)
     if a64 is None or w64 is None:
         return _fallback(args)
     cfg = cfg or _for_m(GEMV_BY_M, c.m)
@@ -178,25 +186,20 @@ def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
 
 def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     """``hopper-mma``: mm_fp4's positional order (without backend)."""
-    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
-    c = triton_fp4.check_call(
-        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
-    )
-    if not use_nvfp4:
-        raise ValueError("hopper-mma takes NVFP4 only (use_nvfp4=True)")
+    c, a32, w32 = _checked_words(args, "hopper-mma", torch.int32)
+    b_descale, a8x4 = args[3], args[8]
     if c.m == 0 or c.n == 0:
         return c.out
-    a32, w32 = _words(a, torch.int32), _words(b.T, torch.int32)
     if a32 is None or w32 is None:
         return _fallback(args)
     cfg = cfg or _for_m(MMA_BY_M, c.m)
     k = kernels()
     kw = c.kh // 4
-    sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
+    sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
     split = _mma_split(c.m, c.n, kw, cfg, sms)
     ws = c.out
     if split > 1:
-        got = triton_fp4._workspace(a.device, c.n, split, max(c.m, 128))
+        got = triton_fp4._workspace(c.out.device, c.n, split, max(c.m, 128))
         if got is None:
             split = 1
         else:
@@ -252,15 +255,10 @@ def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
 
 def run_prefill(*args: Any, cfg: PrefillConfig = PREFILL) -> torch.Tensor:
     """``hopper-prefill``: mm_fp4's positional order (without backend)."""
-    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
-    c = triton_fp4.check_call(
-        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
-    )
-    if not use_nvfp4:
-        raise ValueError("hopper-prefill takes NVFP4 only (use_nvfp4=True)")
+    c, a32, w32 = _checked_words(args, "hopper-prefill", torch.int32)
+    b_descale, a8x4 = args[3], args[8]
     if c.m == 0 or c.n == 0:
         return c.out
-    a32, w32 = _words(a, torch.int32), _words(b.T, torch.int32)
     if a32 is None or w32 is None:
         return _fallback(args)
     k = kernels()
@@ -268,7 +266,7 @@ def run_prefill(*args: Any, cfg: PrefillConfig = PREFILL) -> torch.Tensor:
     bkw = cfg.words_per_step
     xs = k.cdiv(kw, bkw) * bkw * 8
     # Per call, from the caching allocator (a graph capture takes it from the graph's pool).
-    x = torch.empty((c.m, xs), dtype=torch.float16, device=a.device)
+    x = torch.empty((c.m, xs), dtype=torch.float16, device=c.out.device)
     k.decode_planes[(k.cdiv(c.m, 32), k.cdiv(kw, bkw))](
         a32,
         c.a_descale,
