@@ -33,6 +33,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# The byte-wise kernels' helpers, shared: the swizzled scale index, and one code to float16.
+from fp4select.backends._triton_kernels import _e2m1_f16 as _code_f16
+from fp4select.backends._triton_kernels import _sf_offset as sf_offset
+
 cdiv = triton.cdiv
 
 # E2M1 code -> 2 * value as int8, for the byte-permute lookup: positive codes 0..7, then the
@@ -279,13 +283,6 @@ def dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _code_f16(c):
-    """E2M1 code (low 4 bits of an int32) -> float16 holding value * 2**-14, exactly."""
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def word_to_f16(q, s2, ASM: tl.constexpr):
     """A word of 8 E2M1 codes (int32) and a float16x2 scale pair (int32) -> 8 float16 planes.
 
@@ -315,33 +312,12 @@ def word_to_f16(q, s2, ASM: tl.constexpr):
 
 
 @triton.jit
-def e4m3_f32(s):
-    """e4m3 scale bytes (int32) -> float32 values, subnormals included."""
-    bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-
-
-@triton.jit
 def e4m3_f16x2(s):
     """e4m3 scale bytes (int32) -> the float16 value in both halves of an int32."""
     bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
     h = bits.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
     b = h.to(tl.uint16, bitcast=True).to(tl.int32)
     return b | (b << 16)
-
-
-@triton.jit
-def sf_offset(row, col, cp, LAYOUT_8X4: tl.constexpr):
-    if LAYOUT_8X4:
-        return (row // 8) * cp * 8 + (col // 4) * 32 + (row % 8) * 4 + col % 4
-    else:
-        return (
-            (row // 128) * cp * 128
-            + (col // 4) * 512
-            + (row % 32) * 16
-            + ((row % 128) // 32) * 4
-            + col % 4
-        )
 
 
 @triton.jit
