@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fp4select._version import __version__
-from fp4select.store import SCHEMA_VERSION, digest
+from fp4select.store._jsonfile import SCHEMA_VERSION, digest
 
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 A_SF_LAYOUTS = ("128x4", "8x4")
