@@ -35,9 +35,9 @@ def test_the_records_are_a_leaf():
     """records imports nothing of ours but what it holds (Problem) and the version."""
     edges = import_graph.graph()
     assert edges["fp4select.records"] <= {"fp4select.keys", "fp4select._version"}
-    # and the sandbox's protocol, which checks records, needs no probing or validation
+    # and the sandbox's attempt, which checks the child's records, needs no probing or validation
     below: set[str] = set()
-    todo = ["fp4select.sandbox.protocol"]
+    todo = ["fp4select.sandbox.attempt"]
     while todo:
         for name in edges[todo.pop()] - below:
             below.add(name)

@@ -594,7 +594,7 @@ def test_a_death_that_no_candidate_reproduces_alone_blames_no_one(sandboxed):
 
 
 def _stream(*names: str, finished: tuple[str, ...] = ()):
-    from fp4select.sandbox.protocol import Stream
+    from fp4select.sandbox.attempt import Stream
 
     stream = Stream("7-abc", names)
     stream.finished.update(finished)

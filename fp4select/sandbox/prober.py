@@ -1,9 +1,8 @@
 """Probing in a child process: a candidate that crashes, hangs or breaks CUDA takes only the child.
 
 The package's modules, one job each: this one decides (what each candidate's verdict is, whom
-to blame); ``attempt.py`` reads one request's events; ``protocol.py`` checks them;
-``process.py`` starts, reuses and ends the worker processes. The child's own code is
-``worker.py``.
+to blame); ``attempt.py`` reads one request's events and checks them; ``process.py`` starts,
+reuses and ends the worker processes. The child's own code is ``worker.py``.
 
 Design rules:
 
