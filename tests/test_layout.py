@@ -42,7 +42,8 @@ def test_the_records_are_a_leaf():
         for name in edges[todo.pop()] - below:
             below.add(name)
             todo.append(name)
-    assert not below & {"fp4select.probe", "fp4select.validate", "fp4select.formats"}
+    # (formats is reached as the leaf holding the keys' vocabulary, not for its codecs)
+    assert not below & {"fp4select.probe", "fp4select.validate", "fp4select.timing"}
 
 
 def test_a_module_over_500_lines_says_why_at_its_top():
