@@ -169,9 +169,9 @@ class Selector:
                 if self.isolation == "inprocess":
                     self._prober = InProcessProber()
                 else:
-                    from fp4select.sandbox import SandboxProber
+                    from fp4select.sandbox.prober import SandboxProber
 
-                    self._prober = SandboxProber(settings=self.settings)
+                    self._prober = SandboxProber(settings=self.settings, registry=self.registry)
             return self._prober
 
     def close(self) -> None:

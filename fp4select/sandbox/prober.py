@@ -44,14 +44,13 @@ import itertools
 import math
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fp4select import settings as settings_mod
-from fp4select.backends import discover
 from fp4select.backends.base import Backend, NotImportableError
 from fp4select.backends.emulation import NAME as EMULATION
 from fp4select.keys import Problem
@@ -67,6 +66,9 @@ from fp4select.sandbox.attempt import (
 )
 from fp4select.sandbox.process import WorkerPool
 from fp4select.settings import Settings
+
+if TYPE_CHECKING:
+    from fp4select.backends import Registry
 
 __all__ = ["SandboxProber", "scaled_timeout_s"]
 
@@ -91,10 +93,14 @@ class SandboxProber:
         idle_s: float | None = None,
         linger_s: float = ALONE_LINGER_S,
         settings: Settings | None = None,
+        registry: Callable[[], Registry] | None = None,
     ) -> None:
         # What is not given comes from ``settings`` (by default the process-wide ones), which
         # also reach the worker children as their environment variables.
         self.settings = settings if settings is not None else settings_mod.current()
+        # The caller's backends (the selector's ``registry``): those the child can discover by
+        # name go by name. Without it, only the built-ins do; every other backend goes as a spec.
+        self.registry = registry
         self.timeout_s = timeout_s or self.settings.probe_timeout_s
         self.idle_s = idle_s or self.settings.worker_idle_s
         if not (math.isfinite(linger_s) and linger_s >= 0):
@@ -142,7 +148,9 @@ class SandboxProber:
             problem=problem,
             device=device,
             options=options,
-            specs=self._specs(backends, verdicts, report),
+            specs=self._specs(
+                self.registry() if self.registry else None, backends, verdicts, report
+            ),
             builtin=frozenset(b.name for b in backends if _is_builtin(b)),
             report=report,
             timeout_s=self.timeout_s,
@@ -296,14 +304,19 @@ class SandboxProber:
 
     @staticmethod
     def _specs(
-        backends: Sequence[Backend], verdicts: dict[str, Verdict], report: Report
+        registry: Registry | None,
+        backends: Sequence[Backend],
+        verdicts: dict[str, Verdict],
+        report: Report,
     ) -> dict[str, Any]:
         """Plain-data specs for the backends the child cannot find by itself."""
-        registry = discover()
         specs: dict[str, Any] = {}
         for backend in backends:
-            known = registry.get(backend.name)
-            runtime = backend.name in registry.runtime_names and known is backend
+            if registry is None:
+                known, runtime = (backend if _is_builtin(backend) else None), False
+            else:
+                known = registry.get(backend.name)
+                runtime = backend.name in registry.runtime_names and known is backend
             if known is not None and not runtime:
                 specs[backend.name] = None  # built-in or entry point: the child discovers it
                 continue
