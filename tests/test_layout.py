@@ -21,6 +21,14 @@ def test_the_import_graph_has_no_circles_lazy_imports_included():
     assert import_graph.circles(import_graph.graph()) == []
 
 
+def test_the_import_graph_is_at_most_ten_levels_deep(capsys):
+    level = import_graph.levels(import_graph.graph())
+    deepest = max(level.values())
+    assert deepest <= import_graph.MAX_LEVELS == 10, sorted(level, key=level.get)[-5:]
+    assert import_graph.main([]) == 0  # the tool's exit status says the same
+    assert f"{deepest} levels deep" in capsys.readouterr().out
+
+
 def test_the_circle_finder_finds_a_circle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_graph.circles(edges) == [["a", "b", "c"]]
