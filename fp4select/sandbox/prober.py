@@ -93,13 +93,14 @@ class SandboxProber:
         idle_s: float | None = None,
         linger_s: float = ALONE_LINGER_S,
         settings: Settings | None = None,
-        registry: Callable[[], Registry] | None = None,
+        *,
+        registry: Callable[[], Registry],
     ) -> None:
         # What is not given comes from ``settings`` (by default the process-wide ones), which
         # also reach the worker children as their environment variables.
         self.settings = settings if settings is not None else settings_mod.current()
-        # The caller's backends (the selector's ``registry``): those the child can discover by
-        # name go by name. Without it, only the built-ins do; every other backend goes as a spec.
+        # The caller's backends (``backends.discover``, or the selector's cached registry): the
+        # child finds by name those it would discover itself; the others go as specs.
         self.registry = registry
         self.timeout_s = timeout_s or self.settings.probe_timeout_s
         self.idle_s = idle_s or self.settings.worker_idle_s
@@ -148,9 +149,7 @@ class SandboxProber:
             problem=problem,
             device=device,
             options=options,
-            specs=self._specs(
-                self.registry() if self.registry else None, backends, verdicts, report
-            ),
+            specs=self._specs(self.registry(), backends, verdicts, report),
             builtin=frozenset(b.name for b in backends if _is_builtin(b)),
             report=report,
             timeout_s=self.timeout_s,
@@ -304,7 +303,7 @@ class SandboxProber:
 
     @staticmethod
     def _specs(
-        registry: Registry | None,
+        registry: Registry,
         backends: Sequence[Backend],
         verdicts: dict[str, Verdict],
         report: Report,
@@ -312,11 +311,8 @@ class SandboxProber:
         """Plain-data specs for the backends the child cannot find by itself."""
         specs: dict[str, Any] = {}
         for backend in backends:
-            if registry is None:
-                known, runtime = (backend if _is_builtin(backend) else None), False
-            else:
-                known = registry.get(backend.name)
-                runtime = backend.name in registry.runtime_names and known is backend
+            known = registry.get(backend.name)
+            runtime = backend.name in registry.runtime_names and known is backend
             if known is not None and not runtime:
                 specs[backend.name] = None  # built-in or entry point: the child discovers it
                 continue
