@@ -57,11 +57,11 @@ def main() -> None:
 
     startups = []
     for _ in range(args.starts):
-        prober = SandboxProber()
+        prober = SandboxProber(registry=discover)
         startups.append(prober.start(device))
         prober.close()
 
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     first = problems[0]
     started = time.perf_counter()
     result = prober.probe(first, candidates(args.backends, first, device), device, options)

@@ -85,6 +85,12 @@ __all__ = [
 ]
 
 SF_LAYOUTS = ("linear", "128x4", "8x4")
+# What a GEMM call may ask for, by name: the vocabulary of a problem key (``keys.Problem``) and of
+# a backend's declaration (``backends.base.Capabilities``), which both import it from here.
+OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+A_SF_LAYOUTS = ("128x4", "8x4")
+B_LAYOUTS = ("plain", "trtllm")
+ALPHA_KINDS = ("none", "scalar", "per_token")
 E2M1_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 NVFP4_BLOCK = 16

@@ -23,12 +23,9 @@ from typing import Any
 import torch
 
 from fp4select._version import __version__
-from fp4select.store import SCHEMA_VERSION, digest
+from fp4select.formats import A_SF_LAYOUTS, ALPHA_KINDS, B_LAYOUTS, OUT_DTYPES
+from fp4select.store._jsonfile import SCHEMA_VERSION, digest
 
-OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-A_SF_LAYOUTS = ("128x4", "8x4")
-B_LAYOUTS = ("plain", "trtllm")
-ALPHA_KINDS = ("none", "scalar", "per_token")
 # A batch-invariant problem has one decision for every M: its key's bucket is this one, and it
 # is validated at INVARIANT_MS (decode to prefill), since no bucket narrows where it must hold.
 INVARIANT_BUCKET = 1

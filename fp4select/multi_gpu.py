@@ -25,7 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fp4select import settings
 from fp4select.keys import Problem, environment_for
+from fp4select.selector import Selector
+from fp4select.settings import Settings
 from fp4select.store import digest
 
 if TYPE_CHECKING:
@@ -100,13 +103,17 @@ def _worker(
     isolation: Isolation,
     timing: Any,
 ) -> None:
-    """Body of one worker process: take keys until the sentinel, decide each, report it."""
-    from fp4select.api import configure
+    """Body of one worker process: take keys until the sentinel, decide each, report it.
 
+    Its settings are the environment's with the caller's cache and isolation over them, made
+    the process-wide ones (as ``configure()`` would) so that its sandbox children get them.
+    """
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    sel = configure(cache_dir=store_root, isolation=isolation, timing=timing)
+    chosen = Settings.from_env().replace(cache_dir=store_root, isolation=isolation)
+    settings.use(chosen)
+    sel = Selector(timing=timing, settings=chosen)
     try:
         while True:
             item = tasks.get()

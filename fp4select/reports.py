@@ -23,6 +23,7 @@ from fp4select.records import Status
 
 if TYPE_CHECKING:  # the selector imports the registry: a report imports it only when it runs
     from fp4select.records import Decision
+    from fp4select.selector import Selector
     from fp4select.settings import Settings
 
 __all__ = [
@@ -113,20 +114,24 @@ class DoctorReport(TypedDict):
     native_key: DoctorNativeKey
 
 
-def doctor_report(device: torch.device, what_if_cc: int | None = None) -> DoctorReport:
+def doctor_report(
+    device: torch.device, what_if_cc: int | None = None, *, selector: Selector | None = None
+) -> DoctorReport:
     """Everything doctor prints, as data (tests and --json read this).
 
     ``what_if_cc`` asks the installed flashinfer about another GPU generation (say 100 for
-    B200) from any machine, the CPU included: the answers are flashinfer's own.
+    B200) from any machine, the CPU included: the answers are flashinfer's own. ``selector``
+    is whose cache and isolation are reported; by default one made from the process-wide
+    settings, which has the process-wide selector's (``configure()`` sets both).
     """
-    from fp4select.api import selector
     from fp4select.backends import discover
     from fp4select.backends import flashinfer as fi
+    from fp4select.selector import Selector
 
     env = environment_for(device)
     if what_if_cc is not None:
         env = dict(env, device="cuda", cc=what_if_cc, gpu=f"what-if SM{what_if_cc}", sm_count=None)
-    sel = selector()
+    sel = selector if selector is not None else Selector()
     registry = discover()
     mm_fp4, why = fi.load()
     listed = fi.listed_names(mm_fp4) if mm_fp4 is not None else []
@@ -188,11 +193,13 @@ def signature_report(mm_fp4: Any) -> SignatureReport:
 
     A newer flashinfer may add a parameter: fp4select keeps working (it calls flashinfer
     with the parameters both know), but a caller passing the new one gets a TypeError from
-    ``best_mm_fp4``, and this says so before it happens.
+    ``best_mm_fp4``, and this says so before it happens. ``best_mm_fp4``'s parameters are read
+    off ``check_arguments``, which takes each of them with its default (a test holds the two
+    equal), so that a report needs no import of the API it reports on.
     """
     import inspect
 
-    from fp4select.api import best_mm_fp4
+    from fp4select.arguments import check_arguments
 
     if mm_fp4 is None:
         return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
@@ -200,7 +207,7 @@ def signature_report(mm_fp4: Any) -> SignatureReport:
         theirs = inspect.signature(mm_fp4).parameters
     except (TypeError, ValueError):
         return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
-    ours = inspect.signature(best_mm_fp4).parameters
+    ours = inspect.signature(check_arguments).parameters
     missing = [name for name in theirs if name not in ours]
     defaults = [
         name

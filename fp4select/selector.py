@@ -41,7 +41,7 @@ import torch
 
 from fp4select import backends as registry_mod
 from fp4select import settings as settings_mod
-from fp4select.backends import emulation, flashinfer_invariant
+from fp4select.backends import emulation
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import Backend, Runner
 from fp4select.keys import Problem, environment_for
@@ -169,9 +169,9 @@ class Selector:
                 if self.isolation == "inprocess":
                     self._prober = InProcessProber()
                 else:
-                    from fp4select.sandbox import SandboxProber
+                    from fp4select.sandbox.prober import SandboxProber
 
-                    self._prober = SandboxProber(settings=self.settings)
+                    self._prober = SandboxProber(settings=self.settings, registry=self.registry)
             return self._prober
 
     def close(self) -> None:
@@ -581,7 +581,7 @@ class Selector:
 
 # Names flashinfer's backends take (as of the newest tested release). A backend of one of these
 # names is looked up with flashinfer loaded, since flashinfer's shadows a plugin's of that name.
-_FLASHINFER_NAMES = frozenset({*flashinfer_backends.KNOWN, flashinfer_invariant.NAME})
+_FLASHINFER_NAMES = frozenset({*flashinfer_backends.KNOWN, flashinfer_backends.INVARIANT_NAME})
 
 
 def _same_shape_class(a: Problem, b: Problem) -> bool:

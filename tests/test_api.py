@@ -479,3 +479,13 @@ def test_alternating_variants_of_one_key_build_no_guard_after_the_first_two(warm
         assert torch.equal(best_mm_fp4(**dict(kwargs, a_descale=tight)), first)
         best_mm_fp4(**dict(kwargs, a_descale=roomy))
     assert built == [] and read == []
+
+
+def test_check_arguments_takes_every_parameter_of_best_mm_fp4_with_its_default():
+    """doctor's signature report reads best_mm_fp4's parameters off check_arguments."""
+    import inspect
+
+    ours = inspect.signature(best_mm_fp4).parameters
+    checked = inspect.signature(check_arguments).parameters
+    assert set(ours) == set(checked)
+    assert {n: p.default for n, p in ours.items()} == {n: checked[n].default for n in ours}

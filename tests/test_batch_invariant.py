@@ -10,7 +10,8 @@ import torch
 
 import fp4select
 from fp4select import best_mm_fp4
-from fp4select.backends import discover, flashinfer_invariant
+from fp4select.backends import discover
+from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.formats import reference_mm_fp4
 from fp4select.keys import Problem
 from fp4select.validate import check, make_inputs, prefix_inputs
@@ -125,12 +126,12 @@ def test_a_capture_time_miss_is_refused_rather_than_served_by_another_kernel(inp
 
 def test_flashinfers_class_is_a_candidate_only_where_flashinfer_has_it():
     names = discover().backends
-    has_flag = flashinfer_invariant.takes_batch_invariant(flashinfer.mm_fp4)
-    assert (flashinfer_invariant.NAME in names) == has_flag
+    has_flag = flashinfer_backends.takes_batch_invariant(flashinfer.mm_fp4)
+    assert (flashinfer_backends.INVARIANT_NAME in names) == has_flag
     if not has_flag:
         return
-    backend = names[flashinfer_invariant.NAME]
-    ccs, why = flashinfer_invariant.supported_ccs()
+    backend = names[flashinfer_backends.INVARIANT_NAME]
+    ccs, why = flashinfer_backends.invariant_ccs()
     if ccs is None:  # a partial install (the H200 run carries only some modules): say so
         assert "cannot tell" in backend.unavailable_reason({"device": "cuda", "cc": 100})
         return
@@ -146,7 +147,7 @@ def test_flashinfers_class_is_a_candidate_only_where_flashinfer_has_it():
 
 def test_flashinfers_class_is_called_with_its_flag_and_auto(monkeypatch):
     """The runner's arguments bind to the real mm_fp4 and ask for the batch-invariant class."""
-    if not flashinfer_invariant.takes_batch_invariant(flashinfer.mm_fp4):
+    if not flashinfer_backends.takes_batch_invariant(flashinfer.mm_fp4):
         pytest.skip("this flashinfer has no batch_invariant mode")
     from fp4select.backends import flashinfer as fi
 
@@ -160,7 +161,7 @@ def test_flashinfers_class_is_called_with_its_flag_and_auto(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fi, "load", lambda: (spy, None))
-    runner = flashinfer_invariant.make_runner(SHAPE)
+    runner = flashinfer_backends.make_invariant_runner(SHAPE)
     with pytest.raises(ValueError):  # on a CPU, flashinfer's own device check stops it
         runner(*_inputs(3).args(SHAPE))
     assert calls and calls[0]["batch_invariant"] is True and calls[0]["backend"] == "auto"
@@ -197,7 +198,7 @@ def test_doctor_reports_a_parameter_flashinfer_has_and_we_do_not(monkeypatch):
 
 
 def test_where_flashinfer_does_not_say_the_class_is_unavailable_with_the_reason(monkeypatch):
-    if not flashinfer_invariant.takes_batch_invariant(flashinfer.mm_fp4):
+    if not flashinfer_backends.takes_batch_invariant(flashinfer.mm_fp4):
         pytest.skip("this flashinfer has no batch_invariant mode")
 
     from fp4select.backends import flashinfer as fi
@@ -207,6 +208,6 @@ def test_where_flashinfer_does_not_say_the_class_is_unavailable_with_the_reason(
     def moved(name):
         raise ModuleNotFoundError(f"No module named {name!r}")
 
-    monkeypatch.setattr(flashinfer_invariant.importlib, "import_module", moved)
-    reason = flashinfer_invariant.why_unavailable({"device": "cuda", "cc": 100})
+    monkeypatch.setattr(flashinfer_backends.importlib, "import_module", moved)
+    reason = flashinfer_backends.invariant_why_unavailable({"device": "cuda", "cc": 100})
     assert "cannot tell where" in reason and "No module named" in reason

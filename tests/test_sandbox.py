@@ -327,7 +327,7 @@ def test_backend_that_cannot_cross_is_an_error_and_spawns_nothing():
     backend = Backend(
         "closure", checked_runner=local, caps=Capabilities(devices=frozenset({"cpu"}))
     )
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     try:
         result = prober.probe(PROBLEM, [backend], "cpu", ProbeOptions(timing=TIMING))
         verdict = result.verdicts["closure"]
@@ -376,7 +376,7 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 def test_worker_is_reused_across_keys_and_retired_when_idle(monkeypatch):
     monkeypatch.setenv(IDLE_ENV, "1")
     emulation = discover().backends["emulation"]
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     try:
         options = ProbeOptions(timing=TIMING, validate_only=True)
         first = prober.probe(PROBLEM, [emulation], "cpu", options)
@@ -393,7 +393,7 @@ def test_worker_is_reused_across_keys_and_retired_when_idle(monkeypatch):
 
 @pytest.mark.subprocess
 def test_close_ends_the_worker():
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     seconds = prober.start("cpu")
     pid = prober._pool.workers["cpu"].pid
     assert 0 < seconds < 60 and not _gone(pid)
@@ -415,7 +415,7 @@ def test_a_busy_worker_exits_when_its_parent_dies(tmp_path):
         from fp4select.probe import ProbeOptions
         from fp4select.sandbox import SandboxProber
         fb.register("hang")
-        prober = SandboxProber(timeout_s=600)
+        prober = SandboxProber(timeout_s=600, registry=discover)
         backend = discover().backends["hang"]
         problem = Problem(**{problem!r})
         threading.Thread(target=prober.probe, args=(problem, [backend], "cpu", ProbeOptions()),
@@ -449,7 +449,7 @@ def test_report_hears_each_step_and_verdicts_keep_candidate_order(monkeypatch, t
             with lock:
                 events.append(event)
 
-        prober = SandboxProber()
+        prober = SandboxProber(registry=discover)
         try:
             result = prober.probe(PROBLEM, backends, "cpu", ProbeOptions(timing=TIMING), report)
         finally:
@@ -472,7 +472,7 @@ def test_report_hears_each_step_and_verdicts_keep_candidate_order(monkeypatch, t
 def test_a_worker_killed_while_idle_is_replaced_without_blame():
     emulation = discover().backends["emulation"]
     options = ProbeOptions(timing=TIMING, validate_only=True)
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     try:
         assert prober.probe(PROBLEM, [emulation], "cpu", options).verdicts["emulation"].passed
         pid = prober._pool.workers["cpu"].pid
@@ -491,7 +491,7 @@ def test_close_during_a_probe_fails_that_probe_and_blames_no_one(monkeypatch, tm
     fb.register("hang")
     try:
         backend = discover().backends["hang"]
-        prober = SandboxProber(timeout_s=600)
+        prober = SandboxProber(timeout_s=600, registry=discover)
         outcome: list[BaseException | object] = []
 
         def run():
@@ -518,7 +518,7 @@ def test_a_worker_that_cannot_start_fails_every_candidate_without_blame(monkeypa
     """A broken environment is not a backend's fault: "error" verdicts, nothing blacklisted."""
     emulation = discover().backends["emulation"]
     monkeypatch.setattr(sys, "executable", "/bin/false")  # the "interpreter" exits 1 at once
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     try:
         result = prober.probe(PROBLEM, [emulation], "cpu", ProbeOptions(timing=TIMING))
     finally:
@@ -594,7 +594,7 @@ def test_a_death_that_no_candidate_reproduces_alone_blames_no_one(sandboxed):
 
 
 def _stream(*names: str, finished: tuple[str, ...] = ()):
-    from fp4select.sandbox.protocol import Stream
+    from fp4select.sandbox.attempt import Stream
 
     stream = Stream("7-abc", names)
     stream.finished.update(finished)
@@ -721,7 +721,7 @@ def _probe_with_events(names, problem=PROBLEM, options=None, prober=None):
     backends = [registry.backends[n] for n in names]
     events: list[dict] = []
     own = prober is None
-    prober = prober or SandboxProber()
+    prober = prober or SandboxProber(registry=discover)
     try:
         result = prober.probe(
             problem, backends, "cpu", options or ProbeOptions(timing=TIMING), events.append
@@ -755,7 +755,7 @@ def test_a_leftover_result_from_an_earlier_key_is_not_this_keys_answer(monkeypat
     """The desynchronised stream: an earlier request's result, naming a zeros backend passed."""
     monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
     fb.register("leftover_then_zeros")
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     try:
         options = ProbeOptions(timing=TIMING, validate_only=True)
         _, _, events = _probe_with_events(
@@ -799,7 +799,7 @@ def test_a_fork_while_another_thread_holds_the_device_lock_does_not_deadlock_the
     """The forked child gets fresh locks and no workers: it starts its own and leaves ours."""
     emulation = discover().backends["emulation"]
     options = ProbeOptions(timing=TIMING, validate_only=True)
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     held, release = threading.Event(), threading.Event()
 
     def hold():
@@ -858,7 +858,7 @@ def test_the_child_does_not_import_from_the_callers_working_directory(tmp_path, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", ["", *sys.path])  # as in `python -c` or a REPL
     emulation = discover().backends["emulation"]
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     try:
         options = ProbeOptions(timing=TIMING, validate_only=True)
         result = prober.probe(PROBLEM, [emulation], "cpu", options)
@@ -871,7 +871,7 @@ def test_the_child_does_not_import_from_the_callers_working_directory(tmp_path, 
 @pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="oom_score_adj is Linux's")
 def test_the_child_volunteers_for_the_oom_killer():
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     try:
         prober.start("cpu")
         pid = prober._pool.workers["cpu"].pid
@@ -888,7 +888,7 @@ def test_closing_the_sandbox_ends_the_helpers_a_backend_spawned(monkeypatch, tmp
     monkeypatch.setenv(fb.MARKER_ENV, str(tmp_path))
     fb.register("spawns_grandchild")
     backend = discover().backends["spawns_grandchild"]
-    prober = SandboxProber()
+    prober = SandboxProber(registry=discover)
     helpers: list[int] = []
     try:
         options = ProbeOptions(timing=TIMING, validate_only=True)
@@ -953,7 +953,7 @@ def test_a_slow_builtin_fallback_is_not_a_hang_under_a_short_timeout(monkeypatch
         family="builtin",
     )
     fp4select.register_backend(backend)
-    prober = SandboxProber(timeout_s=1)
+    prober = SandboxProber(timeout_s=1, registry=discover)
     try:
         options = ProbeOptions(timing=TIMING, validate_only=True)
         result = prober.probe(PROBLEM, [backend], "cpu", options)
@@ -969,7 +969,7 @@ def test_emulation_on_a_large_problem_outlasts_a_short_timeout_and_passes():
     """About 1 s per validation step on a small CPU: longer than the configured timeout."""
     emulation = discover().backends["emulation"]
     problem = Problem(n=1024, k=1024, m_bucket=256)
-    prober = SandboxProber(timeout_s=1)
+    prober = SandboxProber(timeout_s=1, registry=discover)
     try:
         options = ProbeOptions(timing=TIMING, validate_only=True)
         result = prober.probe(problem, [emulation], "cpu", options)

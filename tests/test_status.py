@@ -11,7 +11,7 @@ import torch
 import fp4select
 from fp4select._version import __version__
 from fp4select.probe import FATAL_STATUSES, STATUSES, MalformedRecord, Status, Verdict
-from fp4select.sandbox.protocol import CHILD_STATUSES
+from fp4select.sandbox.attempt import CHILD_STATUSES
 from fp4select.selector import Decision
 from fp4select.validate import check, make_inputs
 

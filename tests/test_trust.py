@@ -151,7 +151,7 @@ def test_other_backends_are_still_condemned_for_the_environment(inprocess):
 # -- shared state across threads --------------------------------------------------------------
 def test_threads_share_one_prober(cache_dir, monkeypatch):
     """Two threads starting two sandbox workers would mean two CUDA contexts on one GPU."""
-    import fp4select.sandbox as sandbox
+    import fp4select.sandbox.prober as sandbox
 
     made = []
     real = sandbox.SandboxProber

@@ -6,7 +6,7 @@ module anywhere in a file (lazy imports inside functions included: a circle thro
 import is still a circle of responsibilities). A module's level is 1 for a module that imports
 no other fp4select module, else one more than the highest level among those it imports; a
 package's ``__init__`` counts as the module of the package's name. Exit status 1 when the
-graph has a circle, so CI or a test can hold the line.
+graph has a circle or is more than ``MAX_LEVELS`` deep, so CI or a test can hold the line.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "fp4select"
+MAX_LEVELS = 10  # issue 17's bound on the depth of every import, lazy ones included
 
 
 def module_name(path: Path) -> str:
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {path}: {n}")
         deepest = [m for m, lv in report["levels"].items() if lv == report["depth"]]
         print(f"deepest: {', '.join(deepest)}")
-    return 1 if found else 0
+    return 1 if found or report["depth"] > MAX_LEVELS else 0
 
 
 if __name__ == "__main__":

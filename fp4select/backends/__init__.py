@@ -23,7 +23,6 @@ from typing import Any
 
 from fp4select.backends import (
     emulation,
-    flashinfer_invariant,
     torch_dequant,
     torch_scaled_mm,
     triton_fp4,
@@ -192,7 +191,7 @@ def discover(*, include_flashinfer: bool = True) -> Registry:
             registry.source_errors["flashinfer"] = why
         for b in found:
             registry.backends[b.name] = b
-        for b in flashinfer_invariant.backends():
+        for b in flashinfer_backends.invariant_backends():
             registry.backends[b.name] = b
     registry.backends[emulation.NAME] = emulation.BACKEND
     for b in (

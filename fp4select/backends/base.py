@@ -20,11 +20,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
+from fp4select.formats import ALPHA_KINDS, OUT_DTYPES
+
+if TYPE_CHECKING:
+    from fp4select.keys import Problem
 
 Runner = Callable[..., torch.Tensor]
 ALL_FORMATS = frozenset({"nvfp4", "mxfp4"})

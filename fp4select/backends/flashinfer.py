@@ -17,6 +17,14 @@ Design rules:
   this problem while probing.
 * Each backend is tuned under flashinfer's own autotuner before it is validated and timed, and
   is served at the tactic it was timed at (``flashinfer_tactics`` says how and why).
+* flashinfer's batch-invariant class (``mm_fp4(..., batch_invariant=True)``, 0.7.4 and later,
+  read from the signature) is one more backend, ``INVARIANT_NAME``, competing only for
+  batch-invariant problems, where invariance, not speed, is the point: the first choice
+  wherever it runs, emulation's chunked product everywhere else. Its declaration mirrors
+  flashinfer's limits for the class (``backend="auto"``, 128x4 scales, a plain weight, no
+  per-token alpha); its architectures come from flashinfer (``MM_FP4_ARCHS``), and where that
+  is not exposed the class is unavailable, with the reason (not knowing costs speed, never
+  correctness). A problem the class turns down at run time is "unsupported", never a fault.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from typing import Any
 
 from fp4select import settings
 from fp4select.backends import flashinfer_tactics
-from fp4select.backends.base import Backend, Capabilities, Runner
+from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
 from fp4select.keys import Problem
 from fp4select.records import CAUSE_EXPERIMENTAL, Reason
 
@@ -252,3 +260,70 @@ def auto_runner(env: Mapping[str, Any], problem: Problem) -> Runner | None:
     if supported is not None and not supported(env.get("cc")):
         return None
     return _runner_maker("auto", skip_check=False)(problem)
+
+
+# --------------------------------------------------------------------------- batch-invariant class
+
+INVARIANT_NAME = "flashinfer-batch-invariant"
+
+
+def takes_batch_invariant(mm_fp4: Any) -> bool:
+    try:
+        return "batch_invariant" in inspect.signature(mm_fp4).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def invariant_ccs() -> tuple[list[int] | None, str]:
+    """Compute capabilities of flashinfer's FP4 batch-invariant class, or (None, why not)."""
+    try:
+        api = importlib.import_module("flashinfer.gemm.batch_invariant.api")
+        return sorted(major * 10 + minor for major, minor in api.MM_FP4_ARCHS), ""
+    except Exception as exc:  # moved, renamed, or a partial install
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def invariant_why_unavailable(env: Mapping[str, Any]) -> str | None:
+    mm_fp4, why = load()
+    if mm_fp4 is None:
+        return why
+    if not takes_batch_invariant(mm_fp4):
+        return "this flashinfer's mm_fp4 has no batch_invariant mode (added in 0.7.4)"
+    if env.get("device") != "cuda":
+        return "flashinfer's batch-invariant class needs a CUDA GPU"
+    ccs, why = invariant_ccs()
+    if ccs is None:
+        # Unknown is unavailable: emulation serves batch-invariant problems everywhere, so
+        # guessing costs nothing but speed, and a wrong guess would probe a kernel blind.
+        return f"cannot tell where flashinfer's batch-invariant class runs ({why})"
+    if env.get("cc") not in ccs:
+        where = ", ".join(f"SM{c}" for c in ccs)
+        return f"flashinfer's FP4 batch-invariant class runs on {where}, not SM{env.get('cc')}"
+    return None
+
+
+# flashinfer's own checks stay on: the class turns down what it cannot do, as "unsupported".
+make_invariant_runner = _runner_maker("auto", skip_check=False, batch_invariant=True)
+
+
+def invariant_backends() -> list[Backend]:
+    """The class as a backend, where the installed flashinfer has the mode at all."""
+    mm_fp4, _ = load()
+    if mm_fp4 is None or not takes_batch_invariant(mm_fp4):
+        return []
+    return [
+        Backend(
+            name=INVARIANT_NAME,
+            make_checked_runner=make_invariant_runner,
+            why_unavailable=invariant_why_unavailable,
+            caps=Capabilities(
+                formats=ALL_FORMATS,
+                alpha_kinds=frozenset({"none", "scalar"}),
+                modes=frozenset({"batch_invariant"}),
+            ),
+            preference=5,
+            family=FAMILY,
+            unsupported_errors=unsupported_errors(),
+            description="flashinfer's batch-invariant NVFP4/MXFP4 class (batch_invariant=True)",
+        )
+    ]

@@ -92,7 +92,7 @@ import torch
 from fp4select import settings as settings_mod
 from fp4select.backends.base import Runner
 from fp4select.keys import Problem
-from fp4select.store import first_time
+from fp4select.store._warn import first_time
 
 log = logging.getLogger("fp4select")
 

@@ -13,8 +13,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from fp4select.cli._common import UsageError
 from fp4select.keys import M_BUCKETS, Problem, m_bucket
 
@@ -24,7 +22,6 @@ __all__ = [
     "check_shape",
     "problems_for",
     "shapes_file",
-    "warm_devices",
     "warm_plan",
 ]
 
@@ -143,16 +140,3 @@ def warm_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise WarmUsageError("give --shape N,K, --shapes-file, --model PATH or --from-record FILE")
     plan["problems"] = list(dict.fromkeys(problems))
     return plan
-
-
-def warm_devices(args: argparse.Namespace) -> list[torch.device] | None:
-    from fp4select.multi_gpu import check_same_environment, parse_devices
-
-    if not args.devices:
-        return None
-    if args.device:
-        raise WarmUsageError("give --device or --devices, not both")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    devices = [torch.device("cuda", i) for i in parse_devices(args.devices, count)]
-    check_same_environment(devices)
-    return devices

@@ -8,8 +8,10 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from fp4select.cli._common import parse_device, print_json, progress_bar, table
-from fp4select.cli.plan import check_shape, warm_devices, warm_plan
+from fp4select.cli.plan import WarmUsageError, check_shape, warm_plan
 from fp4select.keys import Problem, environment_for, m_bucket
 from fp4select.settings import Settings
 
@@ -54,6 +56,20 @@ def warm_native_key(settings: Settings, quiet: bool) -> str:
             print(f"warm: the warm path's C++ key was not built ({exc}); the Python path serves")
         return f"failed: {exc}"
     return "built"
+
+
+def warm_devices(args: argparse.Namespace) -> list[torch.device] | None:
+    """The GPUs of --devices (one kind, checked), or None for one device."""
+    from fp4select.multi_gpu import check_same_environment, parse_devices
+
+    if not args.devices:
+        return None
+    if args.device:
+        raise WarmUsageError("give --device or --devices, not both")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = [torch.device("cuda", i) for i in parse_devices(args.devices, count)]
+    check_same_environment(devices)
+    return devices
 
 
 def cmd_warm(args: argparse.Namespace) -> int:

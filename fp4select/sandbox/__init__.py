@@ -4,9 +4,9 @@ One job a module, in the order a probe goes through them:
 
 - ``prober``: ``SandboxProber``, what the selector calls; decides each candidate's verdict and
   whom to blame (its docstring holds the sandbox's rules).
-- ``attempt``: one request to one worker, its events read until it ends.
-- ``protocol``: what a worker's event stream may say, checked (the parent half).
-- ``process``: starting, reusing and ending the worker processes.
+- ``attempt``: one request to one worker, its events read and checked (the protocol's parent
+  half) until it ends.
+- ``process``: starting, reusing and ending the worker processes, and reading their lines.
 - ``worker``: the child's own code (``python -m fp4select.sandbox`` starts one by hand).
 """
 

@@ -1,9 +1,8 @@
 """Probing in a child process: a candidate that crashes, hangs or breaks CUDA takes only the child.
 
 The package's modules, one job each: this one decides (what each candidate's verdict is, whom
-to blame); ``attempt.py`` reads one request's events; ``protocol.py`` checks them;
-``process.py`` starts, reuses and ends the worker processes. The child's own code is
-``worker.py``.
+to blame); ``attempt.py`` reads one request's events and checks them; ``process.py`` starts,
+reuses and ends the worker processes. The child's own code is ``worker.py``.
 
 Design rules:
 
@@ -45,14 +44,13 @@ import itertools
 import math
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fp4select import settings as settings_mod
-from fp4select.backends import discover
 from fp4select.backends.base import Backend, NotImportableError
 from fp4select.backends.emulation import NAME as EMULATION
 from fp4select.keys import Problem
@@ -68,6 +66,9 @@ from fp4select.sandbox.attempt import (
 )
 from fp4select.sandbox.process import WorkerPool
 from fp4select.settings import Settings
+
+if TYPE_CHECKING:
+    from fp4select.backends import Registry
 
 __all__ = ["SandboxProber", "scaled_timeout_s"]
 
@@ -92,10 +93,15 @@ class SandboxProber:
         idle_s: float | None = None,
         linger_s: float = ALONE_LINGER_S,
         settings: Settings | None = None,
+        *,
+        registry: Callable[[], Registry],
     ) -> None:
         # What is not given comes from ``settings`` (by default the process-wide ones), which
         # also reach the worker children as their environment variables.
         self.settings = settings if settings is not None else settings_mod.current()
+        # The caller's backends (``backends.discover``, or the selector's cached registry): the
+        # child finds by name those it would discover itself; the others go as specs.
+        self.registry = registry
         self.timeout_s = timeout_s or self.settings.probe_timeout_s
         self.idle_s = idle_s or self.settings.worker_idle_s
         if not (math.isfinite(linger_s) and linger_s >= 0):
@@ -143,7 +149,7 @@ class SandboxProber:
             problem=problem,
             device=device,
             options=options,
-            specs=self._specs(backends, verdicts, report),
+            specs=self._specs(self.registry(), backends, verdicts, report),
             builtin=frozenset(b.name for b in backends if _is_builtin(b)),
             report=report,
             timeout_s=self.timeout_s,
@@ -297,10 +303,12 @@ class SandboxProber:
 
     @staticmethod
     def _specs(
-        backends: Sequence[Backend], verdicts: dict[str, Verdict], report: Report
+        registry: Registry,
+        backends: Sequence[Backend],
+        verdicts: dict[str, Verdict],
+        report: Report,
     ) -> dict[str, Any]:
         """Plain-data specs for the backends the child cannot find by itself."""
-        registry = discover()
         specs: dict[str, Any] = {}
         for backend in backends:
             known = registry.get(backend.name)

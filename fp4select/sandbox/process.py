@@ -1,7 +1,7 @@
 """Sandbox worker processes, parent side: start them, talk to them, end them, decode deaths.
 
-The child's own code is ``worker.py``; what its events may say is
-``protocol.py``; what is probed in it and who is blamed is ``prober.py``.
+The child's own code is ``worker.py``; what its events may say is checked in ``attempt.py``;
+what is probed in it and who is blamed is ``prober.py``.
 
 Design rules:
 
@@ -19,6 +19,9 @@ Design rules:
   from a named directory, and test modules, are importable in the child too; and with the
   pool's ``Settings`` written over the ``FP4SELECT_*`` variables, so what ``configure()`` set
   (the experimental switch, the tactic mode) holds in the child as well.
+* Only JSON crosses, one object a line. A line over ``MAX_LINE_BYTES`` is garbage, not an
+  event: reading it raises ``OutOfStep``. A line that is not a JSON object is not an event
+  (``parse`` returns None): a backend's stray output, which the prober keeps as detail.
 * The child's stderr goes to a file, not a pipe: nobody has to drain it, and a dead child's last
   words stay readable for the verdict's detail.
 """
@@ -40,10 +43,17 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from fp4select.sandbox.protocol import MAX_LINE_BYTES, OutOfStep, parse
 from fp4select.settings import Settings
 
-__all__ = ["START_TIMEOUT_S", "Worker", "WorkerPool", "death"]
+__all__ = [
+    "MAX_LINE_BYTES",
+    "START_TIMEOUT_S",
+    "OutOfStep",
+    "Worker",
+    "WorkerPool",
+    "death",
+    "parse",
+]
 
 # Until the child announces its first run, it is importing torch, flashinfer and plugins:
 # slow on a cold disk, and nobody's fault, so it gets at least this long.
@@ -57,6 +67,22 @@ _BOOTSTRAP = (
     "from fp4select.sandbox.worker import main\n"
     "main()\n"
 )
+
+
+# A real event is a few KB (tracebacks and stderr tails are cut); a longer line is garbage.
+MAX_LINE_BYTES = 8 << 20
+
+
+class OutOfStep(Exception):
+    """The worker's stream cannot be trusted any more."""
+
+
+def parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
 
 
 def child_command() -> list[str]:

@@ -13,10 +13,12 @@ The schema number is in the path so that fp4select versions with different schem
 a root without reading each other's files.  Each module keeps its own rules at its top:
 
 - ``_jsonfile``: strict JSON, ``digest``, reading only regular files of bounded size, atomic
-  writes, removing only names fp4select could have made (never a directory).
+  writes, removing only names fp4select could have made (never a directory); the schema
+  number and the header every file starts with. ``keys`` imports it for ``digest`` and
+  ``SCHEMA_VERSION`` (it is a leaf), not the whole store.
 - ``_collection``: damaged files are misses with one ``CacheWarning``; a failing disk turns
   the root memory-only (and why that overlay is kept); only below real directories.
-- ``_records``: what an entry and a blacklist record are, checked field by field.
+- ``_records``: what an entry and a blacklist record are (``RecordKind``), checked field by field.
 - ``_lock``: per-key locks across processes and threads (``filelock``), fork-safe.
 - ``_warn``: ``CacheWarning``, once per path per process; a cache problem never raises.
   ``first_time``/``warn_once`` are fp4select's one say-it-once helper, exported for all.
@@ -26,8 +28,7 @@ a root without reading each other's files.  Each module keeps its own rules at i
 
 from __future__ import annotations
 
-from ._collection import SCHEMA_VERSION
-from ._jsonfile import MAX_DEPTH, digest, too_deep
+from ._jsonfile import MAX_DEPTH, SCHEMA_VERSION, digest, too_deep
 from ._store import ClearResult, Store, default_root
 from ._warn import CacheWarning, first_time, warn_once
 from .archive import ExportResult, ImportResult, read_archive

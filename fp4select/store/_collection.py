@@ -37,51 +37,31 @@ import re
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ._jsonfile import (
     MAX_FILE_BYTES,
+    SCHEMA_VERSION,
     Damage,
     atomic_write,
+    check_header,
     decode,
-    digest_or_none,
     file_bytes,
-    json_type,
     read_file,
     remove,
     what,
 )
 from ._warn import warn_once
 
-SCHEMA_VERSION: Final[int] = 1
+if TYPE_CHECKING:
+    from ._records import RecordKind
+
 KIND_ENV: Final = "fp4select.env"
 _ENV_DIR = re.compile(r"[0-9a-f]{20}")
 
 _Table = dict[tuple[str, str], "bytes | None"]
-
-
-# --------------------------------------------------------------------------- headers
-
-
-def check_header(obj: dict[str, Any], kind: str, env_hash: str) -> str | None:
-    """Why ``obj`` is not a file of ``kind`` for ``env_hash``, or None."""
-    # Schema first: a newer fp4select may have changed everything else.
-    schema = obj.get("schema")
-    if type(schema) is not int or schema != SCHEMA_VERSION:
-        return f"schema {schema!r} is not {SCHEMA_VERSION} (written by another fp4select version?)"
-    if obj.get("kind") != kind:
-        return f"kind {obj.get('kind')!r} is not {kind!r}"
-    if obj.get("env_hash") != env_hash:
-        return f"env_hash {obj.get('env_hash')!r} is not the requested environment {env_hash}"
-    env = obj.get("env")
-    if not isinstance(env, dict):
-        return f"'env' must be a JSON object, found {json_type(env)}"
-    if digest_or_none(env) != env_hash:
-        return "its 'env' does not hash to its env_hash"
-    return None
 
 
 def _check_env(obj: dict[str, Any], env_hash: str) -> str | None:
@@ -279,20 +259,6 @@ class Root:
 
 
 # --------------------------------------------------------------------------- collections
-
-
-@dataclass(frozen=True)
-class RecordKind:
-    """What tells one collection from another: where its files live and how they are checked.
-
-    ``check(obj, env_hash, stem)`` says why a decoded file is not a record of this kind for
-    that environment and file stem, or returns None.
-    """
-
-    kind: str
-    folder: str
-    pattern: re.Pattern[str]
-    check: Callable[[dict[str, Any], str, str], str | None]
 
 
 class Collection:

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+SCHEMA_VERSION: Final[int] = 1
 MAX_FILE_BYTES: Final = 1 << 20  # an entry, blacklist or env file; real ones are a few KiB
 # Deepest nesting read: fp4select writes about 8 levels (an archive's entry's record's
 # verdict's detail's tactic ...); 32 leaves room for tactic records and refuses the rest.
@@ -290,3 +291,24 @@ def _link_exclusive(tmp: str, path: Path) -> None:
         return
     with contextlib.suppress(OSError):
         os.unlink(tmp)
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def check_header(obj: dict[str, Any], kind: str, env_hash: str) -> str | None:
+    """Why ``obj`` is not a file of ``kind`` for ``env_hash``, or None."""
+    # Schema first: a newer fp4select may have changed everything else.
+    schema = obj.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:
+        return f"schema {schema!r} is not {SCHEMA_VERSION} (written by another fp4select version?)"
+    if obj.get("kind") != kind:
+        return f"kind {obj.get('kind')!r} is not {kind!r}"
+    if obj.get("env_hash") != env_hash:
+        return f"env_hash {obj.get('env_hash')!r} is not the requested environment {env_hash}"
+    env = obj.get("env")
+    if not isinstance(env, dict):
+        return f"'env' must be a JSON object, found {json_type(env)}"
+    if digest_or_none(env) != env_hash:
+        return "its 'env' does not hash to its env_hash"
+    return None

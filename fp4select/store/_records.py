@@ -15,17 +15,31 @@ in that key's entry, not here.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final
 
-from ._collection import RecordKind, check_header
-from ._jsonfile import digest, digest_or_none, json_type
+from ._jsonfile import check_header, digest, digest_or_none, json_type
 
 KIND_ENTRY: Final = "fp4select.entry"
 KIND_BLACKLIST: Final = "fp4select.blacklist"
 _SAFE_BACKEND = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _UNSAFE_CHARS = re.compile(r"[^a-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """What tells one collection from another: where its files live and how they are checked.
+
+    ``check(obj, env_hash, stem)`` says why a decoded file is not a record of this kind for
+    that environment and file stem, or returns None.
+    """
+
+    kind: str
+    folder: str
+    pattern: re.Pattern[str]
+    check: Callable[[dict[str, Any], str, str], str | None]
 
 
 def as_dict(value: Mapping[str, Any], what: str) -> dict[str, Any]:

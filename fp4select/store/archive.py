@@ -27,8 +27,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from ._collection import SCHEMA_VERSION
-from ._jsonfile import Damage, atomic_write, decode, digest_or_none, file_bytes, json_type
+from ._jsonfile import (
+    SCHEMA_VERSION,
+    Damage,
+    atomic_write,
+    decode,
+    digest_or_none,
+    file_bytes,
+    json_type,
+)
 from ._jsonfile import read_named_file as _read_named_file
 from ._records import blacklist_record
 
