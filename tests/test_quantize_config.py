@@ -66,6 +66,7 @@ def test_bench_gpu_times_the_quantizer_beside_the_pick_and_reports_its_share():
     assert row["quantize_share_of_pick"] == pytest.approx(row["quantize_us"] / 8.0)
     assert row["layer_us"] == pytest.approx(row["quantize_us"] + 8.0)
     assert row["layer_over_bf16"] == pytest.approx(row["layer_us"] / 16.0)
+    assert row["quantize_share_of_layer"] == pytest.approx(row["quantize_us"] / row["layer_us"])
     summary = bench_gpu.summarize([row], 1e12)["quantize_decode"]
     assert summary["rows"] == 1 and summary["share_of_pick_worst"] == row["quantize_share_of_pick"]
     assert summary["rows_over_target"] == int(row["quantize_share_of_pick"] > 0.10)
