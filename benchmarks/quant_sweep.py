@@ -7,8 +7,8 @@ grid's padding rows, even and odd elements loaded apart) is first checked byte f
 against the PyTorch path (``quantize_torch``, on the GPU), then all that passed are timed side
 by side as ``bench_gpu.py`` times the GEMMs (``timing.time_interleaved``: CUDA-graph replay,
 inputs rotated over as many sets as cold L2 asks, interleaved rounds, median). At M <= 16 the
-activations (at most 460 KB) stay in L2 whatever the rotation, as they do in serving, where
-the layer before has just written them.
+activations (at most 460 KB a set) stay mostly in L2 over the rotation's at most 64 sets, as
+they do in serving, where the layer before has just written them.
 
 Also the host time of one eager call (``eager_host_us``: the public ``fp4_quantize`` and the
 bare launch, M = 1). Prints one line per point (``table``, ``before``, the best) and, at the
