@@ -104,3 +104,20 @@ def test_the_sweep_runs_checks_and_suggests_a_table_under_the_interpreter(tmp_pa
     assert table[-1][0] is None and all(isinstance(c, q.QuantConfig) for _, c in table)
     assert q.config_for(1, table).label == record["suggested"]["1"]["config"]
     assert "QUANT_BY_M = (" in proc.stdout
+
+
+def test_the_serving_call_is_checked_without_creating_a_tensor():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    gs = torch.tensor([3.0])
+    assert q._check(x, gs) is gs  # attribute reads only: no torch op in eager mode
+    for other in (3.0, torch.tensor(3.0), torch.tensor([3.0], dtype=torch.float64)):
+        checked = q._check(x, other)
+        assert checked.dtype == torch.float32 and checked.shape == (1,) and float(checked) == 3.0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        q._check(torch.zeros(2, 40), gs)
+    with pytest.raises(TypeError, match="bfloat16"):
+        q._check(torch.zeros(2, 32, dtype=torch.float64), gs)
+    q.triton_available()
+    before = q.triton_available.cache_info().hits
+    q.triton_available()
+    assert q.triton_available.cache_info().hits == before + 1  # looked up once per process
