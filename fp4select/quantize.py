@@ -104,11 +104,14 @@ class QuantConfig:
         return f"m{self.block_m} c{self.block_c} w{self.num_warps}{flags}"
 
 
-# (largest M, configuration), first match wins; None: any M. Not yet chosen on a GPU: run
-# benchmarks/quant_sweep.py on the H200 and set these from its "best" column.
+# (largest M, configuration), first match wins; None: any M. Not yet chosen on a GPU: each
+# thread holds one 16-byte vector of x (two above M = 16), and no program covers rows that do
+# not exist. Run benchmarks/quant_sweep.py on the H200 and set these from what it prints.
 QUANT_BY_M: tuple[tuple[int | None, QuantConfig], ...] = (
+    (1, QuantConfig(1, 16, 1)),
+    (2, QuantConfig(2, 8, 1)),
     (16, QuantConfig(4, 8, 2)),
-    (None, QuantConfig(32, 16, 4)),
+    (None, QuantConfig(16, 8, 4)),
 )
 # The kernel as it was before QUANT_BY_M (tiles over the padding rows, even and odd elements
 # loaded apart): the sweep's baseline.

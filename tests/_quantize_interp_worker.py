@@ -93,6 +93,7 @@ def main() -> None:
     report("ties", torch.stack(rows + [-r for r in rows]), torch.tensor([6.0]))
     wide = activations(5, 128, torch.bfloat16, seed=9)
     report("strided rows and columns", wide[::2, ::2], torch.tensor([3.0]))
+    report("no rows", activations(1, 64, torch.bfloat16, seed=3)[:0], torch.tensor([1.0]), [None])
     # An infinite global scale (input_scale 0): zero blocks get NaN scales, padding stays 0.
     report(
         "infinite global scale",
