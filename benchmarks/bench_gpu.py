@@ -16,11 +16,13 @@ dense and shared-expert MLPs, Qwen3-235B attention projections) and M from 1 to 
   the Triton kernel with its ``QUANT_BY_M`` tiles) on bf16 activations of (M, K), what the
   engines' W4A4 path on Hopper runs before every GEMM; timed the same way in a run of its own
   (activations rotated over their own input sets, so the GEMMs' timing is untouched; at
-  M <= 16 they fit L2 whatever the rotation, as in serving, where the layer before has just
-  written them), its bytes checked against the PyTorch path (``quantize_exact``).
+  M <= 16 the rotation's at most 64 sets leave them mostly in L2, as in serving, where the
+  layer before has just written them), its bytes checked against the PyTorch path
+  (``quantize_exact``).
   ``quantize_share_of_pick`` = quantize_us / the pick's time (target: at most 0.10 at
-  M <= 16); ``layer_us`` = quantize_us + the pick's time, the W4A4 layer an engine runs, and
-  ``layer_over_bf16`` = layer_us / bf16_us.
+  M <= 16); ``layer_us`` = quantize_us + the pick's time, the W4A4 layer an engine runs,
+  ``quantize_share_of_layer`` = quantize_us / layer_us and ``layer_over_bf16`` = layer_us /
+  bf16_us.
 
 Also: cold and warm tuning wall time for Llama-3.1-8B's shapes (cold first, with an empty
 Triton cache if the caller gave one, so JIT compile counts), and the warm-path overhead of
@@ -195,6 +197,7 @@ def quantizer_point(m: int, k: int, device: torch.device, row: dict) -> dict:
         "quantize_exact": exact,
         "quantize_share_of_pick": t.median_us / pick_us if pick_us else None,
         "layer_us": t.median_us + pick_us if pick_us else None,
+        "quantize_share_of_layer": t.median_us / (t.median_us + pick_us) if pick_us else None,
         "layer_over_bf16": (t.median_us + pick_us) / row["bf16_us"] if pick_us else None,
     }
     del xs, calls

@@ -11,8 +11,8 @@
 #          (python -m pytest --all); with 2 or more GPUs also fp4select.distributed over NCCL
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
-#   quant  benchmarks/quant_sweep.py (the activation quantizer's tilings, ~30-40 s), then the
-#          quantizer's tests marked gpu; not part of all
+#   quant  benchmarks/quant_sweep.py alone (the activation quantizer's tilings, checked and
+#          timed, about 30-40 s); not part of all (its tests marked gpu run in tests)
 #
 # Results and the log (gpu_run_<mode>_log.txt) go to $OUT (default benchmarks/results).
 # Exit status: non-zero if any step failed (the log says which).
@@ -64,8 +64,6 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
   fi
   if [ "$MODE" = quant ]; then
     step "quant_sweep.py" timeout 120 python3 benchmarks/quant_sweep.py --out "$OUT"
-    step "quantizer tests marked gpu" timeout 200 python3 -m pytest -m gpu -p no:cacheprovider \
-      -q -rs tests/test_hopper_gpu.py -k "quantizer or tiling"
   fi
   echo "== $(date -u +%FT%TZ) done; failed: ${failed[*]:-none}"
 } 2>&1 | tee "$OUT/gpu_run_${MODE}_log.txt"

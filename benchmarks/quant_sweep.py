@@ -7,8 +7,8 @@ grid's padding rows, even and odd elements loaded apart) is first checked byte f
 against the PyTorch path (``quantize_torch``, on the GPU), then all that passed are timed side
 by side as ``bench_gpu.py`` times the GEMMs (``timing.time_interleaved``: CUDA-graph replay,
 inputs rotated over as many sets as cold L2 asks, interleaved rounds, median). At M <= 16 the
-activations (at most 460 KB) stay in L2 whatever the rotation, as they do in serving, where
-the layer before has just written them.
+activations (at most 460 KB a set) stay mostly in L2 over the rotation's at most 64 sets, as
+they do in serving, where the layer before has just written them.
 
 Also the host time of one eager call (``eager_host_us``: the public ``fp4_quantize`` and the
 bare launch, M = 1). Prints one line per point (``table``, ``before``, the best) and, at the
@@ -67,11 +67,11 @@ PREFILL = [
     QuantConfig(bm, bc, w)
     for bm, bc, w in [(8, 16, 2), (16, 8, 4), (16, 16, 4), (32, 8, 4), (32, 16, 4), (32, 32, 8)]
 ]
-# Each change of the kernel on its own, at the table's tiles: paired loads, padding by tiles.
-ABLATIONS = ("pairs", "tiles-pad")
 
 
 def variants(m: int) -> dict[str, QuantConfig]:
+    """What runs at M: the table's choice, the kernel before the table, each change of the
+    kernel on its own at the table's tiles (paired loads; padding by tiles), the candidates."""
     table_cfg = quantize.config_for(m)
     out = {
         "table": table_cfg,
@@ -84,7 +84,7 @@ def variants(m: int) -> dict[str, QuantConfig]:
         ),
     }
     cap = 1 << (m - 1).bit_length()
-    seen = {(min(c.block_m, cap), c.block_c, c.num_warps) for c in (table_cfg,)}
+    seen = {(min(table_cfg.block_m, cap), table_cfg.block_c, table_cfg.num_warps)}
     for cfg in DECODE if m <= 16 else PREFILL:
         key = (min(cfg.block_m, cap), cfg.block_c, cfg.num_warps)
         if key not in seen:  # the same kernel and grid as one already listed
@@ -110,7 +110,8 @@ def point(m: int, k: int, device: torch.device) -> dict:
             exact[name] = f"error {type(exc).__name__}: {str(exc)[:200]}"
         if exact[name] is True:
             passed[name] = cfg
-    nbytes = m * k * 2 + m * k // 2 + quantize.scale_shape(m, k)[0] * quantize.scale_shape(m, k)[1]
+    rp, cp = quantize.scale_shape(m, k)
+    nbytes = m * k * 2 + m * k // 2 + rp * cp  # x, codes, scales
     xs = [x0] + [
         activations(m, k, device, seed=m + k + i)
         for i in range(1, timing.input_sets_for_cold_l2(device, nbytes, True))

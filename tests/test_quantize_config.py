@@ -66,6 +66,7 @@ def test_bench_gpu_times_the_quantizer_beside_the_pick_and_reports_its_share():
     assert row["quantize_share_of_pick"] == pytest.approx(row["quantize_us"] / 8.0)
     assert row["layer_us"] == pytest.approx(row["quantize_us"] + 8.0)
     assert row["layer_over_bf16"] == pytest.approx(row["layer_us"] / 16.0)
+    assert row["quantize_share_of_layer"] == pytest.approx(row["quantize_us"] / row["layer_us"])
     summary = bench_gpu.summarize([row], 1e12)["quantize_decode"]
     assert summary["rows"] == 1 and summary["share_of_pick_worst"] == row["quantize_share_of_pick"]
     assert summary["rows_over_target"] == int(row["quantize_share_of_pick"] > 0.10)
@@ -103,3 +104,20 @@ def test_the_sweep_runs_checks_and_suggests_a_table_under_the_interpreter(tmp_pa
     assert table[-1][0] is None and all(isinstance(c, q.QuantConfig) for _, c in table)
     assert q.config_for(1, table).label == record["suggested"]["1"]["config"]
     assert "QUANT_BY_M = (" in proc.stdout
+
+
+def test_the_serving_call_is_checked_without_creating_a_tensor():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    gs = torch.tensor([3.0])
+    assert q._check(x, gs) is gs  # attribute reads only: no torch op in eager mode
+    for other in (3.0, torch.tensor(3.0), torch.tensor([3.0], dtype=torch.float64)):
+        checked = q._check(x, other)
+        assert checked.dtype == torch.float32 and checked.shape == (1,) and float(checked) == 3.0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        q._check(torch.zeros(2, 40), gs)
+    with pytest.raises(TypeError, match="bfloat16"):
+        q._check(torch.zeros(2, 32, dtype=torch.float64), gs)
+    q.triton_available()
+    before = q.triton_available.cache_info().hits
+    q.triton_available()
+    assert q.triton_available.cache_info().hits == before + 1  # looked up once per process
