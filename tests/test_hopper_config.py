@@ -7,17 +7,19 @@ import dataclasses
 import torch
 
 from fp4select import settings, validate
+from fp4select.backends import hopper_configs as hc
+from fp4select.backends import hopper_tactics as ht
 from fp4select.backends import triton_hopper as th
 from fp4select.keys import Problem, m_bucket
 
 
 def test_each_m_gets_the_configuration_its_table_names():
-    assert th._for_m(th.GEMV_BY_M, 1) == th.GEMV_BY_M[0][1]
-    assert th._for_m(th.GEMV_BY_M, 5) == th.GEMV_BY_M[1][1]
-    assert th._for_m(th.MMA_BY_M, 16).block_t == 16
-    assert th._for_m(th.MMA_BY_M, 17).block_t == 32
-    assert th._for_m(th.MMA_BY_M, 33).block_t == 64
-    assert th._for_m(th.MMA_BY_M, 100_000) == th.MMA_BY_M[-1][1]
+    assert hc.for_m(hc.GEMV_BY_M, 1) == hc.GEMV_BY_M[0][1]
+    assert hc.for_m(hc.GEMV_BY_M, 5) == hc.GEMV_BY_M[1][1]
+    assert hc.for_m(hc.MMA_BY_M, 16).block_t == 16
+    assert hc.for_m(hc.MMA_BY_M, 17).block_t == 32
+    assert hc.for_m(hc.MMA_BY_M, 33).block_t == 64
+    assert hc.for_m(hc.MMA_BY_M, 100_000) == hc.MMA_BY_M[-1][1]
 
 
 def test_split_k_aims_at_two_programs_per_sm():
@@ -40,14 +42,14 @@ def test_word_views_refuse_rows_that_are_not_aligned():
 
 
 def _record(cfg) -> dict:
-    return {"op": th.OP, "tactic": list(dataclasses.astuple(cfg)), "default": [0]}
+    return {"op": ht.OP, "tactic": list(dataclasses.astuple(cfg)), "default": [0]}
 
 
 def test_pin_runs_a_known_candidate_and_nothing_else():
-    for run, cfg in [(th.run_gemv, th.GEMV_TACTICS[2]), (th.run_mma, th.MMA_TACTICS[1][1][1])]:
-        pinned = th.pin(run, _record(cfg))
+    for run, cfg in [(th.run_gemv, hc.GEMV_TACTICS[2]), (th.run_mma, hc.MMA_TACTICS[1][1][1])]:
+        pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
-    known = list(dataclasses.astuple(th.GEMV_TACTICS[3]))  # (8, 64, 1)
+    known = list(dataclasses.astuple(hc.GEMV_TACTICS[3]))  # (8, 64, 1)
     for bad in (
         {"tactic": [8, 128, 3]},  # not a candidate: the record cannot invent a kernel
         {"tactic": [*known[:2], True]},  # equal to 1, but a bool read from disk is not an int
@@ -56,30 +58,30 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
         {},
         ["tactic"],
     ):
-        assert th.pin(th.run_gemv, bad) is th.run_gemv, bad
-    assert th.pin(th.run_gemv, _record(th.MMA_TACTICS[0][1][0])) is th.run_gemv
+        assert ht.pin(th.run_gemv, bad) is th.run_gemv, bad
+    assert ht.pin(th.run_gemv, _record(hc.MMA_TACTICS[0][1][0])) is th.run_gemv
 
 
 def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
-    assert th._for_m(th.GEMV_BY_M, 1) in th.GEMV_TACTICS
-    for limit, cfgs in th.MMA_TACTICS:
-        assert th._for_m(th.MMA_BY_M, limit) in cfgs
+    assert hc.for_m(hc.GEMV_BY_M, 1) in hc.GEMV_TACTICS
+    for limit, cfgs in hc.MMA_TACTICS:
+        assert hc.for_m(hc.MMA_BY_M, limit) in cfgs
         assert all(c.block_t <= max(16, limit) for c in cfgs), limit
 
 
 def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):
     problem = Problem(n=64, k=128, m_bucket=m_bucket(3))
     args = validate.make_inputs(problem, 3, "cpu", seed=1, with_reference=False).args(problem)
-    record = th.tune(th.run_gemv, problem, args, name="hopper-gemv")
-    default = list(dataclasses.astuple(th._for_m(th.GEMV_BY_M, 3)))
+    record = ht.tune(th.run_gemv, problem, args, name="hopper-gemv")
+    default = list(dataclasses.astuple(hc.for_m(hc.GEMV_BY_M, 3)))
     assert record["tactic"] == record["default"] == default
     assert record["reason"] == "tuned on CUDA only"
     monkeypatch.setenv("FP4SELECT_TACTICS", "default:hopper-gemv")
     settings.use(None)
     try:
-        record = th.tune(th.run_gemv, problem, args, name="hopper-gemv")
+        record = ht.tune(th.run_gemv, problem, args, name="hopper-gemv")
         assert record["reason"] == "FP4SELECT_TACTICS=default:hopper-gemv"
-        other = th.tune(th.run_mma, problem, args, name="hopper-mma")
+        other = ht.tune(th.run_mma, problem, args, name="hopper-mma")
         assert other["reason"] == "tuned on CUDA only"
     finally:
         monkeypatch.delenv("FP4SELECT_TACTICS")

@@ -27,20 +27,23 @@ Design rules:
 
 from __future__ import annotations
 
-import functools
 import math
-import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import astuple, dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from fp4select import settings as settings_mod
-from fp4select.backends import triton_fp4
+from fp4select.backends import hopper_tactics, triton_fp4
 from fp4select.backends.base import Backend, Capabilities, Runner
-from fp4select.backends.flashinfer_tactics import untuned_by_setting
+from fp4select.backends.hopper_configs import (
+    _SHIFTS,
+    GEMV_BY_M,
+    MMA_BY_M,
+    PREFILL,
+    GemvConfig,
+    MmaConfig,
+    for_m,
+)
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
@@ -60,55 +63,6 @@ def kernels() -> Any:
 
 def why_unavailable(env: Mapping[str, Any]) -> str | None:
     return triton_fp4.why_unavailable(env)
-
-
-_SHIFTS = 128  # the longest step, in words, that a kernel reads a shift table for
-
-
-def _check_step(words: int) -> None:
-    """A step must cover whole scale words (8 data words) and fit the shift table."""
-    if words % 8 or not 8 <= words <= _SHIFTS:
-        raise ValueError(f"words_per_step must be a multiple of 8 in 8..{_SHIFTS}, got {words}")
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    rows_per_program: int
-    blocks_per_step: int
-    num_warps: int
-
-
-@dataclass(frozen=True)
-class MmaConfig:
-    block_n: int
-    block_t: int
-    words_per_step: int
-    num_warps: int
-    num_stages: int
-    split: int = 0  # K split across programs; 0: choose from the SM count
-    group: int = 8  # weight tiles visited together, sharing activation tiles in L2
-
-    def __post_init__(self) -> None:
-        _check_step(self.words_per_step)
-
-
-# Chosen per M from benchmarks/hopper_sweep.py on the H200 (results/hopper_sweep.json): the
-# fastest configuration at N x K = 8192 x 8192, 28672 x 4096 and 4096 x 14336, or within 3%.
-GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1)))
-MMA_BY_M = (
-    (16, MmaConfig(128, 16, 16, 4, 3)),
-    (32, MmaConfig(64, 32, 16, 4, 3)),
-    (64, MmaConfig(64, 64, 16, 4, 3)),
-    (None, MmaConfig(128, 128, 16, 8, 3)),
-)
-PREFILL = MmaConfig(128, 128, 16, 8, 4, split=1)
-
-
-def _for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
-    for limit, cfg in table:
-        if limit is None or m <= limit:
-            return cfg
-    return table[-1][1]
 
 
 def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -181,7 +135,7 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         return c.out
     if a64 is None or w64 is None:
         return _fallback(args)
-    cfg = cfg or _for_m(GEMV_BY_M, c.m)
+    cfg = cfg or for_m(GEMV_BY_M, c.m)
     k = kernels()
     k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
         a64,
@@ -314,7 +268,7 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
 
 def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     """``hopper-mma``: mm_fp4's positional order (without backend)."""
-    return _run_planes(args, "hopper-mma", cfg or _for_m(MMA_BY_M, _rows(args)))
+    return _run_planes(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
 
 
 def run_prefill(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
@@ -325,147 +279,6 @@ def run_prefill(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
 def _rows(args: tuple[Any, ...]) -> int:
     a = args[0]
     return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
-
-
-# -- tactics: the configuration each shape runs at, chosen when the backend is probed --------
-#
-# The tables above hold one configuration per range of M, chosen at three shapes; the best one
-# differs by shape (the H200 sweeps: up to a fifth). Like flashinfer's autotuner, the probe times
-# a few candidates at the bucket's top M and the winner is stored with the decision as data:
-# ``{"tactic": [ints], "default": [ints]}``. ``pin`` accepts only a configuration from the
-# candidate lists below, so a record read from disk can choose among known kernels, never
-# name a new one.
-
-OP = "hopper"
-GEMV_TACTICS = (
-    GemvConfig(8, 128, 2),
-    GemvConfig(4, 128, 2),
-    GemvConfig(4, 256, 4),
-    GemvConfig(8, 64, 1),
-)
-MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
-    (
-        16,
-        (MmaConfig(128, 16, 16, 4, 3), MmaConfig(64, 16, 32, 4, 3), MmaConfig(64, 16, 16, 4, 3, 4)),
-    ),
-    (32, (MmaConfig(64, 32, 16, 4, 3), MmaConfig(128, 32, 16, 8, 3))),
-    (64, (MmaConfig(64, 64, 16, 4, 3), MmaConfig(128, 64, 16, 8, 3))),
-    (
-        128,
-        (MmaConfig(128, 128, 16, 8, 3), MmaConfig(128, 64, 16, 8, 3), MmaConfig(64, 64, 16, 4, 3)),
-    ),
-)
-_TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call
-
-
-def _candidates(run: Callable[..., Any], m: int) -> tuple[Any, ...]:
-    if run is run_gemv:
-        return GEMV_TACTICS
-    if run is run_mma:
-        for limit, cfgs in MMA_TACTICS:
-            if m <= limit:
-                return cfgs
-        return MMA_TACTICS[-1][1]
-    return ()
-
-
-def _default(run: Callable[..., Any], m: int) -> Any:
-    return _for_m(GEMV_BY_M, m) if run is run_gemv else _for_m(MMA_BY_M, m)
-
-
-def _time_us(calls: Sequence[Callable[[], Any]], device: torch.device, budget_s: float) -> float:
-    """Median of a few CUDA-event samples, each call taking the next input set in turn."""
-    calls[0]()  # compile, and the first launch's cost, out of the samples
-    torch.cuda.synchronize(device)
-    samples: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for call in calls:
-            call()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(calls))  # ms per round -> us per call
-    return statistics.median(samples)
-
-
-def _input_copies(args: Sequence[Any], device: torch.device) -> list[tuple[Any, ...]]:
-    """``args`` and copies of its weight, enough that the weight is read from HBM, not L2."""
-    b = args[1]
-    per_set = b.numel() * b.element_size()
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
-    copies = max(0, min(3, math.ceil(2 * l2 / max(per_set, 1)) - 1))
-    sets = [tuple(args)]
-    for _ in range(copies):
-        sets.append((args[0], b.clone(), args[2], args[3].clone(), *args[4:]))
-    return sets
-
-
-def tune(
-    runner: Callable[..., Any],
-    problem: Any,
-    args: Sequence[Any],
-    *,
-    name: str | None = None,
-    progress: Callable[[], None] | None = None,
-) -> dict[str, Any]:
-    """Time each candidate configuration at these arguments; the record of the fastest.
-
-    ``FP4SELECT_TACTICS=default`` (or ``default:NAME``) and batch-invariant problems keep the
-    table's configuration; so does a CPU tensor (the interpreter's tests). Candidates left past
-    ``FP4SELECT_TUNE_TIMEOUT_S`` are not timed.
-    """
-    a = args[0]
-    m = int(a.shape[0])
-    run = getattr(runner, "func", runner)
-    default = _default(run, m)
-    record: dict[str, Any] = {
-        "op": OP,
-        "tactic": list(astuple(default)),
-        "default": list(astuple(default)),
-    }
-    try:
-        settings = settings_mod.current()
-    except ValueError as exc:
-        return record | {"reason": f"{exc}; not tuned"}
-    if untuned_by_setting(settings.tactics, name):
-        return record | {"reason": f"FP4SELECT_TACTICS={settings.tactics}"}
-    if getattr(problem, "batch_invariant", False):
-        return record | {"reason": "batch-invariant problems keep the table's configuration"}
-    if a.device.type != "cuda" or not _candidates(run, m):
-        return record | {"reason": "tuned on CUDA only"}
-    sets = _input_copies(args, a.device)
-    started = time.perf_counter()
-    timed: dict[str, float] = {}
-    best, best_us = default, math.inf
-    for cfg in _candidates(run, m):
-        if time.perf_counter() - started > settings.tune_timeout_s:
-            record["reason"] = (
-                f"stopped after {settings.tune_timeout_s:g} s (FP4SELECT_TUNE_TIMEOUT_S)"
-            )
-            break
-        if progress is not None:
-            progress()
-        calls = [functools.partial(run, *s, cfg=cfg) for s in sets]
-        us = _time_us(calls, a.device, _TUNE_BUDGET_S)
-        timed[" ".join(map(str, astuple(cfg)))] = round(us, 2)
-        if us < best_us:
-            best, best_us = cfg, us
-    return record | {"tactic": list(astuple(best)), "timed_us": timed}
-
-
-def pin(runner: Callable[..., Any], record: Mapping[str, Any]) -> Callable[..., Any]:
-    """``runner`` at the record's configuration, if it is one of the candidates; else as is."""
-    run = getattr(runner, "func", runner)
-    wanted = record.get("tactic") if isinstance(record, Mapping) else None
-    if not isinstance(wanted, list) or not all(type(v) is int for v in wanted):
-        return runner
-    known = GEMV_TACTICS if run is run_gemv else tuple(c for _, cs in MMA_TACTICS for c in cs)
-    for cfg in known:
-        if list(astuple(cfg)) == wanted:
-            return functools.partial(run, cfg=cfg)
-    return runner
 
 
 def _caps(max_m: int | None) -> Capabilities:
@@ -501,8 +314,8 @@ BACKENDS: tuple[Backend, ...] = (
         preference=180,
         family=FAMILY,
         description="NVFP4 GEMV for M <= 8: table decode of whole words, exact dp4a dot products",
-        tune=tune,
-        pin=pin,
+        tune=hopper_tactics.tune,
+        pin=hopper_tactics.pin,
     ),
     Backend(
         name="hopper-mma",
@@ -512,8 +325,8 @@ BACKENDS: tuple[Backend, ...] = (
         preference=185,
         family=FAMILY,
         description="NVFP4 tensor-core GEMM for M <= 128, operands swapped, split-K",
-        tune=tune,
-        pin=pin,
+        tune=hopper_tactics.tune,
+        pin=hopper_tactics.pin,
     ),
     Backend(
         name="hopper-prefill",
