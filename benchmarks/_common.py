@@ -74,3 +74,18 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
     from fp4select.cli._common import table as _table
 
     return _table([[str(c) for c in r] for r in rows], header)
+
+
+def activations(m: int, k: int, device: torch.device, seed: int) -> torch.Tensor:
+    """bf16 ``(m, k)`` activations as LLM hidden states have them: channels whose scales span
+    four decades, and one channel in 64 an outlier 60x larger (as tests/test_quantize.py)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scale = torch.logspace(-3, 1, k, device=device)[torch.randperm(k, generator=g, device=device)]
+    scale[torch.randperm(k, generator=g, device=device)[: max(1, k // 64)]] *= 60.0
+    x = torch.randn(m, k, generator=g, device=device) * scale
+    return x.to(torch.bfloat16)
+
+
+def calibrated_scale(x: torch.Tensor) -> torch.Tensor:
+    """flashinfer's global scale for ``x``, as a calibrated checkpoint's ``1 / input_scale``."""
+    return (448.0 * 6.0 / x.abs().max().float()).reshape(1)

@@ -11,7 +11,18 @@ dense and shared-expert MLPs, Qwen3-235B attention projections) and M from 1 to 
 * ``bf16_us``: cuBLAS bf16 ``a @ w.T`` on already-dequantized operands, timed the same way;
 * ``picked``: what fp4select's selector chooses (the real Selector, isolation inprocess, timing
   budget --budget-s per key); ``oracle``: the fastest in ``backend_us``; ``regret`` = time of the
-  pick / time of the oracle, both from ``backend_us``.
+  pick / time of the oracle, both from ``backend_us``;
+* ``quantize_us``: fp4select's NVFP4 activation quantizer (``fp4select.quantize.fp4_quantize``,
+  the Triton kernel with its ``QUANT_BY_M`` tiles) on bf16 activations of (M, K), what the
+  engines' W4A4 path on Hopper runs before every GEMM; timed the same way in a run of its own
+  (activations rotated over their own input sets, so the GEMMs' timing is untouched; at
+  M <= 16 the rotation's at most 64 sets leave them mostly in L2, as in serving, where the
+  layer before has just written them), its bytes checked against the PyTorch path
+  (``quantize_exact``).
+  ``quantize_share_of_pick`` = quantize_us / the pick's time (target: at most 0.10 at
+  M <= 16); ``layer_us`` = quantize_us + the pick's time, the W4A4 layer an engine runs,
+  ``quantize_share_of_layer`` = quantize_us / layer_us and ``layer_over_bf16`` = layer_us /
+  bf16_us.
 
 Also: cold and warm tuning wall time for Llama-3.1-8B's shapes (cold first, with an empty
 Triton cache if the caller gave one, so JIT compile counts), and the warm-path overhead of
@@ -36,10 +47,10 @@ import traceback
 from pathlib import Path
 
 import torch
-from _common import dumps, machine
+from _common import activations, calibrated_scale, dumps, machine, table
 
 import fp4select
-from fp4select import formats, timing, validate
+from fp4select import formats, quantize, timing, validate
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
 
@@ -157,7 +168,40 @@ def measure_point(
     }
     for d in dq:
         del d
+    try:
+        row.update(quantizer_point(m, k, device, row))
+    except Exception:  # the GEMMs' row stands without it
+        row["quantize_error"] = traceback.format_exc()
+        print(f"quantizer at M={m} K={k} failed:\n{row['quantize_error']}")
     return row
+
+
+def quantizer_point(m: int, k: int, device: torch.device, row: dict) -> dict:
+    """The activation quantizer at (M, K), timed as the GEMMs are, and its share of the layer."""
+    x0 = activations(m, k, device, seed=m + k)
+    gs = calibrated_scale(x0)
+    a, sf = quantize.fp4_quantize(x0, gs)
+    ref_a, ref_sf = quantize.quantize_torch(x0, gs)
+    exact = torch.equal(a, ref_a) and torch.equal(sf.view(torch.uint8), ref_sf.view(torch.uint8))
+    rp, cp = quantize.scale_shape(m, k)
+    sets_n = timing.input_sets_for_cold_l2(device, m * k * 2 + m * k // 2 + rp * cp, True)
+    xs = [x0] + [activations(m, k, device, seed=m + k + i) for i in range(1, sets_n)]
+    calls = {"quantize": [functools.partial(quantize.fp4_quantize, x, gs) for x in xs]}
+    timings, _ = timing.time_interleaved(calls, device, ORACLE)
+    t = timings["quantize"]
+    pick_us = row["backend_us"].get(row["picked"])
+    out = {
+        "quantize_us": t.median_us,
+        "quantize_spread": [t.p10_us, t.p90_us],
+        "quantize_config": quantize.config_for(m).label,
+        "quantize_exact": exact,
+        "quantize_share_of_pick": t.median_us / pick_us if pick_us else None,
+        "layer_us": t.median_us + pick_us if pick_us else None,
+        "quantize_share_of_layer": t.median_us / (t.median_us + pick_us) if pick_us else None,
+        "layer_over_bf16": (t.median_us + pick_us) / row["bf16_us"] if pick_us else None,
+    }
+    del xs, calls
+    return out
 
 
 def cold_and_warm(device: torch.device, budget_s: float) -> dict:
@@ -339,7 +383,24 @@ def summarize(rows: list[dict], bw: float) -> dict:
                     "bf16_over_best": r["bf16_us"] / best,
                 }
             )
+    decode_quant = [r for r in rows if r["m"] <= 16 and r.get("quantize_share_of_pick") is not None]
+    shares = [r["quantize_share_of_pick"] for r in decode_quant]
     return {
+        "quantize_decode": {
+            "rows": len(decode_quant),
+            "share_of_pick_worst": max(shares, default=None),
+            "share_of_pick_median": statistics.median(shares) if shares else None,
+            "rows_over_target": sum(s > 0.10 for s in shares),
+            "quantize_us_range": [
+                min((r["quantize_us"] for r in decode_quant), default=None),
+                max((r["quantize_us"] for r in decode_quant), default=None),
+            ],
+            "layer_over_bf16_range": [
+                min((r["layer_over_bf16"] for r in decode_quant), default=None),
+                max((r["layer_over_bf16"] for r in decode_quant), default=None),
+            ],
+        },
+        "quantize_all_exact": all(r.get("quantize_exact", True) for r in rows),
         "points": len(rows),
         "regret_geomean": geomean(regrets),
         "regret_worst": max(regrets) if regrets else None,
@@ -356,6 +417,7 @@ def summarize(rows: list[dict], bw: float) -> dict:
             "prefill_bf16_over_best": 0.85,
             "regret_geomean": 1.02,
             "regret_worst": 1.10,
+            "quantize_share_of_pick_at_m16": 0.10,
         },
     }
 
@@ -382,6 +444,7 @@ def main() -> None:
         "oracle_timing": ORACLE.to_json(),
         "alpha": "scalar",
         "format": "nvfp4, 128x4 scales, plain b, bf16 out",
+        "quantize_table": [[lim, cfg.label] for lim, cfg in quantize.QUANT_BY_M],
     }
     if not args.skip_cold:
         try:
@@ -420,7 +483,10 @@ def main() -> None:
                 )
                 print(
                     f"{label:34s} M={m:5d} floor={row['floor_us']:8.1f} bf16={row['bf16_us']:8.1f} "
-                    f"picked={row['picked']} regret={row['regret'] or 0:.3f} | {best}",
+                    f"picked={row['picked']} regret={row['regret'] or 0:.3f} "
+                    f"quant={row.get('quantize_us') or float('nan'):6.2f} "
+                    f"({_pct(row.get('quantize_share_of_pick'))} of pick, "
+                    f"layer/bf16 {row.get('layer_over_bf16') or float('nan'):.2f}) | {best}",
                     flush=True,
                 )
         record["rows"] = rows
@@ -439,8 +505,36 @@ def main() -> None:
         plot(rows, out_dir / f"{args.name}.png")
     except Exception:
         print("plot failed:", traceback.format_exc())
+    print(quantizer_table(rows))
     print(json.dumps(record["summary"], indent=1, default=str))
     print(f"wrote {path} in {record['seconds']:.0f} s")
+
+
+def quantizer_table(rows: list[dict]) -> str:
+    """The quantizer against the GEMM it feeds at M <= 16 (the issue's target's range)."""
+    header = ["shape", "M", "quant us", "pick", "pick us", "quant/pick", "layer us", "bf16 us"]
+    header += ["layer/bf16", "exact"]
+    body = [
+        [
+            r["shape"],
+            r["m"],
+            f"{r['quantize_us']:.2f}",
+            r["picked"],
+            f"{r['backend_us'].get(r['picked'], float('nan')):.2f}",
+            _pct(r["quantize_share_of_pick"]),
+            f"{r['layer_us']:.2f}" if r["layer_us"] else "-",
+            f"{r['bf16_us']:.2f}",
+            f"{r['layer_over_bf16']:.2f}" if r["layer_over_bf16"] else "-",
+            "yes" if r["quantize_exact"] else "NO",
+        ]
+        for r in rows
+        if "quantize_us" in r and r["m"] <= 16
+    ]
+    return table(body, header)
+
+
+def _pct(share: float | None) -> str:
+    return f"{100 * share:.0f}%" if share is not None else "-"
 
 
 def _version(dist: str) -> str | None:

@@ -4,13 +4,15 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|bench|all]      (default: all)
+#   bash benchmarks/gpu_run.sh [tests|bench|all|quant]      (default: all)
 #
 #   tests  the tests marked gpu, then the warm path's, the guard's, the C++ key's, batch
 #          invariance's and start-up's tests, which take CUDA tensors where there is a GPU
 #          (python -m pytest --all); with 2 or more GPUs also fp4select.distributed over NCCL
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
+#   quant  benchmarks/quant_sweep.py alone (the activation quantizer's tilings, checked and
+#          timed, about 30-40 s); not part of all (its tests marked gpu run in tests)
 #
 # Results and the log (gpu_run_<mode>_log.txt) go to $OUT (default benchmarks/results).
 # Exit status: non-zero if any step failed (the log says which).
@@ -59,6 +61,9 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
     if [ "$GPUS" -ge 2 ]; then
       step "bench_multi_gpu.py" timeout 300 python3 benchmarks/bench_multi_gpu.py --out "$OUT"
     fi
+  fi
+  if [ "$MODE" = quant ]; then
+    step "quant_sweep.py" timeout 120 python3 benchmarks/quant_sweep.py --out "$OUT"
   fi
   echo "== $(date -u +%FT%TZ) done; failed: ${failed[*]:-none}"
 } 2>&1 | tee "$OUT/gpu_run_${MODE}_log.txt"

@@ -1,10 +1,21 @@
 """The Triton kernel behind :func:`fp4select.quantize.fp4_quantize` (imported on first use).
 
-Each program takes ``BLOCK_M`` rows by ``BLOCK_C`` scale columns (16 values each) of the padded
-``(ceil128(M), ceil4(K/16))`` scale grid, loads the values as even and odd elements (the low
-and high nibble of each output byte), and writes the packed codes and every scale byte of its
-tile, padding included: masked loads read 0, a zero block gets scale 0, so the kernel fills
-the whole scale buffer and the caller allocates with ``torch.empty``.
+One launch writes both outputs whole: the packed codes and every byte of the padded
+``(ceil128(M), ceil4(K/16))`` 128x4-swizzled scale buffer, so the caller allocates with
+``torch.empty`` and no fill runs apart. The grid, for a :class:`fp4select.quantize.QuantConfig`:
+
+* ``(ceil(M / BLOCK_M), ceil(CP / BLOCK_C))`` quantizing programs, each ``BLOCK_M`` rows by
+  ``BLOCK_C`` scale columns (16 values each). With ``split`` a block's 16 values are loaded
+  as one contiguous run (vector loads) and split into even and odd elements (the low and high
+  nibble of each output byte) in registers; without it even and odd elements are loaded apart.
+* with ``pad_programs``, one more row of programs that only store the zero scales of the
+  padding rows ``M .. ceil128(M)`` (no load, no arithmetic): at decode sizes those are most of
+  the scale grid (127 of 128 rows at M = 1). Without it the quantizing tiles cover the padding
+  rows too and compute them from zeros (the kernel before 2026-12-01; kept for
+  ``benchmarks/quant_sweep.py``'s comparison).
+
+Padding bytes (rows >= M, columns >= K/16) are written as 0 whatever the global scale (an
+infinite one makes a zero block's scale NaN, never the padding's), as ``swizzle_sf`` pads.
 
 Rounding is spelled out in float32 and integer arithmetic, never a hardware conversion, so the
 Triton interpreter computes the same bits as the GPU:
@@ -20,11 +31,14 @@ Triton interpreter computes the same bits as the GPU:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from fp4select import formats
+if TYPE_CHECKING:
+    from fp4select.quantize import QuantConfig
 
 # The same constants as fp4select.quantize (which imports this module, so not from there).
 C_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))
@@ -67,7 +81,29 @@ def _e2m1(v):
 
 
 @triton.jit
-def _quantize_kernel(
+def _sf_offsets(r2, c2, CP):
+    """Byte offset of scale ``[r, c]`` in the 128x4-swizzled buffer of ``CP`` columns."""
+    return (
+        (r2 // 128).to(tl.int64) * CP * 128
+        + (c2 // 4) * 512
+        + (r2 % 32) * 16
+        + ((r2 % 128) // 32) * 4
+        + c2 % 4
+    )
+
+
+@triton.jit
+def _zero_padding_rows(sf_ptr, M, CP, cols, BLOCK_C: tl.constexpr):
+    """Scale rows ``M .. ceil128(M)`` of these columns: zeros (fewer than 128 rows)."""
+    r2 = M + tl.arange(0, 128)[:, None]
+    c2 = cols[None, :]
+    grid_rows = ((M + 127) // 128) * 128
+    zeros = tl.zeros((128, BLOCK_C), dtype=tl.uint8)
+    tl.store(sf_ptr + _sf_offsets(r2, c2, CP), zeros, mask=(r2 < grid_rows) & (c2 < CP))
+
+
+@triton.jit
+def _quantize_tile(
     x_ptr,
     gs_ptr,
     out_ptr,
@@ -77,20 +113,27 @@ def _quantize_kernel(
     stride_xm,
     stride_xk,
     CP,
+    pid_m,
+    cols,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_c = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     pairs = tl.arange(0, 8)
     r3 = rows[:, None, None]
-    k_even = cols[None, :, None] * 16 + 2 * pairs[None, None, :]
-    inside = (r3 < M) & (k_even < K)
+    c3 = cols[None, :, None]
+    KB = K // 16
+    inside = (r3 < M) & (c3 < KB)
     base = x_ptr + r3.to(tl.int64) * stride_xm
-    x_even = tl.load(base + k_even * stride_xk, mask=inside, other=0.0).to(tl.float32)
-    x_odd = tl.load(base + (k_even + 1) * stride_xk, mask=inside, other=0.0).to(tl.float32)
+    if SPLIT:
+        k16 = c3 * 16 + tl.arange(0, 16)[None, None, :]
+        x = tl.load(base + k16 * stride_xk, mask=inside, other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_C, 8, 2)))
+    else:
+        k_even = c3 * 16 + 2 * pairs[None, None, :]
+        x_even = tl.load(base + k_even * stride_xk, mask=inside, other=0.0).to(tl.float32)
+        x_odd = tl.load(base + (k_even + 1) * stride_xk, mask=inside, other=0.0).to(tl.float32)
 
     # amax over the 16 values, a NaN ignored unless all 16 are NaN (as the device's max.f32).
     a_even = tl.abs(x_even)
@@ -110,39 +153,80 @@ def _quantize_kernel(
     lo = _e2m1(x_even * inv3)
     hi = _e2m1(x_odd * inv3)
     packed = (lo | (hi << 4)).to(tl.uint8)
-    out_offs = r3.to(tl.int64) * (K // 2) + cols[None, :, None] * 8 + pairs[None, None, :]
+    out_offs = r3.to(tl.int64) * (K // 2) + c3 * 8 + pairs[None, None, :]
     tl.store(out_ptr + out_offs, packed, mask=inside)
 
-    # 128x4 swizzle of the scale grid, padding included.
+    # This tile's scales, swizzled; rows >= M and columns >= K/16 are padding: 0.
     r2 = rows[:, None]
     c2 = cols[None, :]
-    sf_offs = (
-        (r2 // 128).to(tl.int64) * CP * 128
-        + (c2 // 4) * 512
-        + (r2 % 32) * 16
-        + ((r2 % 128) // 32) * 4
-        + c2 % 4
-    )
+    sf_byte = tl.where((r2 < M) & (c2 < KB), sf_byte, 0).to(tl.uint8)
     grid_rows = ((M + 127) // 128) * 128
-    tl.store(sf_ptr + sf_offs, sf_byte.to(tl.uint8), mask=(r2 < grid_rows) & (c2 < CP))
+    tl.store(sf_ptr + _sf_offsets(r2, c2, CP), sf_byte, mask=(r2 < grid_rows) & (c2 < CP))
 
 
-def _tile(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_C, num_warps): decode-sized inputs spread over more programs."""
-    if m <= 16:
-        return 16, 8, 2
-    return 32, 16, 4
+# M and TILES_M change with every batch size: no recompile for their divisibility by 16.
+@triton.jit(do_not_specialize=["M", "TILES_M"])
+def _quantize_kernel(
+    x_ptr,
+    gs_ptr,
+    out_ptr,
+    sf_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    CP,
+    TILES_M,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PAD_PROGRAMS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if PAD_PROGRAMS and pid_m == TILES_M:
+        _zero_padding_rows(sf_ptr, M, CP, cols, BLOCK_C)
+    else:
+        _quantize_tile(
+            x_ptr,
+            gs_ptr,
+            out_ptr,
+            sf_ptr,
+            M,
+            K,
+            stride_xm,
+            stride_xk,
+            CP,
+            pid_m,
+            cols,
+            BLOCK_M,
+            BLOCK_C,
+            SPLIT,
+        )
 
 
-def quantize(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def grid(m: int, cp: int, cfg: QuantConfig) -> tuple[int, int, int]:
+    """(BLOCK_M, programs along rows, programs along scale columns) for an (m, ...) input."""
+    rp = -(-m // 128) * 128
+    if not cfg.pad_programs:
+        return cfg.block_m, -(-rp // cfg.block_m), -(-cp // cfg.block_c)
+    block_m = min(cfg.block_m, 1 << (m - 1).bit_length())  # no tile larger than M needs
+    tiles = -(-m // block_m)
+    return block_m, tiles + (rp > m), -(-cp // cfg.block_c)
+
+
+def quantize(
+    x: torch.Tensor, gs: torch.Tensor, cfg: QuantConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (M, K) bf16/fp16/fp32, ``gs`` one float32 element on x's device."""
     m, k = x.shape
-    rp, cp = formats.padded_sf_shape(m, k // 16, "128x4")
+    rp, cp = -(-m // 128) * 128, -(-k // 64) * 4
     out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     sf = torch.empty((rp, cp), dtype=torch.uint8, device=x.device)
-    block_m, block_c, warps = _tile(m)
-    grid = (triton.cdiv(rp, block_m), triton.cdiv(cp, block_c))
-    _quantize_kernel[grid](
+    if m == 0:  # nothing to write, and a grid of no programs is not a launch
+        return out, sf.view(torch.float8_e4m3fn)
+    block_m, programs_m, programs_c = grid(m, cp, cfg)
+    _quantize_kernel[(programs_m, programs_c)](
         x,
         gs,
         out,
@@ -152,8 +236,11 @@ def quantize(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         x.stride(0),
         x.stride(1),
         cp,
+        -(-m // block_m),
         BLOCK_M=block_m,
-        BLOCK_C=block_c,
-        num_warps=warps,
+        BLOCK_C=cfg.block_c,
+        SPLIT=cfg.split,
+        PAD_PROGRAMS=cfg.pad_programs,
+        num_warps=cfg.num_warps,
     )
     return out, sf.view(torch.float8_e4m3fn)

@@ -34,7 +34,10 @@ Design rules:
   arithmetic it spells out (no hardware conversion instruction), so the Triton interpreter on
   the CPU runs the same arithmetic as the GPU.
 * Capture-safe: no ``.item()``, no host sync, no allocation but the two outputs; the global
-  scale is read on the device.
+  scale is read on the device. One launch per call: the kernel writes the scale buffer's
+  padding itself.
+* The kernel's tiles are chosen by M from :data:`QUANT_BY_M` (as ``hopper-*``'s tables in
+  ``fp4select.backends.triton_hopper``), set from ``benchmarks/quant_sweep.py`` on the GPU.
 * ``fp4select.formats.quantize_nvfp4`` is the codec the selector's tests use; it computes the
   scale as ``e4m3(gs * amax / 6)`` and the values as ``e2m1(x * gs / sf)``, a different order
   of roundings. Where no rounding happens (power-of-two scales) the two give the same bytes.
@@ -42,14 +45,25 @@ Design rules:
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fp4select import formats
 
-__all__ = ["BLOCK", "fp4_quantize", "quantize_torch", "scale_shape", "triton_available"]
+__all__ = [
+    "BLOCK",
+    "QUANT_BY_M",
+    "QuantConfig",
+    "config_for",
+    "fp4_quantize",
+    "quantize_torch",
+    "scale_shape",
+    "triton_available",
+]
 
 BLOCK = 16
 # float32(1/6): TransformerEngine and flashinfer multiply by the rounded reciprocal (0x3E2AAAAB).
@@ -61,12 +75,79 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _kernels: Any = None
 
 
+@dataclass(frozen=True)
+class QuantConfig:
+    """The Triton kernel's tiling (``fp4select._quantize_triton`` says what each field does).
+
+    ``block_m``: rows per program (with ``pad_programs``, at most M rounded up to a power of
+    two); ``block_c``: scale columns (16 values each) per program; ``num_warps``: per program;
+    ``split``: load each block's 16 values as one run and split them in registers (else even
+    and odd elements apart); ``pad_programs``: the scale grid's padding rows (up to a multiple
+    of 128) written by programs that only store zeros (else quantized from zeros by the tiles).
+    """
+
+    block_m: int
+    block_c: int
+    num_warps: int
+    split: bool = True
+    pad_programs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_c", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+
+    @property
+    def label(self) -> str:
+        flags = ("" if self.split else " pairs") + ("" if self.pad_programs else " tiles-pad")
+        return f"m{self.block_m} c{self.block_c} w{self.num_warps}{flags}"
+
+
+# (largest M, configuration), first match wins; None: any M. Not yet chosen on a GPU: each
+# thread holds one 16-byte vector of x (two above M = 16), and no program covers rows that do
+# not exist. Run benchmarks/quant_sweep.py on the H200 and set these from what it prints.
+QUANT_BY_M: tuple[tuple[int | None, QuantConfig], ...] = (
+    (1, QuantConfig(1, 16, 1)),
+    (2, QuantConfig(2, 8, 1)),
+    (16, QuantConfig(4, 8, 2)),
+    (None, QuantConfig(16, 8, 4)),
+)
+# The kernel as it was before QUANT_BY_M (tiles over the padding rows, even and odd elements
+# loaded apart): the sweep's baseline.
+QUANT_BEFORE: tuple[tuple[int | None, QuantConfig], ...] = (
+    (16, QuantConfig(16, 8, 2, split=False, pad_programs=False)),
+    (None, QuantConfig(32, 16, 4, split=False, pad_programs=False)),
+)
+
+
+def config_for(
+    m: int, table: tuple[tuple[int | None, QuantConfig], ...] = QUANT_BY_M
+) -> QuantConfig:
+    """The configuration ``table`` names for M rows."""
+    for limit, cfg in table:
+        if limit is None or m <= limit:
+            return cfg
+    return table[-1][1]
+
+
 def scale_shape(m: int, k: int) -> tuple[int, int]:
     """The 128x4-swizzled scale tensor's shape for an ``(m, k)`` input."""
     return formats.padded_sf_shape(m, k // BLOCK, "128x4")
 
 
 def _check(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
+    if (  # the serving call: checked with attribute reads only (eager mode pays for each op)
+        type(global_scale) is torch.Tensor
+        and global_scale.dtype == torch.float32
+        and global_scale.shape == (1,)
+        and global_scale.device == x.device
+        and x.dtype in _DTYPES
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and not x.shape[1] % BLOCK
+    ):
+        return global_scale
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
@@ -102,8 +183,9 @@ def quantize_torch(
     return packed, scales
 
 
+@functools.cache
 def triton_available() -> str | None:
-    """Why the Triton kernel cannot run here, or None."""
+    """Why the Triton kernel cannot run here, or None (looked up once per process)."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
@@ -125,19 +207,22 @@ def fp4_quantize(
     global_scale: torch.Tensor | float,
     *,
     implementation: str = "auto",
+    config: QuantConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``(M, K)`` activations to NVFP4 as flashinfer does (see the module docstring).
 
     Returns ``(a, a_descale)``: ``(M, K/2)`` uint8 codes and the ``(ceil128(M), ceil4(K/16))``
     128x4-swizzled ``float8_e4m3fn`` scales. ``implementation``: ``"auto"`` (the Triton kernel
     for a CUDA tensor, else PyTorch), ``"triton"`` or ``"torch"``. The Triton kernel also runs
-    on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
+    on CPU tensors under ``TRITON_INTERPRET=1`` (for tests). ``config``: the kernel's tiling
+    (default: :func:`config_for` M); every configuration computes the same bytes.
     """
-    if implementation not in ("auto", "triton", "torch"):
+    if implementation == "auto":
+        use_triton = x.is_cuda and triton_available() is None
+    elif implementation in ("triton", "torch"):
+        use_triton = implementation == "triton"
+    else:
         raise ValueError(f"implementation must be auto, triton or torch, got {implementation!r}")
-    use_triton = implementation == "triton" or (
-        implementation == "auto" and x.is_cuda and triton_available() is None
-    )
     if not use_triton:
         return quantize_torch(x, global_scale)
     gs = _check(x, global_scale)
@@ -145,4 +230,4 @@ def fp4_quantize(
         raise RuntimeError(
             "the Triton quantizer runs on CUDA tensors (or under TRITON_INTERPRET=1)"
         )
-    return _triton().quantize(x, gs)
+    return _triton().quantize(x, gs, config or config_for(x.shape[0]))

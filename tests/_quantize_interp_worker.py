@@ -1,7 +1,10 @@
 """Runs fp4select's Triton NVFP4 quantizer under Triton's CPU interpreter; one JSON line per case.
 
 TRITON_INTERPRET must be set before triton is imported, so tests/test_quantize.py runs this in
-its own process. Each case compares the kernel's bytes with fp4select.quantize.quantize_torch.
+its own process. Each case compares the kernel's bytes with fp4select.quantize.quantize_torch,
+under every configuration in CONFIGS (the tables', the kernel before them, and tilings that
+cover each code path: split or paired loads, padding rows by their own programs or by tiles,
+tiles larger than M and smaller than it).
 """
 
 from __future__ import annotations
@@ -31,19 +34,31 @@ def same(a, b) -> bool:
     return torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
 
 
-def report(case: str, x: torch.Tensor, gs: torch.Tensor) -> None:
-    kernel = q.fp4_quantize(x, gs, implementation="triton")
+CONFIGS = [
+    None,  # the table's choice for this M
+    *{cfg for _, cfg in q.QUANT_BY_M + q.QUANT_BEFORE},
+    q.QuantConfig(1, 16, 1),
+    q.QuantConfig(2, 16, 4, split=False),
+    q.QuantConfig(8, 32, 1),
+    q.QuantConfig(16, 4, 4, pad_programs=False),
+]
+
+
+def report(case: str, x: torch.Tensor, gs: torch.Tensor, configs=CONFIGS) -> None:
     torch_path = q.quantize_torch(x, gs)
-    print(
-        json.dumps(
-            {
-                "case": case,
-                "shape": list(x.shape),
-                "dtype": str(x.dtype),
-                "same": same(kernel, torch_path),
-            }
+    for cfg in configs:
+        kernel = q.fp4_quantize(x, gs, implementation="triton", config=cfg)
+        print(
+            json.dumps(
+                {
+                    "case": case,
+                    "config": cfg.label if cfg else "table",
+                    "shape": list(x.shape),
+                    "dtype": str(x.dtype),
+                    "same": same(kernel, torch_path),
+                }
+            )
         )
-    )
 
 
 def main() -> None:
@@ -59,8 +74,8 @@ def main() -> None:
         x = activations(m, k, dtype, seed=m + k)
         gs = (448.0 * 6.0 / x.abs().max().float()).reshape(1)
         report(f"{m}x{k}", x, gs)
-        report(f"{m}x{k}/saturating", x, gs * 4)
-        report(f"{m}x{k}/subnormal-scales", x, gs * 1e-3)
+        report(f"{m}x{k}/saturating", x, gs * 4, [None])
+        report(f"{m}x{k}/subnormal-scales", x, gs * 1e-3, [None])
     x = activations(4, 96, torch.float32, seed=1)
     x[0, :16] = 0.0
     x[0, 16] = -0.0
@@ -78,6 +93,28 @@ def main() -> None:
     report("ties", torch.stack(rows + [-r for r in rows]), torch.tensor([6.0]))
     wide = activations(5, 128, torch.bfloat16, seed=9)
     report("strided rows and columns", wide[::2, ::2], torch.tensor([3.0]))
+    report("no rows", activations(1, 64, torch.bfloat16, seed=3)[:0], torch.tensor([1.0]), [None])
+    # An infinite global scale (input_scale 0): zero blocks get NaN scales, padding stays 0.
+    report(
+        "infinite global scale",
+        activations(3, 80, torch.bfloat16, seed=4),
+        torch.tensor([float("inf")]),
+    )
+    # The kernel writes every output byte: allocations filled with 0xAB must not show through.
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(0xAB)
+
+    torch.empty = poisoned
+    try:
+        report(
+            "outputs allocated full of 0xAB",
+            activations(5, 208, torch.bfloat16, seed=5),
+            torch.tensor([9.0]),
+        )
+    finally:
+        torch.empty = empty
     # Plant: the scales laid out linearly instead of swizzled must not pass for the kernel's.
     x = activations(130, 128, torch.bfloat16, seed=2)
     gs = torch.tensor([10.0])

@@ -2,7 +2,8 @@
 Triton kernel) and the layer (quantize + ``best_mm_fp4``) at real layer shapes.
 
 Skipped where no CUDA device is visible. Needs torch and triton only (no flashinfer, no
-engine): ``PYTHONPATH=. python3 -m pytest -m gpu tests/test_hopper_gpu.py``.
+engine): ``PYTHONPATH=. python3 -m pytest -m gpu tests/test_hopper_gpu.py``. The quantizer's
+speed is measured by benchmarks/bench_gpu.py (against the GEMM) and quant_sweep.py (tilings).
 """
 
 from __future__ import annotations
@@ -67,6 +68,41 @@ def test_the_triton_quantizer_equals_the_torch_path_byte_for_byte(m, k):
         assert torch.equal(gpu_a, a) and torch.equal(
             gpu_sf.view(torch.uint8), a_sf.view(torch.uint8)
         )
+
+
+# Every code path of the kernel: the tables' tiles, the kernel before them, split and paired
+# loads, padding rows by programs of their own and by tiles, tiles larger and smaller than M.
+TILINGS = sorted(
+    {cfg for _, cfg in q.QUANT_BY_M + q.QUANT_BEFORE}
+    | {
+        q.QuantConfig(1, 16, 1),
+        q.QuantConfig(1, 32, 2),
+        q.QuantConfig(2, 16, 4, split=False),
+        q.QuantConfig(8, 32, 1),
+        q.QuantConfig(16, 4, 4, pad_programs=False),
+    },
+    key=lambda c: c.label,
+)
+
+
+@pytest.mark.parametrize("cfg", TILINGS, ids=lambda c: c.label.replace(" ", "-"))
+@pytest.mark.parametrize("m", [1, 3, 16, 130])
+def test_every_tiling_writes_every_output_byte_as_the_torch_path(monkeypatch, cfg, m):
+    k = 4112  # K/16 = 257: padding scale columns as well as padding rows
+    x = _activations(m, k, seed=m)
+    gs = (448.0 * 6.0 / x.abs().max().float()).reshape(1)
+    ref_a, ref_sf = q.quantize_torch(x, gs)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # a byte the kernel does not write shows as 0xAB
+        return empty(*args, **kwargs).fill_(0xAB)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    a, a_sf = q.fp4_quantize(x, gs, implementation="triton", config=cfg)
+    monkeypatch.undo()
+    assert a_sf.shape == q.scale_shape(m, k)
+    assert torch.equal(a, ref_a)
+    assert torch.equal(a_sf.view(torch.uint8), ref_sf.view(torch.uint8))
 
 
 def test_the_quantizer_captures_in_a_cuda_graph_and_reads_the_scale_on_the_device():

@@ -191,8 +191,21 @@ def test_the_triton_kernel_equals_the_torch_path_under_the_interpreter():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(results) >= 10
+    assert len(results) >= 100
     failed = [r for r in results if not r["same"]]
     assert not failed, failed
+    # Every code path ran: the table's tiles and the kernel before them, split and paired
+    # loads, padding rows by programs of their own and by the tiles, on every kind of input.
+    configs = {r["config"] for r in results if "config" in r}
+    assert {c.label for _, c in q.QUANT_BY_M + q.QUANT_BEFORE} <= configs
+    assert any("pairs" in c for c in configs) and any("pairs" not in c for c in configs)
+    assert any("tiles-pad" in c for c in configs) and any("tiles-pad" not in c for c in configs)
+    cases = {r["case"] for r in results}
+    assert {
+        "special values",
+        "ties",
+        "infinite global scale",
+        "outputs allocated full of 0xAB",
+    } <= cases
     # The planted mistake (scales written without the swizzle) must be caught.
     assert any(r["case"] == "plant" and not r["plant_same"] for r in results)
