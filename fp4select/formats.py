@@ -1,6 +1,6 @@
 """Bit-exact FP4 (NVFP4 / MXFP4) formats, scale-factor layouts and a reference GEMM.
 
-Why one file of ~560 lines: this docstring is the format's specification and the functions
+Why one file of ~590 lines: this docstring is the format's specification and the functions
 below are its executable definition, kept side by side; the codec, the layouts and the
 reference GEMM each read the others' rules.
 

@@ -1,6 +1,6 @@
 """The dense FP4 GEMM shapes (N, K) one tensor-parallel rank of a model runs, from its config.
 
-Why one file of ~550 lines: most of it is the per-family layer rules and their notes, and one
+Why one file of ~670 lines: most of it is the per-family layer rules and their notes, and one
 family's rules are checked against the others' (fused QKV, MLA, replicated KV heads); split,
 the table would be read in pieces. Reading the quantization config is ``quant_config``'s job.
 
@@ -37,9 +37,7 @@ Design rules:
 from __future__ import annotations
 
 import errno
-import json
 import os
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +45,7 @@ from typing import Any
 
 from fp4select.keys import M_BUCKETS, MAX_DIM, Problem, m_bucket
 from fp4select.quant_config import MODELOPT_QUANT_FILE, ModelConfigError, quant_scheme
+from fp4select.store._jsonfile import decode, read_named_file
 
 __all__ = [
     "KNOWN_ARCHITECTURES",
@@ -130,46 +129,16 @@ class ModelShapes:
 
 # -- reading ------------------------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
-    """A regular file of at most ``_MAX_CONFIG_BYTES``, as a JSON object (links followed:
-    Hugging Face caches link a snapshot's files to their blobs)."""
+    """A regular file of at most ``_MAX_CONFIG_BYTES``, as a strict JSON object, read as the
+    store reads a file the user named (links followed: Hugging Face caches link a snapshot's
+    files to their blobs)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        with os.fdopen(fd, "rb") as fh:
-            info = os.fstat(fh.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise ModelConfigError(f"{path} is {_kind(info.st_mode)}, not a regular file")
-            if info.st_size > _MAX_CONFIG_BYTES:
-                raise ModelConfigError(
-                    f"{path} is {info.st_size} bytes; a model config is far smaller"
-                )
-            raw = fh.read(_MAX_CONFIG_BYTES + 1)
-        if len(raw) > _MAX_CONFIG_BYTES:
-            raise ModelConfigError(f"{path} is over {_MAX_CONFIG_BYTES} bytes")
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        if isinstance(exc, ModelConfigError):
-            raise
-        raise ModelConfigError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelConfigError(f"{path} must hold a JSON object, found {type(data).__name__}")
-    return data
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+        obj, problem = decode(read_named_file(path, _MAX_CONFIG_BYTES))
+    except OSError as exc:  # not a regular file (Damage), too large, unreadable
+        raise ModelConfigError(f"cannot read {path}: {exc.strerror}") from None
+    if obj is None:
+        raise ModelConfigError(f"cannot read {path}: {problem}")
+    return obj
 
 
 def _exists(path: Path) -> bool:

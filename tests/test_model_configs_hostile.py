@@ -193,5 +193,5 @@ def test_a_fifo_is_refused_with_a_reason_never_skipped_or_waited_on(tmp_path, wh
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(MODELOPT))
     (tmp_path / which).unlink()
     os.mkfifo(tmp_path / which)
-    with pytest.raises(ModelConfigError, match=f"{which} is a FIFO, not a regular file"):
+    with pytest.raises(ModelConfigError, match=f"{which}: it is a FIFO, not a regular file"):
         shapes_from_path(tmp_path)

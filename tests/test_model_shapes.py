@@ -464,7 +464,7 @@ def test_bad_paths_and_files(tmp_path):
     with pytest.raises(ModelConfigError, match=r"without config\.json"):
         shapes_from_path(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ModelConfigError, match="must hold a JSON object"):
+    with pytest.raises(ModelConfigError, match="expected a JSON object, found array"):
         shapes_from_path(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="cannot read"):

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 
 from fp4select.settings import engine_setting
-from fp4select.store._warn import first_time
+from fp4select.store import first_time
 
 log = logging.getLogger("fp4select.integrations")
 

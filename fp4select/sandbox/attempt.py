@@ -33,6 +33,7 @@ import torch
 from fp4select.keys import Problem
 from fp4select.records import (
     FATAL_STATUSES,
+    MalformedRecord,
     ProbeOptions,
     ProbeResult,
     Report,
@@ -64,48 +65,29 @@ CHILD_STATUSES = frozenset(
 # Exactly what a child's ``Verdict.to_json`` holds: a child never gives a ``cause`` (only the
 # parent's candidate filter does), and an empty one is left out.
 _VERDICT_KEYS = frozenset(f.name for f in dataclasses.fields(Verdict)) - {"cause"}
-_TIMING_KEYS = frozenset(f.name for f in dataclasses.fields(Timing))
 _RESULT_KEYS = frozenset({"verdicts", "timings", "method", "seconds", "aborted"})
 # The last step of validation: a "passed" verdict for a backend that never reached it is forged.
 _LAST_VALIDATION_PHASE = "out="
 
 
 def _verdict_error(data: Any, names: Iterable[str], finished: set[str]) -> str | None:
-    if not isinstance(data, dict):
-        return f"a verdict must be an object, got {type(data).__name__}"
-    if set(data) != _VERDICT_KEYS:
+    """The record's own checks (``Verdict.from_json``), then what only a child's verdict for
+    this request must hold: exactly the fields it writes, a name the request gave, a status a
+    child may give, ``passed`` only after the last validation step."""
+    if isinstance(data, dict) and set(data) != _VERDICT_KEYS:
         return f"a verdict has the fields {sorted(_VERDICT_KEYS)}, got {sorted(data)}"
-    name = data["backend"]
-    if not isinstance(name, str) or name not in names:
-        return f"a verdict for {name!r}, which this request did not name"
-    if not isinstance(data["status"], str) or data["status"] not in CHILD_STATUSES:
-        return f"status {data['status']!r} is not one a child may give"
-    if not isinstance(data["reason"], str):
-        return "a verdict's reason must be a string"
-    if data["m"] is not None and not is_int(data["m"]):
-        return f"a verdict's m must be null or a count, got {data['m']!r}"
-    ratio = data["worst_ratio"]
-    if ratio is not None and not is_number(ratio):
-        return f"a verdict's worst_ratio must be null or a finite number >= 0, got {ratio!r}"
-    if data["deterministic"] not in (None, True, False):
-        return "a verdict's deterministic must be null or a boolean"
-    if not isinstance(data["detail"], dict):
-        return "a verdict's detail must be an object"
-    if data["status"] == Status.PASSED and name not in finished:
-        return f"a passed verdict for {name!r} before its {_LAST_VALIDATION_PHASE} step ran"
-    return None
-
-
-def _timing_error(name: str, data: Any) -> str | None:
-    if not isinstance(data, dict) or set(data) != _TIMING_KEYS:
-        return f"the timing of {name!r} is not a timing"
-    numbers = ("median_us", "p10_us", "p90_us")
-    if not all(is_number(data[k]) for k in numbers):
-        return f"the timing of {name!r} has a number that is not finite and >= 0"
-    if not all(is_int(data[k], 1) for k in ("samples", "calls_per_sample")):
-        return f"the timing of {name!r} has a count that is not a positive int"
-    if not isinstance(data["method"], str):
-        return f"the timing of {name!r} has no method"
+    try:
+        verdict = Verdict.from_json(data)
+    except MalformedRecord as exc:
+        return str(exc)
+    if verdict.backend not in names:
+        return f"a verdict for {verdict.backend!r}, which this request did not name"
+    if verdict.status not in CHILD_STATUSES:
+        return f"status {verdict.status.value!r} is not one a child may give"
+    if verdict.passed and verdict.backend not in finished:
+        return (
+            f"a passed verdict for {verdict.backend!r} before its {_LAST_VALIDATION_PHASE} step ran"
+        )
     return None
 
 
@@ -130,9 +112,10 @@ def _result_error(data: Any, names: frozenset[str], finished: set[str]) -> str |
     for name, timing in timings.items():
         if name not in verdicts or verdicts[name]["status"] != Status.PASSED:
             return f"a timing for {name!r}, which did not pass"
-        problem = _timing_error(name, timing)
-        if problem is not None:
-            return problem
+        try:
+            Timing.from_json(timing)
+        except MalformedRecord as exc:
+            return f"the timing of {name!r} is not a timing ({exc})"
     return None
 
 
