@@ -8,7 +8,8 @@ line per point (the best configuration of each family, bf16, and the ratio) and 
 ``benchmarks/results/hopper_sweep.json``. Used to choose each backend's configuration table;
 ``bench_gpu.py`` is the benchmark of record.
 
-    python benchmarks/hopper_sweep.py [--quick] [--shapes 8192x8192,...] [--ms 1,16,...]
+    python benchmarks/hopper_sweep.py [--shapes 8192x8192,...] [--ms 1,16,...]
+        [--families gemv,mma,prefill,old] [--name hopper_sweep]
 """
 
 from __future__ import annotations
@@ -39,54 +40,65 @@ GEMV = [
 MMA = [
     triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
     for bn, bt, bkw, w, st, sp in [
-        (128, 16, 32, 4, 3, 0),
-        (128, 16, 32, 4, 3, 4),
-        (128, 16, 32, 4, 3, 8),
-        (64, 16, 32, 4, 3, 4),
-        (64, 16, 32, 4, 3, 8),
+        (64, 16, 16, 4, 3, 0),
+        (64, 16, 16, 4, 4, 0),
+        (64, 16, 16, 4, 2, 0),
+        (64, 16, 32, 4, 3, 0),
+        (128, 16, 16, 4, 3, 0),
+        (128, 16, 32, 8, 3, 0),
+        (64, 16, 16, 4, 3, 1),
+        (64, 16, 16, 4, 3, 4),
         (64, 16, 16, 4, 3, 8),
-        (64, 32, 32, 4, 3, 4),
-        (64, 64, 32, 4, 3, 4),
-        (128, 64, 32, 8, 3, 4),
-        (64, 16, 32, 4, 2, 16),
+        (64, 16, 16, 4, 3, 16),
+        (64, 32, 16, 4, 3, 0),
+        (128, 32, 16, 8, 3, 0),
+        (64, 64, 16, 4, 3, 0),
+        (128, 64, 16, 8, 3, 0),
+        (128, 64, 16, 8, 4, 0),
+        (128, 128, 16, 8, 3, 0),
     ]
 ]
 PREFILL = [
-    triton_hopper.PrefillConfig(bn, bt, bkw, w, st, g)
+    triton_hopper.MmaConfig(bn, bt, bkw, w, st, 1, g)
     for bn, bt, bkw, w, st, g in [
         (128, 128, 16, 8, 3, 8),
-        (128, 128, 16, 8, 2, 8),
-        (64, 128, 16, 4, 3, 8),
+        (128, 128, 16, 8, 4, 8),
+        (128, 64, 16, 8, 4, 8),
+        (128, 64, 32, 8, 3, 8),
         (64, 64, 16, 4, 3, 8),
-        (128, 64, 16, 4, 3, 8),
+        (128, 128, 16, 8, 3, 16),
     ]
 ]
+FAMILIES = ("gemv", "mma", "prefill", "old")
 
 
-def variants(m: int) -> dict[str, functools.partial]:
+def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functools.partial]:
     out: dict[str, functools.partial] = {}
-    if m <= 8:
+    if m <= 8 and "gemv" in families:
         for c in GEMV:
             out[f"gemv r{c.rows_per_program} bk{c.blocks_per_step} w{c.num_warps}"] = (
                 functools.partial(triton_hopper.run_gemv, cfg=c)
             )
-    if 2 <= m <= 256:
+    if 2 <= m <= 256 and "mma" in families:
         for c in MMA:
             if c.block_t >= 2 * max(16, m) and c.block_t > 16:
                 continue
-            out[f"mma n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} s{c.split}"] = (
-                functools.partial(triton_hopper.run_mma, cfg=c)
-            )
-    if m >= 64:
+            out[
+                f"mma n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
+            ] = functools.partial(triton_hopper.run_mma, cfg=c)
+    if m >= 64 and "prefill" in families:
         for c in PREFILL:
-            out[f"prefill n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps}"] = (
-                functools.partial(triton_hopper.run_prefill, cfg=c)
-            )
-    old = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
+            out[
+                f"prefill n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} g{c.group}"
+            ] = functools.partial(triton_hopper.run_prefill, cfg=c)
+    old = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None} if "old" in families else {}
     for name, limit in old.items():
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
-    out["torch-dequant"] = torch_dequant.BACKEND.checked_runner_for(Problem(n=1, k=16, m_bucket=1))
+    if m >= 64 or "old" in families:
+        out["torch-dequant"] = torch_dequant.BACKEND.checked_runner_for(
+            Problem(n=1, k=16, m_bucket=1)
+        )
     return out
 
 
@@ -94,10 +106,10 @@ def family(name: str) -> str:
     return name.split(" ")[0]
 
 
-def point(n: int, k: int, m: int, device: torch.device) -> dict:
+def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...]) -> dict:
     problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
     first = validate.make_inputs(problem, m, device, seed=11, with_reference=m * n * k <= 2**34)
-    runs = variants(m)
+    runs = variants(m, families)
     verdicts = {}
     passed = {}
     for name, fn in runs.items():
@@ -139,6 +151,8 @@ def main() -> None:
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--time-limit-s", type=float, default=420)
+    parser.add_argument("--families", default=",".join(FAMILIES), help="of " + ",".join(FAMILIES))
+    parser.add_argument("--name", default="hopper_sweep", help="the JSON's file name, less .json")
     args = parser.parse_args()
     device = torch.device("cuda")
     started = time.perf_counter()
@@ -150,7 +164,7 @@ def main() -> None:
                 print(f"time limit: skipped {n}x{k} M={m}")
                 continue
             try:
-                row = point(n, k, m, device)
+                row = point(n, k, m, device, tuple(args.families.split(",")))
             except Exception:
                 print(f"{n}x{k} M={m} failed:\n{traceback.format_exc()}")
                 continue
@@ -186,7 +200,7 @@ def main() -> None:
         "timing": OPTIONS.to_json(),
         "rows": rows,
     }
-    path = Path(args.out) / "hopper_sweep.json"
+    path = Path(args.out) / f"{args.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(record))
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")

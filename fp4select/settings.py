@@ -383,6 +383,15 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
+def untuned_by_setting(mode: str, name: str | None) -> bool:
+    """Whether ``FP4SELECT_TACTICS`` (``tune``, ``default`` or ``default:a,b``) spares ``name``."""
+    if mode == "default":
+        return True
+    if mode.startswith("default:"):
+        return name is not None and name in mode.split(":", 1)[1].split(",")
+    return False
+
+
 _lock = threading.Lock()
 _current: Settings | None = None
 

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from fp4select import settings, validate
+from fp4select.backends import hopper_configs as hc
+from fp4select.backends import hopper_tactics as ht
 from fp4select.backends import triton_hopper as th
+from fp4select.keys import Problem, m_bucket
 
 
 def test_each_m_gets_the_configuration_its_table_names():
-    assert th._for_m(th.GEMV_BY_M, 1) == th.GEMV_BY_M[0][1]
-    assert th._for_m(th.GEMV_BY_M, 5) == th.GEMV_BY_M[1][1]
-    assert th._for_m(th.MMA_BY_M, 32).block_t == 16
-    assert th._for_m(th.MMA_BY_M, 33).block_t == 64
-    assert th._for_m(th.MMA_BY_M, 100_000) == th.MMA_BY_M[-1][1]
+    assert hc.for_m(hc.GEMV_BY_M, 1) == hc.GEMV_BY_M[0][1]
+    assert hc.for_m(hc.GEMV_BY_M, 5) == hc.GEMV_BY_M[1][1]
+    assert hc.for_m(hc.MMA_BY_M, 16).block_t == 16
+    assert hc.for_m(hc.MMA_BY_M, 17).block_t == 32
+    assert hc.for_m(hc.MMA_BY_M, 33).block_t == 64
+    assert hc.for_m(hc.MMA_BY_M, 100_000) == hc.MMA_BY_M[-1][1]
 
 
 def test_split_k_aims_at_two_programs_per_sm():
@@ -32,3 +39,50 @@ def test_word_views_refuse_rows_that_are_not_aligned():
     assert th._words(a[:, 1:], torch.int64) is None  # 4-byte rows from an odd offset
     words = th._words(torch.zeros((3, 32), dtype=torch.uint8), torch.int64)
     assert words is not None and words.shape == (3, 4)
+
+
+def _record(cfg) -> dict:
+    return {"op": ht.OP, "tactic": list(dataclasses.astuple(cfg)), "default": [0]}
+
+
+def test_pin_runs_a_known_candidate_and_nothing_else():
+    for run, cfg in [(th.run_gemv, hc.GEMV_TACTICS[2]), (th.run_mma, hc.MMA_TACTICS[1][1][1])]:
+        pinned = ht.pin(run, _record(cfg))
+        assert pinned.func is run and pinned.keywords == {"cfg": cfg}
+    known = list(dataclasses.astuple(hc.GEMV_TACTICS[3]))  # (8, 64, 1)
+    for bad in (
+        {"tactic": [8, 128, 3]},  # not a candidate: the record cannot invent a kernel
+        {"tactic": [*known[:2], True]},  # equal to 1, but a bool read from disk is not an int
+        {"tactic": [float(v) for v in known]},
+        {"tactic": "8 128 2"},
+        {},
+        ["tactic"],
+    ):
+        assert ht.pin(th.run_gemv, bad) is th.run_gemv, bad
+    assert ht.pin(th.run_gemv, _record(hc.MMA_TACTICS[0][1][0])) is th.run_gemv
+
+
+def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
+    assert hc.for_m(hc.GEMV_BY_M, 1) in hc.GEMV_TACTICS
+    for limit, cfgs in hc.MMA_TACTICS:
+        assert hc.for_m(hc.MMA_BY_M, limit) in cfgs
+        assert all(c.block_t <= max(16, limit) for c in cfgs), limit
+
+
+def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):
+    problem = Problem(n=64, k=128, m_bucket=m_bucket(3))
+    args = validate.make_inputs(problem, 3, "cpu", seed=1, with_reference=False).args(problem)
+    record = ht.tune(th.run_gemv, problem, args, name="hopper-gemv")
+    default = list(dataclasses.astuple(hc.for_m(hc.GEMV_BY_M, 3)))
+    assert record["tactic"] == record["default"] == default
+    assert record["reason"] == "tuned on CUDA only"
+    monkeypatch.setenv("FP4SELECT_TACTICS", "default:hopper-gemv")
+    settings.use(None)
+    try:
+        record = ht.tune(th.run_gemv, problem, args, name="hopper-gemv")
+        assert record["reason"] == "FP4SELECT_TACTICS=default:hopper-gemv"
+        other = ht.tune(th.run_mma, problem, args, name="hopper-mma")
+        assert other["reason"] == "tuned on CUDA only"
+    finally:
+        monkeypatch.delenv("FP4SELECT_TACTICS")
+        settings.use(None)

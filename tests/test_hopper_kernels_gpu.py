@@ -10,11 +10,13 @@ to the byte-wise kernel. Run on a GPU machine with
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from fp4select import validate
-from fp4select.backends import triton_hopper
+from fp4select.backends import hopper_configs, hopper_tactics, triton_hopper
 from fp4select.keys import Problem, m_bucket
 
 pytestmark = [
@@ -94,3 +96,35 @@ def test_graph_capture_and_replay_give_the_same_bits():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("n,k", [(520, 2064), (4096, 4096)])
+def test_every_tactic_candidate_matches_the_exact_reference(n, k):
+    cases = [
+        (triton_hopper.run_gemv, cfg, m) for cfg in hopper_configs.GEMV_TACTICS for m in (1, 5)
+    ]
+    low = 1
+    for limit, cfgs in hopper_configs.MMA_TACTICS:
+        cases += [(triton_hopper.run_mma, cfg, m) for cfg in cfgs for m in (low, limit)]
+        low = limit + 1
+    for run, cfg, m in cases:
+        problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")
+        inputs = validate.make_inputs(problem, m, "cuda", seed=m + k)
+        res = validate.check(run(*inputs.args(problem), cfg=cfg), inputs, problem.torch_out_dtype)
+        assert res.ok, (cfg, m, n, k, res.reason)
+
+
+def test_tuning_times_every_candidate_and_its_choice_is_exact():
+    for run, m in ((triton_hopper.run_gemv, 1), (triton_hopper.run_mma, 16)):
+        problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m))
+        inputs = validate.make_inputs(problem, m, "cuda", seed=3)
+        record = hopper_tactics.tune(run, problem, inputs.args(problem), name="x")
+        candidates = hopper_configs.candidates(
+            "gemv" if run is triton_hopper.run_gemv else "mma", m
+        )
+        assert len(record["timed_us"]) == len(candidates), record
+        assert all(us > 0 for us in record["timed_us"].values())
+        pinned = hopper_tactics.pin(run, record)
+        assert pinned.keywords["cfg"] in candidates
+        assert list(dataclasses.astuple(pinned.keywords["cfg"])) == record["tactic"]
+        assert validate.check(pinned(*inputs.args(problem)), inputs, problem.torch_out_dtype).ok

@@ -678,96 +678,13 @@ def gemv_dp4a(
 
 
 @triton.jit
-def _planes_dot(acc, wq, ws2, xq, xs2, ASM: tl.constexpr):
-    """acc (BN, BT) += decoded w (BN, BKW words) . decoded x (BT, BKW words), plane by plane."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
-    x0, x1, x2, x3, x4, x5, x6, x7 = word_to_f16(xq, xs2, ASM)
-    acc = tl.dot(w0, tl.trans(x0), acc)
-    acc = tl.dot(w1, tl.trans(x1), acc)
-    acc = tl.dot(w2, tl.trans(x2), acc)
-    acc = tl.dot(w3, tl.trans(x3), acc)
-    acc = tl.dot(w4, tl.trans(x4), acc)
-    acc = tl.dot(w5, tl.trans(x5), acc)
-    acc = tl.dot(w6, tl.trans(x6), acc)
-    acc = tl.dot(w7, tl.trans(x7), acc)
-    return acc
-
-
-@triton.jit
-def mma_swap(
-    a_ptr,  # int32 view of a: (M, K/8)
-    w_ptr,  # int32 view of the weight: (N, K/8)
-    sa_ptr,
-    sw_ptr,
-    alpha_ptr,
-    out_ptr,
-    part_ptr,
-    M,
-    N,
-    KW,  # K / 8: words per row
-    stride_am,  # in words
-    stride_wn,  # in words
-    stride_om,
-    stride_on,
-    cp,
-    iters_per_split,
-    alpha_value,
-    A_8X4: tl.constexpr,
-    ALPHA: tl.constexpr,
-    PARTIALS: tl.constexpr,
-    BN: tl.constexpr,  # weight rows per tile (the MMA's large side)
-    BT: tl.constexpr,  # tokens per tile (the MMA's small side)
-    BKW: tl.constexpr,  # words per step (8 * BKW values of K)
-    ASM: tl.constexpr,
-):
-    """Tensor-core product with the operands swapped: out^T = W . A^T.
-
-    The decoded weight tile is the dot's left operand, so N fills the MMA's 64-row side and
-    the tokens (few, in decode) its narrow side. Both operands are decoded from their packed
-    words in registers, once per tile; nothing decoded goes to memory.
-    """
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    rows_n = tl.where(offs_n < N, offs_n, 0)
-    rows_t = tl.where(offs_t < M, offs_t, 0)
-    kw = tl.arange(0, BKW)
-    w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
-    a_rows = a_ptr + rows_t[:, None].to(tl.int64) * stride_am
-    acc = tl.zeros((BN, BT), dtype=tl.float32)
-    for i in range(0, iters_per_split):
-        k = (pid_k * iters_per_split + i) * BKW + kw
-        k_ok = k < KW
-        wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
-        xq = tl.load(a_rows + k[None, :], mask=k_ok[None, :], other=0)
-        blk = tl.where(k_ok, k // 2, 0)
-        sw = tl.load(sw_ptr + sf_offset(rows_n[:, None], blk[None, :], cp, False))
-        sa = tl.load(sa_ptr + sf_offset(rows_t[:, None], blk[None, :], cp, A_8X4))
-        ws2 = e4m3_f16x2(sw.to(tl.uint8, bitcast=True).to(tl.int32))
-        xs2 = e4m3_f16x2(sa.to(tl.uint8, bitcast=True).to(tl.int32))
-        acc = _planes_dot(acc, wq, ws2, xq, xs2, ASM)
-    acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
-    mask_t = offs_t < M
-    mask = (offs_n[:, None] < N) & mask_t[None, :]
-    if PARTIALS:
-        ptrs = part_ptr + pid_k * M * N + offs_t[None, :] * N + offs_n[:, None]
-        tl.store(ptrs, acc, mask=mask)
-    else:
-        acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
-        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def decode_planes(
     a_ptr,  # int32 view of a: (M, K/8)
     sa_ptr,
-    out_ptr,  # float16 (M, XS) workspace, plane-major inside each step of 8 * BKW values
+    out_ptr,  # float16 (XK, MP) workspace: K-major, plane-major inside each step of 8 * BKW
     M,
+    MP,  # tokens rounded up to whole tiles: the workspace's row stride
     KW,
-    XS,  # the workspace's row stride: K rounded up to whole steps
     stride_am,
     cp,
     A_8X4: tl.constexpr,
@@ -775,7 +692,11 @@ def decode_planes(
     BKW: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """a -> float16 (value * 2**-14 * scale) in the plane order ``mma_planes`` reads."""
+    """a -> float16 (value * 2**-14 * scale) in the order ``mma_planes`` reads.
+
+    Every element of the workspace is written, zeros past M and past K, so that the main loop
+    reads whole tiles without masks (masks would stop its loads from being pipelined).
+    """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     k = tl.program_id(1) * BKW + tl.arange(0, BKW)
     ok = (rows < M)[:, None] & (k < KW)[None, :]
@@ -785,47 +706,57 @@ def decode_planes(
     sa = tl.load(sa_ptr + sf_offset(rows_c[:, None], blk[None, :], cp, A_8X4))
     s2 = e4m3_f16x2(sa.to(tl.uint8, bitcast=True).to(tl.int32))
     p0, p1, p2, p3, p4, p5, p6, p7 = word_to_f16(q, s2, ASM)
-    base = out_ptr + rows_c[:, None].to(tl.int64) * XS + tl.program_id(1) * BKW * 8
-    kk = tl.arange(0, BKW)[None, :]
-    tl.store(base + 0 * BKW + kk, p0, mask=ok)
-    tl.store(base + 1 * BKW + kk, p1, mask=ok)
-    tl.store(base + 2 * BKW + kk, p2, mask=ok)
-    tl.store(base + 3 * BKW + kk, p3, mask=ok)
-    tl.store(base + 4 * BKW + kk, p4, mask=ok)
-    tl.store(base + 5 * BKW + kk, p5, mask=ok)
-    tl.store(base + 6 * BKW + kk, p6, mask=ok)
-    tl.store(base + 7 * BKW + kk, p7, mask=ok)
+    kk = tl.program_id(1) * BKW * 8 + tl.arange(0, BKW)[None, :]
+    base = out_ptr + kk.to(tl.int64) * MP + rows[:, None]
+    live = (rows < MP)[:, None]
+    tl.store(base + (0 * BKW) * MP, p0, mask=live)
+    tl.store(base + (1 * BKW) * MP, p1, mask=live)
+    tl.store(base + (2 * BKW) * MP, p2, mask=live)
+    tl.store(base + (3 * BKW) * MP, p3, mask=live)
+    tl.store(base + (4 * BKW) * MP, p4, mask=live)
+    tl.store(base + (5 * BKW) * MP, p5, mask=live)
+    tl.store(base + (6 * BKW) * MP, p6, mask=live)
+    tl.store(base + (7 * BKW) * MP, p7, mask=live)
 
 
 @triton.jit
 def mma_planes(
-    x_ptr,  # float16 (M, XS) from decode_planes (same BKW)
+    x_ptr,  # float16 (XK, MP) from decode_planes (same BKW)
     w_ptr,  # int32 view of the weight: (N, K/8)
-    sw_ptr,
+    sw_ptr,  # int32 view of the weight's 128x4 scales: four blocks' scales per word
+    shift_ptr,  # int32 (BKW,): 8 * ((i // 2) % 4), the byte of a scale word for word i of a step
     alpha_ptr,
     out_ptr,
+    part_ptr,  # float32 (split, M, N) partial sums when PARTIALS
     M,
     N,
-    KW,
-    XS,
-    stride_wn,
+    KW,  # K / 8: words per row
+    MP,  # the workspace's row stride: M rounded up to whole BT tiles
+    stride_wn,  # in words
     stride_om,
     stride_on,
     cp,
+    iters_per_split,
     alpha_value,
     ALPHA: tl.constexpr,
-    BN: tl.constexpr,
-    BT: tl.constexpr,
-    BKW: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    BN: tl.constexpr,  # weight rows per tile (the MMA's large side)
+    BT: tl.constexpr,  # tokens per tile (the MMA's small side)
+    BKW: tl.constexpr,  # words per step (8 * BKW values of K)
     GROUP: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """Prefill: the weight decoded in the main loop, a read already decoded (``decode_planes``).
+    """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
+    the main loop, a read already decoded (``decode_planes``).
 
-    Swapped operands as in ``mma_swap``; tiles are visited in groups of GROUP weight tiles so
-    that consecutive programs share activation tiles in L2.
+    The decoded weight tile is the dot's left operand, so N fills the MMA's 64-row side and
+    the tokens (few, in decode) its narrow side; it is decoded in the registers the MMA reads,
+    so nothing decoded goes to memory. Program axis 1 splits K (partial sums reduced after);
+    tiles are visited in groups of GROUP weight tiles so that consecutive programs share
+    activation tiles in L2.
     """
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BN)
     grid_t = tl.cdiv(M, BT)
     in_group = GROUP * grid_t
@@ -836,32 +767,41 @@ def mma_planes(
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_t = pid_t * BT + tl.arange(0, BT)
     rows_n = tl.where(offs_n < N, offs_n, 0)
-    rows_t = tl.where(offs_t < M, offs_t, 0)
     kw = tl.arange(0, BKW)
+    # Loaded, not computed: Triton 3.6 decodes the weight straight into the MMA's register
+    # layout only when every input of the decode comes from memory; a value derived from
+    # tl.arange there sends the decoded tile through shared memory, one store per value.
+    shift = tl.load(shift_ptr + kw)[None, :]
     w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
-    x_rows = x_ptr + rows_t[:, None].to(tl.int64) * XS
+    x_cols = x_ptr + offs_t[None, :]  # no clamp: the workspace is whole tiles wide
     acc = tl.zeros((BN, BT), dtype=tl.float32)
-    for k0 in range(0, KW, BKW):
+    for i in range(0, iters_per_split):
+        k0 = (pid_k * iters_per_split + i) * BKW
         k = k0 + kw
         k_ok = k < KW
         wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
         blk = tl.where(k_ok, k // 2, 0)
-        sw = tl.load(sw_ptr + sf_offset(rows_n[:, None], blk[None, :], cp, False))
-        ws2 = e4m3_f16x2(sw.to(tl.uint8, bitcast=True).to(tl.int32))
+        # Scale words, not bytes: an 8-bit load also sends the decoded tile through shared memory.
+        sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
+        ws2 = e4m3_f16x2((sw >> shift) & 0xFF)
         w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
-        xb = x_rows + k0 * 8 + kw[None, :]
-        xm = k_ok[None, :]
-        acc = tl.dot(w0, tl.trans(tl.load(xb + 0 * BKW, mask=xm, other=0.0)), acc)
-        acc = tl.dot(w1, tl.trans(tl.load(xb + 1 * BKW, mask=xm, other=0.0)), acc)
-        acc = tl.dot(w2, tl.trans(tl.load(xb + 2 * BKW, mask=xm, other=0.0)), acc)
-        acc = tl.dot(w3, tl.trans(tl.load(xb + 3 * BKW, mask=xm, other=0.0)), acc)
-        acc = tl.dot(w4, tl.trans(tl.load(xb + 4 * BKW, mask=xm, other=0.0)), acc)
-        acc = tl.dot(w5, tl.trans(tl.load(xb + 5 * BKW, mask=xm, other=0.0)), acc)
-        acc = tl.dot(w6, tl.trans(tl.load(xb + 6 * BKW, mask=xm, other=0.0)), acc)
-        acc = tl.dot(w7, tl.trans(tl.load(xb + 7 * BKW, mask=xm, other=0.0)), acc)
-    acc = acc * 268435456.0
+        # Plane p of this step: rows k0 * 8 + p * BKW + (0..BKW) of the (XK, MP) workspace.
+        xb = x_cols + (k0 * 8 + kw)[:, None].to(tl.int64) * MP
+        acc = tl.dot(w0, tl.load(xb + (0 * BKW) * MP), acc)
+        acc = tl.dot(w1, tl.load(xb + (1 * BKW) * MP), acc)
+        acc = tl.dot(w2, tl.load(xb + (2 * BKW) * MP), acc)
+        acc = tl.dot(w3, tl.load(xb + (3 * BKW) * MP), acc)
+        acc = tl.dot(w4, tl.load(xb + (4 * BKW) * MP), acc)
+        acc = tl.dot(w5, tl.load(xb + (5 * BKW) * MP), acc)
+        acc = tl.dot(w6, tl.load(xb + (6 * BKW) * MP), acc)
+        acc = tl.dot(w7, tl.load(xb + (7 * BKW) * MP), acc)
+    acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
     mask_t = offs_t < M
-    acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
     mask = (offs_n[:, None] < N) & mask_t[None, :]
-    ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if PARTIALS:
+        ptrs = part_ptr + pid_k * M * N + offs_t[None, :] * N + offs_n[:, None]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
+        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

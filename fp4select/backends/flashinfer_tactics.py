@@ -554,15 +554,6 @@ def _fatal(exc: BaseException) -> bool:
     return any(marker in str(exc) for marker in _FATAL_MARKERS)
 
 
-def untuned_by_setting(mode: str, name: str | None) -> bool:
-    """Whether ``FP4SELECT_TACTICS`` (``tune``, ``default`` or ``default:a,b``) spares ``name``."""
-    if mode == "default":
-        return True
-    if mode.startswith("default:"):
-        return name is not None and name in mode.split(":", 1)[1].split(",")
-    return False
-
-
 class _TuneTimeout(RuntimeError):
     """Raised into flashinfer's profiling loop past the tuning time limit (a failed tactic)."""
 
@@ -693,7 +684,7 @@ def tune(
         if first_time(f"flashinfer tactics: {bad}"):
             log.error(bad)
         return {"op": OP, "tactic": None, "reason": bad}
-    if untuned_by_setting(mode, name):
+    if settings_mod.untuned_by_setting(mode, name):
         return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}={mode}"}
     if getattr(problem, "batch_invariant", False):
         return {"op": OP, "tactic": None, "reason": "batch-invariant problems are not tuned here"}

@@ -27,16 +27,23 @@ Design rules:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fp4select.backends import triton_fp4
+from fp4select.backends import hopper_tactics, triton_fp4
 from fp4select.backends.base import Backend, Capabilities, Runner
+from fp4select.backends.hopper_configs import (
+    _SHIFTS,
+    GEMV_BY_M,
+    MMA_BY_M,
+    PREFILL,
+    GemvConfig,
+    MmaConfig,
+    for_m,
+)
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
@@ -58,50 +65,6 @@ def why_unavailable(env: Mapping[str, Any]) -> str | None:
     return triton_fp4.why_unavailable(env)
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    rows_per_program: int
-    blocks_per_step: int
-    num_warps: int
-
-
-@dataclass(frozen=True)
-class MmaConfig:
-    block_n: int
-    block_t: int
-    words_per_step: int
-    num_warps: int
-    num_stages: int
-    split: int  # 0: choose from the SM count
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    block_n: int
-    block_t: int
-    words_per_step: int
-    num_warps: int
-    num_stages: int
-    group: int
-
-
-# Chosen per M from benchmarks/hopper_sweep.py on the H200 (results/hopper_sweep.json): the
-# fastest configuration at N x K = 8192 x 8192, 28672 x 4096 and 4096 x 14336, or within 3%.
-GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1)))
-MMA_BY_M = (
-    (32, MmaConfig(128, 16, 32, 4, 3, 0)),
-    (None, MmaConfig(128, 64, 32, 8, 3, 0)),
-)
-PREFILL = PrefillConfig(128, 64, 16, 4, 3, 8)
-
-
-def _for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
-    for limit, cfg in table:
-        if limit is None or m <= limit:
-            return cfg
-    return table[-1][1]
-
-
 def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The (rows, K/2) byte matrix ``t`` viewed as words of ``dtype``, or None if misaligned."""
     if t.dtype != torch.uint8:
@@ -110,6 +73,35 @@ def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return t.view(dtype)
     except RuntimeError:
         return None
+
+
+def _scale_words(scales: torch.Tensor) -> torch.Tensor | None:
+    """The swizzled scale bytes' storage viewed as int32 words, or None if it cannot be.
+
+    The kernels index the 128x4 layout from the data pointer, so only the storage matters:
+    ``scales`` may be the row-major tensor or its ``.T``.
+    """
+    raw = scales.view(torch.uint8)
+    if not raw.is_contiguous():
+        raw = raw.T
+    if not raw.is_contiguous() or raw.numel() % 4 or raw.data_ptr() % 4:
+        return None
+    return raw.reshape(-1).view(torch.int32)
+
+
+_shift_tables: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _shift_table(device: torch.device) -> torch.Tensor | None:
+    """int32 ``8 * ((i // 2) % 4)``: the byte of a scale word that word i of a step needs."""
+    key = (device.type, device.index)
+    table = _shift_tables.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # never copy to the device inside a graph capture
+        steps = torch.arange(_SHIFTS, dtype=torch.int32)
+        table = _shift_tables[key] = (8 * ((steps // 2) % 4)).to(device)
+    return table
 
 
 def _fallback(args: tuple[Any, ...]) -> torch.Tensor:
@@ -143,7 +135,7 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         return c.out
     if a64 is None or w64 is None:
         return _fallback(args)
-    cfg = cfg or _for_m(GEMV_BY_M, c.m)
+    cfg = cfg or for_m(GEMV_BY_M, c.m)
     k = kernels()
     k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
         a64,
@@ -184,17 +176,19 @@ def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
     return math.ceil(steps / per)
 
 
-def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
-    """``hopper-mma``: mm_fp4's positional order (without backend)."""
-    c, a32, w32 = _checked_words(args, "hopper-mma", torch.int32)
+def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tensor:
+    """a decoded once into float16 planes, then the weight decoded in the tensor-core loop."""
+    c, a32, w32 = _checked_words(args, name, torch.int32)
     b_descale, a8x4 = args[3], args[8]
     if c.m == 0 or c.n == 0:
         return c.out
-    if a32 is None or w32 is None:
+    sw32 = _scale_words(b_descale)
+    shifts = _shift_table(c.out.device)
+    if a32 is None or w32 is None or sw32 is None or shifts is None:
         return _fallback(args)
-    cfg = cfg or _for_m(MMA_BY_M, c.m)
     k = kernels()
     kw = c.kh // 4
+    bkw = cfg.words_per_step
     sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
     split = _mma_split(c.m, c.n, kw, cfg, sms)
     ws = c.out
@@ -204,32 +198,51 @@ def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
             split = 1
         else:
             ws = got
-    steps = k.cdiv(kw, cfg.words_per_step)
-    grid = (k.cdiv(c.n, cfg.block_n), k.cdiv(c.m, cfg.block_t), split)
-    k.mma_swap[grid](
+    per_split = k.cdiv(k.cdiv(kw, bkw), split)
+    steps = per_split * split  # what the programs read, past K included (zeros)
+    mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
+    # Per call, from the caching allocator (a graph capture takes it from the graph's pool).
+    x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
+    k.decode_planes[(k.cdiv(mp, 32), steps)](
         a32,
-        w32,
         c.a_descale,
-        b_descale,
+        x,
+        c.m,
+        mp,
+        kw,
+        a32.stride(0),
+        c.cp,
+        A_8X4=a8x4,
+        BR=32,
+        BKW=bkw,
+        ASM=ASM,
+        num_warps=4,
+    )
+    grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t), split)
+    k.mma_planes[grid](
+        x,
+        w32,
+        sw32,
+        shifts,
         c.alpha_ptr,
         c.out,
         ws,
         c.m,
         c.n,
         kw,
-        a32.stride(0),
+        mp,
         w32.stride(0),
         c.out.stride(0),
         c.out.stride(1),
         c.cp,
-        k.cdiv(steps, split),
+        per_split,
         c.alpha_value,
-        A_8X4=a8x4,
         ALPHA=c.alpha_kind,
         PARTIALS=split > 1,
         BN=cfg.block_n,
         BT=cfg.block_t,
-        BKW=cfg.words_per_step,
+        BKW=bkw,
+        GROUP=cfg.group,
         ASM=ASM,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -253,61 +266,19 @@ def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     return c.out
 
 
-def run_prefill(*args: Any, cfg: PrefillConfig = PREFILL) -> torch.Tensor:
+def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
+    """``hopper-mma``: mm_fp4's positional order (without backend)."""
+    return _run_planes(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
+
+
+def run_prefill(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     """``hopper-prefill``: mm_fp4's positional order (without backend)."""
-    c, a32, w32 = _checked_words(args, "hopper-prefill", torch.int32)
-    b_descale, a8x4 = args[3], args[8]
-    if c.m == 0 or c.n == 0:
-        return c.out
-    if a32 is None or w32 is None:
-        return _fallback(args)
-    k = kernels()
-    kw = c.kh // 4
-    bkw = cfg.words_per_step
-    xs = k.cdiv(kw, bkw) * bkw * 8
-    # Per call, from the caching allocator (a graph capture takes it from the graph's pool).
-    x = torch.empty((c.m, xs), dtype=torch.float16, device=c.out.device)
-    k.decode_planes[(k.cdiv(c.m, 32), k.cdiv(kw, bkw))](
-        a32,
-        c.a_descale,
-        x,
-        c.m,
-        kw,
-        xs,
-        a32.stride(0),
-        c.cp,
-        A_8X4=a8x4,
-        BR=32,
-        BKW=bkw,
-        ASM=ASM,
-        num_warps=4,
-    )
-    grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t),)
-    k.mma_planes[grid](
-        x,
-        w32,
-        b_descale,
-        c.alpha_ptr,
-        c.out,
-        c.m,
-        c.n,
-        kw,
-        xs,
-        w32.stride(0),
-        c.out.stride(0),
-        c.out.stride(1),
-        c.cp,
-        c.alpha_value,
-        ALPHA=c.alpha_kind,
-        BN=cfg.block_n,
-        BT=cfg.block_t,
-        BKW=bkw,
-        GROUP=cfg.group,
-        ASM=ASM,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return c.out
+    return _run_planes(args, "hopper-prefill", cfg or PREFILL)
+
+
+def _rows(args: tuple[Any, ...]) -> int:
+    a = args[0]
+    return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
 
 
 def _caps(max_m: int | None) -> Capabilities:
@@ -331,7 +302,7 @@ def make_runner_mma(problem: Problem) -> Runner:
 
 
 def make_runner_prefill(problem: Problem) -> Runner:
-    return functools.partial(run_prefill, cfg=PREFILL)
+    return run_prefill
 
 
 BACKENDS: tuple[Backend, ...] = (
@@ -343,6 +314,8 @@ BACKENDS: tuple[Backend, ...] = (
         preference=180,
         family=FAMILY,
         description="NVFP4 GEMV for M <= 8: table decode of whole words, exact dp4a dot products",
+        tune=hopper_tactics.tune,
+        pin=hopper_tactics.pin,
     ),
     Backend(
         name="hopper-mma",
@@ -352,6 +325,8 @@ BACKENDS: tuple[Backend, ...] = (
         preference=185,
         family=FAMILY,
         description="NVFP4 tensor-core GEMM for M <= 128, operands swapped, split-K",
+        tune=hopper_tactics.tune,
+        pin=hopper_tactics.pin,
     ),
     Backend(
         name="hopper-prefill",

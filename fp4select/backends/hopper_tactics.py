@@ -1,0 +1,138 @@
+"""Tactics for ``hopper-gemv`` and ``hopper-mma``: a few configurations timed per shape.
+
+The tables in ``hopper_configs`` hold one configuration per range of M, chosen at three shapes;
+the best one differs by shape (the H200 sweeps: up to a fifth). Like flashinfer's autotuner,
+probing times the candidates at the bucket's top M (``tune``), and the winner is stored with
+the decision.
+
+Design rules:
+
+* The record is data: ``{"op": "hopper", "tactic": [ints], "default": [ints], "timed_us": ...}``.
+  ``pin`` serves a record's configuration only if it is one of the runner's own candidates,
+  compared as exact ints, so a record read from disk can choose among known kernels and never
+  name a new one; anything else runs the table's configuration.
+* The weight is rotated through copies while timing, so it comes from HBM as when serving.
+* ``FP4SELECT_TACTICS=default`` (or ``default:NAME``) and batch-invariant problems keep the
+  table, as for flashinfer's backends; candidates left past ``FP4SELECT_TUNE_TIMEOUT_S`` are
+  not timed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import astuple
+from typing import Any
+
+import torch
+
+from fp4select import settings as settings_mod
+from fp4select.backends import hopper_configs
+
+OP = "hopper"
+_KINDS = {"run_gemv": "gemv", "run_mma": "mma"}  # the runners of triton_hopper that take cfg=
+_TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call
+
+
+def _kind(runner: Callable[..., Any]) -> tuple[Callable[..., Any], str]:
+    run = getattr(runner, "func", runner)
+    name = getattr(run, "__name__", "")
+    module = getattr(run, "__module__", "")
+    return run, _KINDS.get(name, "") if module == "fp4select.backends.triton_hopper" else ""
+
+
+def _time_us(calls: Sequence[Callable[[], Any]], device: torch.device, budget_s: float) -> float:
+    """Median of a few CUDA-event samples, each call taking the next input set in turn."""
+    calls[0]()  # compile, and the first launch's cost, out of the samples
+    torch.cuda.synchronize(device)
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / len(calls))  # ms per round -> us per call
+    return statistics.median(samples)
+
+
+def _input_copies(args: Sequence[Any], device: torch.device) -> list[tuple[Any, ...]]:
+    """``args`` and copies of its weight, enough that the weight is read from HBM, not L2."""
+    b = args[1]
+    per_set = b.numel() * b.element_size()
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    copies = max(0, min(3, math.ceil(2 * l2 / max(per_set, 1)) - 1))
+    sets = [tuple(args)]
+    for _ in range(copies):
+        sets.append((args[0], b.clone(), args[2], args[3].clone(), *args[4:]))
+    return sets
+
+
+def tune(
+    runner: Callable[..., Any],
+    problem: Any,
+    args: Sequence[Any],
+    *,
+    name: str | None = None,
+    progress: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Time each candidate configuration at these arguments; the record of the fastest.
+
+    ``FP4SELECT_TACTICS=default`` (or ``default:NAME``) and batch-invariant problems keep the
+    table's configuration; so does a CPU tensor (the interpreter's tests). Candidates left past
+    ``FP4SELECT_TUNE_TIMEOUT_S`` are not timed.
+    """
+    a = args[0]
+    m = int(a.shape[0])
+    run, kind = _kind(runner)
+    default = hopper_configs.default(kind, m)
+    record: dict[str, Any] = {
+        "op": OP,
+        "tactic": list(astuple(default)),
+        "default": list(astuple(default)),
+    }
+    try:
+        settings = settings_mod.current()
+    except ValueError as exc:
+        return record | {"reason": f"{exc}; not tuned"}
+    if settings_mod.untuned_by_setting(settings.tactics, name):
+        return record | {"reason": f"FP4SELECT_TACTICS={settings.tactics}"}
+    if getattr(problem, "batch_invariant", False):
+        return record | {"reason": "batch-invariant problems keep the table's configuration"}
+    if a.device.type != "cuda" or not hopper_configs.candidates(kind, m):
+        return record | {"reason": "tuned on CUDA only"}
+    sets = _input_copies(args, a.device)
+    started = time.perf_counter()
+    timed: dict[str, float] = {}
+    best, best_us = default, math.inf
+    for cfg in hopper_configs.candidates(kind, m):
+        if time.perf_counter() - started > settings.tune_timeout_s:
+            record["reason"] = (
+                f"stopped after {settings.tune_timeout_s:g} s (FP4SELECT_TUNE_TIMEOUT_S)"
+            )
+            break
+        if progress is not None:
+            progress()
+        calls = [functools.partial(run, *s, cfg=cfg) for s in sets]
+        us = _time_us(calls, a.device, _TUNE_BUDGET_S)
+        timed[" ".join(map(str, astuple(cfg)))] = round(us, 2)
+        if us < best_us:
+            best, best_us = cfg, us
+    return record | {"tactic": list(astuple(best)), "timed_us": timed}
+
+
+def pin(runner: Callable[..., Any], record: Mapping[str, Any]) -> Callable[..., Any]:
+    """``runner`` at the record's configuration, if it is one of the candidates; else as is."""
+    run, kind = _kind(runner)
+    wanted = record.get("tactic") if isinstance(record, Mapping) else None
+    if not isinstance(wanted, list) or not all(type(v) is int for v in wanted):
+        return runner
+    for cfg in hopper_configs.candidates(kind, None):
+        if list(astuple(cfg)) == wanted:
+            return functools.partial(run, cfg=cfg)
+    return runner
