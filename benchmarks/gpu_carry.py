@@ -6,8 +6,8 @@
   anyway; the modules are enough for its runtime backend list and support answers.
 
 Run here (with flashinfer-python installed), then call the device tool with
-``carry=[".whl", ".fi"]`` and ``bash benchmarks/gpu_run.sh``. Both folders are for
-``.git/info/exclude``, never for a commit.
+``carry=[".whl", ".fi"]`` and ``bash benchmarks/gpu_run.sh``. Both folders are in
+``.gitignore``: never for a commit.
 
     python benchmarks/gpu_carry.py
 """
