@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from fp4select.backends import hopper_tactics, triton_fp4
-from fp4select.backends.base import Backend, Capabilities, Runner
+from fp4select.backends.base import Backend, Capabilities
 from fp4select.backends.hopper_configs import (
     _SHIFTS,
     GEMV_BY_M,
@@ -44,7 +44,7 @@ from fp4select.backends.hopper_configs import (
     MmaConfig,
     for_m,
 )
-from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
+from fp4select.keys import ALPHA_KINDS, OUT_DTYPES
 
 FAMILY = "native"
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
@@ -293,22 +293,10 @@ def _caps(max_m: int | None) -> Capabilities:
     )
 
 
-def make_runner_gemv(problem: Problem) -> Runner:
-    return run_gemv
-
-
-def make_runner_mma(problem: Problem) -> Runner:
-    return run_mma
-
-
-def make_runner_prefill(problem: Problem) -> Runner:
-    return run_prefill
-
-
 BACKENDS: tuple[Backend, ...] = (
     Backend(
         name="hopper-gemv",
-        make_checked_runner=make_runner_gemv,
+        checked_runner=run_gemv,
         why_unavailable=why_unavailable,
         caps=_caps(8),
         preference=180,
@@ -319,7 +307,7 @@ BACKENDS: tuple[Backend, ...] = (
     ),
     Backend(
         name="hopper-mma",
-        make_checked_runner=make_runner_mma,
+        checked_runner=run_mma,
         why_unavailable=why_unavailable,
         caps=_caps(128),
         preference=185,
@@ -330,7 +318,7 @@ BACKENDS: tuple[Backend, ...] = (
     ),
     Backend(
         name="hopper-prefill",
-        make_checked_runner=make_runner_prefill,
+        checked_runner=run_prefill,
         why_unavailable=why_unavailable,
         caps=_caps(None),
         preference=188,
