@@ -26,15 +26,14 @@ Design rules:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fp4select import formats
-from fp4select.backends.base import Backend, Capabilities, Runner
-from fp4select.keys import OUT_DTYPES, Problem
+from fp4select.backends.base import Backend, Capabilities
+from fp4select.keys import OUT_DTYPES
 
 NAME = "torch-scaled-mm"
 MIN_CC = 100
@@ -179,13 +178,9 @@ def _run(
     return out.copy_(result)
 
 
-def make_runner(problem: Problem) -> Runner:
-    return functools.partial(_run)
-
-
 BACKEND = Backend(
     name=NAME,
-    make_checked_runner=make_runner,
+    checked_runner=_run,
     why_unavailable=why_unavailable,
     caps=Capabilities(
         # MXFP4 not declared: torch's rule for MX scales counts them from the packed K/2
