@@ -47,7 +47,7 @@ from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
 from fp4select.backends import flashinfer_tactics
-from fp4select.keys import Problem, environment_for
+from fp4select.keys import Problem, environment_for, resolve_device
 from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
 from fp4select.settings import Settings
@@ -162,13 +162,7 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
     The blacklist is per environment, so an upgrade clears it by itself; this is for the
     driver update or the fix that fp4select cannot see.
     """
-    if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else "cpu"
-        )
-    return selector().store.remove_from_blacklist(environment_for(torch.device(device)), backend)
+    return selector().store.remove_from_blacklist(environment_for(resolve_device(device)), backend)
 
 
 def stats() -> dict[str, int]:

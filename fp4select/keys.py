@@ -228,9 +228,14 @@ def environment(device_index: int | None = None) -> dict[str, Any]:
     return env
 
 
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """``device`` with its CUDA index filled in; None: the current CUDA device, else the CPU."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def environment_for(device: torch.device) -> dict[str, Any]:
-    if device.type == "cuda":
-        return environment(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
-    return environment(None)
+    device = resolve_device(device)
+    return environment(device.index if device.type == "cuda" else None)

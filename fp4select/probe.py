@@ -34,7 +34,7 @@ import torch
 
 from fp4select import timing, validate
 from fp4select.backends.base import Backend
-from fp4select.keys import Problem
+from fp4select.keys import Problem, resolve_device
 from fp4select.records import (  # noqa: F401  (re-exported: the names plugins and tests know)
     FATAL_STATUSES,
     STATUSES,
@@ -258,9 +258,7 @@ def probe(
     options: ProbeOptions = ProbeOptions(),
     report: Report | None = None,
 ) -> ProbeResult:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     report = report or (lambda event: None)
     started = time.perf_counter()
     result = ProbeResult()

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fp4select.keys import resolve_device
+
 __all__ = [
     "UsageError",
     "compute_capability",
@@ -49,11 +51,7 @@ def parse_device(arg: str | None) -> torch.device:
         if device.type not in ("cpu", "cuda"):
             raise UsageError(f"--device {arg}: fp4select runs on cpu or cuda devices")
         return device
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    return resolve_device()
 
 
 def print_json(obj: Any) -> None:
