@@ -87,7 +87,7 @@ def _decode_into(
     layout: str,
 ) -> None:
     rows, kh = data.shape
-    cp = triton_fp4._ceil4(2 * kh // (16 if use_nvfp4 else 32))
+    cp = formats.padded_sf_shape(rows, 2 * kh // (16 if use_nvfp4 else 32), layout)[1]
     if triton_fp4.triton_installed():
         k = triton_fp4.kernels()
         k.dequant_bf16[(k.cdiv(rows, 32), k.cdiv(kh, 64))](

@@ -178,16 +178,6 @@ def _describe(owner: Any) -> str:
     return getattr(owner, "__name__", None) or (f"field {field}" if field else repr(owner))
 
 
-_noted: set[tuple[str, str, str]] = set()
-
-
-def _note_once(engine: str, backend: str, what: str) -> None:
-    key = (engine, backend, what)
-    if key not in _noted:
-        _noted.add(key)
-        log.info("fp4select: %s mm_fp4(backend=%r): %s", engine, backend, what)
-
-
 def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[..., torch.Tensor]:
     """An ``mm_fp4`` with flashinfer's signature that selects within the engine's layout family.
 
@@ -230,7 +220,13 @@ def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[
         elif layout == "trtllm" and b.shape[-1] % 128:
             why = f"N={b.shape[-1]} is not a multiple of 128 (trtllm row shuffle)"
         if why is not None or layout is None:  # no layout always comes with a why
-            _note_once(engine, str(backend), f"passed to flashinfer unchanged: {why}")
+            if first_time(f"integrations: {engine} mm_fp4(backend={backend!r}): {why}"):
+                log.info(
+                    "fp4select: %s mm_fp4(backend=%r): passed to flashinfer unchanged: %s",
+                    engine,
+                    backend,
+                    why,
+                )
             return original(
                 a,
                 b,
