@@ -39,7 +39,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +75,8 @@ class Layer:
     split: str  # "N" (column parallel), "K" (row parallel) or "none" (replicated)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "layer": self.name,
-            "n": self.n,
-            "k": self.k,
-            "count": self.count,
-            "split": self.split,
-        }
+        data = asdict(self)
+        return {"layer": data.pop("name"), **data}
 
 
 @dataclass
