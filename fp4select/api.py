@@ -219,13 +219,9 @@ def best_mm_fp4(
             flags: Any = True
         else:
             flags = (
-                id(block_size),
-                id(use_8x4_sf_layout),
-                id(use_nvfp4),
-                id(enable_pdl),
-                id(batch_invariant),
-                id(allow_blacklisted),
-            )
+                id(block_size), id(use_8x4_sf_layout), id(use_nvfp4), id(enable_pdl),
+                id(batch_invariant), id(allow_blacklisted),
+            )  # fmt: skip
         native = _native_key
         exact = None if native is None else native(a, b, a_descale, b_descale, alpha, out)
         if exact is not None:  # the tensors' exact metadata: a match is the whole check
@@ -233,16 +229,9 @@ def best_mm_fp4(
             runner = _native_lookup(key)
         else:
             key = (
-                a.shape,
-                b.shape,
-                a.get_device(),
-                alpha is None,
-                out is None,
-                out_dtype,
-                backend,
-                b_layout,
-                flags,
-            )
+                a.shape, b.shape, a.get_device(), alpha is None, out is None, out_dtype, backend,
+                b_layout, flags,
+            )  # fmt: skip
             entry = _lookup(key)
             if entry is None:
                 runner = None
@@ -265,18 +254,9 @@ def best_mm_fp4(
         runner = _runner_for(key, args, flags)
     try:
         return runner(
-            a,
-            b,
-            a_descale,
-            b_descale,
-            alpha,
-            out_dtype,
-            out,
-            block_size,
-            use_8x4_sf_layout,
-            use_nvfp4,
-            enable_pdl,
-        )
+            a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout,
+            use_nvfp4, enable_pdl,
+        )  # fmt: skip
     except Exception:
         # A failing call explains itself as its first call would have: the same argument
         # errors, whatever was bound. Arguments that pass the checks: the backend's own error.
@@ -298,32 +278,15 @@ def _signature(args: tuple, flags: tuple) -> tuple | None:
     backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant = flags
     try:
         return (
-            a.shape,
-            a.dtype,
-            a.device,
-            a.is_contiguous(),
-            b.shape,
-            b.dtype,
-            b.stride(),
-            b.device,
-            a_descale.shape,
-            a_descale.dtype,
-            a_descale.device,
-            b_descale.shape,
-            b_descale.dtype,
-            b_descale.device,
+            a.shape, a.dtype, a.device, a.is_contiguous(),
+            b.shape, b.dtype, b.stride(), b.device,
+            a_descale.shape, a_descale.dtype, a_descale.device,
+            b_descale.shape, b_descale.dtype, b_descale.device,
             None if alpha is None else (alpha.shape, alpha.dtype, alpha.device),
             None if out is None else (out.shape, out.dtype, out.device),
-            out_dtype,
-            id(block_size),
-            id(use_8x4),
-            backend,
-            id(use_nvfp4),
-            id(enable_pdl),
-            id(batch_invariant),
-            b_layout,
-            id(allow_blacklisted),
-        )
+            out_dtype, id(block_size), id(use_8x4), backend, id(use_nvfp4), id(enable_pdl),
+            id(batch_invariant), b_layout, id(allow_blacklisted),
+        )  # fmt: skip
     except (AttributeError, TypeError):
         return None
 

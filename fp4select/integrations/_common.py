@@ -228,20 +228,10 @@ def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[
                     why,
                 )
             return original(
-                a,
-                b,
-                a_descale,
-                b_descale,
-                alpha,
-                out_dtype,
-                out=out,
-                block_size=block_size,
-                use_8x4_sf_layout=use_8x4_sf_layout,
-                backend=backend,
-                use_nvfp4=use_nvfp4,
-                enable_pdl=enable_pdl,
-                **kwargs,
-            )
+                a, b, a_descale, b_descale, alpha, out_dtype, out=out, block_size=block_size,
+                use_8x4_sf_layout=use_8x4_sf_layout, backend=backend, use_nvfp4=use_nvfp4,
+                enable_pdl=enable_pdl, **kwargs,
+            )  # fmt: skip
         if use_nvfp4:
             # Engines hand cutlass/cudnn the same e4m3 bytes as uint8: fp4select proves every
             # candidate with e4m3 scales, so each gets the dtype it was proven with.
@@ -250,21 +240,9 @@ def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[
             if b_descale.dtype == torch.uint8:
                 b_descale = b_descale.view(e4m3)
         return best_mm_fp4(
-            a,
-            b,
-            a_descale,
-            b_descale,
-            alpha,
-            out_dtype,
-            out,
-            block_size,
-            use_8x4_sf_layout,
-            "auto",
-            use_nvfp4,
-            enable_pdl,
-            b_layout=layout,
-            **extra,
-        )
+            a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout,
+            "auto", use_nvfp4, enable_pdl, b_layout=layout, **extra,
+        )  # fmt: skip
 
     mm_fp4.__name__ = mm_fp4.__qualname__ = "mm_fp4"
     mm_fp4.__module__ = __name__
