@@ -21,6 +21,7 @@ from fp4select.keys import resolve_device
 __all__ = [
     "UsageError",
     "compute_capability",
+    "failed",
     "many",
     "os_error",
     "parse_device",
@@ -102,6 +103,12 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+def failed(message: str, status: int = 1) -> int:
+    """Say ``message`` on stderr (stdout stays clean for ``--json``); returns ``status``."""
+    print(message, file=sys.stderr)
+    return status
 
 
 def many(n: int, one: str, many: str) -> str:
