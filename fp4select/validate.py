@@ -116,7 +116,7 @@ def clear_cache() -> None:
 
 
 def _weight(problem: Problem, device: torch.device, seed: int, with_value: bool) -> _Weight:
-    key = (problem.n, problem.k, problem.block_size, problem.use_nvfp4, problem.b_layout)
+    key: tuple = (problem.n, problem.k, problem.block_size, problem.use_nvfp4, problem.b_layout)
     key += (str(device), seed)
     cached = _weights.get(key)
     if cached is not None and (cached.value is not None or not with_value):
