@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 import importlib.metadata
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -183,6 +184,25 @@ class Problem:
             f"N={self.n} K={self.k} {rows} {self.format} out={self.out_dtype} "
             f"a_sf={self.a_sf_layout} b={self.b_layout} alpha={self.alpha_kind}"
         )
+
+
+def buckets_up_to(max_m: int) -> list[int]:
+    """The M buckets that batches of 1 to ``max_m`` rows fall in."""
+    top = m_bucket(max_m)
+    return [b for b in M_BUCKETS if b <= top]
+
+
+def shape_problems(
+    shapes: Iterable[tuple[int, int]], max_m: int, fmt: str = "nvfp4", **fields: Any
+) -> list[Problem]:
+    """Every (N, K) of ``shapes`` at every M bucket up to ``max_m``'s, in ``fmt`` ("nvfp4" or
+    "mxfp4", its block size with it); ``fields`` are the key's others (out_dtype, layouts...)."""
+    nvfp4 = fmt == "nvfp4"
+    return [
+        Problem(n=n, k=k, m_bucket=b, use_nvfp4=nvfp4, block_size=16 if nvfp4 else 32, **fields)
+        for n, k in shapes
+        for b in buckets_up_to(max_m)
+    ]
 
 
 def _version(dist: str) -> str | None:

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4select.keys import M_BUCKETS, MAX_DIM, Problem, m_bucket
+from fp4select.keys import MAX_DIM, Problem, shape_problems
 from fp4select.quant_config import MODELOPT_QUANT_FILE, ModelConfigError, quant_scheme
 from fp4select.store._jsonfile import decode, read_named_file
 
@@ -101,14 +101,7 @@ class ModelShapes:
         ``fields`` are other Problem fields (out_dtype, a_sf_layout, b_layout, alpha_kind);
         the format and block size are the model's.
         """
-        nvfp4 = self.format == "nvfp4"
-        top = m_bucket(max_m)
-        return [
-            Problem(n=n, k=k, m_bucket=b, use_nvfp4=nvfp4, block_size=16 if nvfp4 else 32, **fields)
-            for n, k in self.shapes()
-            for b in M_BUCKETS
-            if b <= top
-        ]
+        return shape_problems(self.shapes(), max_m, self.format, **fields)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -350,12 +350,11 @@ def warm_max_m(engine_max_m: int) -> int:
 
 def problems_for(shapes: Iterable[LinearShape], max_m: int) -> list:
     """One Problem per (shape, M bucket up to max_m), in the order a warm-up would meet them."""
-    from fp4select.keys import M_BUCKETS, Problem, m_bucket
+    from fp4select.keys import Problem, buckets_up_to
 
-    top = m_bucket(max_m)
     out = []
     for shape in sorted(set(shapes), key=lambda s: (s.n, s.k, s.out_dtype, s.b_layout)):
-        for bucket in (b for b in M_BUCKETS if b <= top):
+        for bucket in buckets_up_to(max_m):
             eight = shape.small_m_8x4 and shape.b_layout == "trtllm" and bucket <= 32
             out.append(
                 Problem(
