@@ -61,8 +61,9 @@ _lookup = _bound.get  # one global load on the warm path instead of two
 # native key is exact metadata, so an entry needs no guard.
 _native_bound: dict[tuple, Any] = {}
 _native_lookup = _native_bound.get
-# The loaded C++ key function (fp4select.native_key.for_settings), or None: the Python path
-# serves. Set with the settings, read once per call.
+# The loaded C++ key function (fp4select.native_key.for_settings: a trusted existing build,
+# never a new one), or None: the Python path serves. Set with the settings (under _table_lock),
+# read once per call.
 _native_key: native_key.Key | None = None
 _checked: dict[tuple, Any] = {}
 # Entries a warm key held before its current one: a caller that alternates between two
@@ -84,14 +85,14 @@ _always_check = False
 
 def selector() -> Selector:
     """The process-wide selector, created on first use from the process-wide settings."""
-    global _selector, _always_check
+    global _selector, _always_check, _native_key
     if _selector is None:
         with _table_lock:
             if _selector is None:
                 made = Selector(settings=settings_mod.current())
                 _always_check = made.settings.check == "always"
                 _selector = made
-                _native_for(made.settings)
+                _native_key = native_key.for_settings(made.settings)
     return _selector
 
 
@@ -103,13 +104,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _native_for(settings: Settings) -> None:
-    """New settings: the C++ key they serve with (fp4select.native_key.for_settings: a
-    trusted existing build, or None; never a build). Call with _table_lock held."""
-    global _native_key
-    _native_key = native_key.for_settings(settings)
 
 
 def configure(
@@ -125,7 +119,7 @@ def configure(
     replaces the whole ``TimingOptions``; a ``time_budget_s`` given too sets its budget.
     Returns the new selector.
     """
-    global _selector, _always_check
+    global _selector, _always_check, _native_key
     base = settings if settings is not None else Settings.from_env()
     if not isinstance(base, Settings):
         raise TypeError(f"settings must be a fp4select.Settings, got {type(base).__name__}")
@@ -139,7 +133,7 @@ def configure(
         _selector = Selector(timing=timing, settings=chosen)
         _always_check = chosen.check == "always"
         _forget_all()
-        _native_for(chosen)
+        _native_key = native_key.for_settings(chosen)
     return _selector
 
 
