@@ -86,8 +86,7 @@ class _Sampler:
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
             with torch.cuda.graph(self.graph):
-                for i in range(reps):
-                    calls[i % len(calls)]()
+                self._loop()
 
     def _loop(self) -> None:
         calls, n = self.calls, len(self.calls)
