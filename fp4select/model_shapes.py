@@ -140,9 +140,7 @@ def _exists(path: Path) -> bool:
     return True
 
 
-def load_model_config(
-    path: str | os.PathLike[str],
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def load_model_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(config.json, hf_quant_config.json or None) for a model folder or a config.json path.
 
     Whatever is at either name must be a regular file: a FIFO or a device is refused with a
@@ -185,12 +183,7 @@ class _Cfg:
         return value
 
     def integer(
-        self,
-        name: str,
-        why: str = "",
-        default: int | None = None,
-        lo: int = 1,
-        hi: int = MAX_DIM,
+        self, name: str, why: str = "", default: int | None = None, lo: int = 1, hi: int = MAX_DIM
     ) -> int:
         """The int field ``name`` (``default`` when absent or null; required without one),
         between ``lo`` and ``hi``."""

@@ -80,11 +80,7 @@ def _growing(
 
 
 def _decode_into(
-    ws: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    use_nvfp4: bool,
-    layout: str,
+    ws: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, use_nvfp4: bool, layout: str
 ) -> None:
     rows, kh = data.shape
     cp = formats.padded_sf_shape(rows, 2 * kh // (16 if use_nvfp4 else 32), layout)[1]

@@ -15,12 +15,7 @@ from typing import Any
 from fp4select.cli._common import UsageError
 from fp4select.keys import Problem, shape_problems
 
-__all__ = [
-    "WarmUsageError",
-    "check_shape",
-    "shapes_file",
-    "warm_plan",
-]
+__all__ = ["WarmUsageError", "check_shape", "shapes_file", "warm_plan"]
 
 
 class WarmUsageError(UsageError):
