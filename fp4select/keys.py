@@ -78,10 +78,7 @@ def validation_ms(bucket: int) -> tuple[int, ...]:
     catches kernels that assume even or aligned M.
     """
     lo, hi = bucket_range(bucket)
-    odd = lo + (hi - lo) // 2
-    odd |= 1
-    if odd > hi:
-        odd = hi
+    odd = min(hi, (lo + (hi - lo) // 2) | 1)
     return tuple(sorted({lo, odd, hi}))
 
 
