@@ -290,14 +290,9 @@ class Selector:
     def _fresh_without_flashinfer(
         self, env: Mapping[str, Any], problem: Problem, decision: Decision
     ) -> bool:
-        """True when ``decision`` is fresh and its winner runs here, told without flashinfer.
-
-        False means "cannot tell cheaply", never "stale": the caller then runs the full check.
-        The stored verdicts of backends outside the light registry (flashinfer's, or a plugin
-        since removed) were reached in this environment, whose fingerprint holds flashinfer's
-        version, the CUDA and library versions and the GPU: only the experimental switch and
-        the blacklist can change inside it, and those are read again here.
-        """
+        """True when ``decision`` is fresh and its winner runs here, told without flashinfer
+        (why that is enough: the module's rules). False means "cannot tell cheaply", never
+        "stale": the caller then runs the full check."""
         if self._full_registry_current() or decision.winner in _FLASHINFER_NAMES:
             return False  # flashinfer is loaded already, or it must be loaded to serve
         light = self.light_registry()
