@@ -774,6 +774,10 @@ def mma_planes(
     shift = tl.load(shift_ptr + kw)[None, :]
     w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
     x_cols = x_ptr + offs_t[None, :]  # no clamp: the workspace is whole tiles wide
+    kx = tl.arange(0, 8 * BKW)
+    # At least one step: a loop that may run zero times leaves a path where the accumulator
+    # is set outside the MMA, and ptxas then serializes every wgmma of the loop.
+    tl.assume(iters_per_split > 0)
     acc = tl.zeros((BN, BT), dtype=tl.float32)
     for i in range(0, iters_per_split):
         k0 = (pid_k * iters_per_split + i) * BKW
@@ -785,16 +789,15 @@ def mma_planes(
         sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
         ws2 = e4m3_f16x2((sw >> shift) & 0xFF)
         w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
-        # Plane p of this step: rows k0 * 8 + p * BKW + (0..BKW) of the (XK, MP) workspace.
-        xb = x_cols + (k0 * 8 + kw)[:, None].to(tl.int64) * MP
-        acc = tl.dot(w0, tl.load(xb + (0 * BKW) * MP), acc)
-        acc = tl.dot(w1, tl.load(xb + (1 * BKW) * MP), acc)
-        acc = tl.dot(w2, tl.load(xb + (2 * BKW) * MP), acc)
-        acc = tl.dot(w3, tl.load(xb + (3 * BKW) * MP), acc)
-        acc = tl.dot(w4, tl.load(xb + (4 * BKW) * MP), acc)
-        acc = tl.dot(w5, tl.load(xb + (5 * BKW) * MP), acc)
-        acc = tl.dot(w6, tl.load(xb + (6 * BKW) * MP), acc)
-        acc = tl.dot(w7, tl.load(xb + (7 * BKW) * MP), acc)
+        # One operand of 8 * BKW values, plane-major (plane p, word w at p * BKW + w): joined
+        # in this order the planes stay in the registers the MMA reads, and Triton issues the
+        # step's wgmma back to back instead of waiting for each.
+        w = tl.join(
+            tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7))
+        )
+        w = tl.reshape(tl.permute(tl.reshape(w, (BN, BKW, 8)), (0, 2, 1)), (BN, 8 * BKW))
+        xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
+        acc = tl.dot(w, tl.load(xb), acc)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
     mask_t = offs_t < M
     mask = (offs_n[:, None] < N) & mask_t[None, :]
