@@ -282,6 +282,77 @@ def dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM: tl.constexpr):
         )
 
 
+def _plane_pair(byte: int, out_lo: int, out_hi: int) -> str:
+    """PTX: byte ``byte`` of words $8 and $9 -> planes 2 * byte and 2 * byte + 1, float16x2.
+
+    One byte permute puts the byte of each word into both bytes of its half-word; the low
+    nibble's code then moves to the float16 bits of value * 2**-14 by shifts of 9 and 12, the
+    high nibble's by a shift of 3 (its sign is in place), and each half is scaled by its word's
+    scale ($10 and $11, folded into ``s``).
+    """
+    sel = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12
+    return f"""
+    prmt.b32 t, $8, $9, {sel};
+    shl.b32 a, t, 9;
+    and.b32 a, a, 0x0E000E00;
+    shl.b32 b, t, 12;
+    and.b32 b, b, 0x80008000;
+    or.b32 v, a, b;
+    mul.rn.f16x2 ${out_lo}, v, s;
+    shr.b32 a, t, 3;
+    and.b32 a, a, 0x0E000E00;
+    and.b32 b, t, 0x80008000;
+    or.b32 v, a, b;
+    mul.rn.f16x2 ${out_hi}, v, s;"""
+
+
+# Two words at a time (pack=2: $8 = word w, $9 = word w + 1; $10, $11 = their e4m3 scale
+# bytes): $p = plane p as float16x2, code p of word w in the low half and of word w + 1 in the
+# high half, each value * 2**-14 * its scale. Output p is then the operand register the MMA
+# reads for two neighbouring values of K, so nothing is unpacked and packed again, and the
+# scale is decoded once per two words. Still elementwise: each half depends on its own word
+# and its own scale only, however Triton pairs the elements.
+_PAIR_TO_F16 = tl.constexpr(
+    """{
+    .reg .b32 t, a, b, v, s, c;
+    shl.b32 t, $11, 16;
+    or.b32 t, t, $10;
+    and.b32 a, t, 0x007F007F;
+    shl.b32 a, a, 7;
+    and.b32 b, t, 0x00800080;
+    shl.b32 b, b, 8;
+    or.b32 s, a, b;
+    mov.b32 c, 0x5C005C00;
+    mul.rn.f16x2 s, s, c;"""
+    + _plane_pair(0, 0, 1)
+    + _plane_pair(1, 2, 3)
+    + _plane_pair(2, 4, 5)
+    + _plane_pair(3, 6, 7)
+    + """
+    }"""
+)
+
+
+@triton.jit
+def pair_to_f16(q, sb, ASM: tl.constexpr):
+    """Words of 8 E2M1 codes (int32) and their e4m3 scale bytes (int32) -> 8 float16 planes.
+
+    Plane i holds code i of each word (bits 4i..4i+3) times 2**-14 times the word's scale, as
+    ``word_to_f16`` does, two words per asm call (see ``_PAIR_TO_F16``).
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _PAIR_TO_F16,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+            [q, sb],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        return word_to_f16(q, e4m3_f16x2(sb), False)
+
+
 @triton.jit
 def word_to_f16(q, s2, ASM: tl.constexpr):
     """A word of 8 E2M1 codes (int32) and a float16x2 scale pair (int32) -> 8 float16 planes.
@@ -787,8 +858,7 @@ def mma_planes(
         blk = tl.where(k_ok, k // 2, 0)
         # Scale words, not bytes: an 8-bit load also sends the decoded tile through shared memory.
         sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
-        ws2 = e4m3_f16x2((sw >> shift) & 0xFF)
-        w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
+        w0, w1, w2, w3, w4, w5, w6, w7 = pair_to_f16(wq, (sw >> shift) & 0xFF, ASM)
         # One operand of 8 * BKW values, plane-major (plane p, word w at p * BKW + w): joined
         # in this order the planes stay in the registers the MMA reads, and Triton issues the
         # step's wgmma back to back instead of waiting for each.

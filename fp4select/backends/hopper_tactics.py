@@ -1,4 +1,4 @@
-"""Tactics for ``hopper-gemv`` and ``hopper-mma``: a few configurations timed per shape.
+"""Tactics for the ``hopper-*`` backends: a few configurations timed per shape.
 
 The tables in ``hopper_configs`` hold one configuration per range of M, chosen at three shapes;
 the best one differs by shape (the H200 sweeps: up to a fifth). Like flashinfer's autotuner,
@@ -33,7 +33,11 @@ from fp4select import settings as settings_mod
 from fp4select.backends import hopper_configs
 
 OP = "hopper"
-_KINDS = {"run_gemv": "gemv", "run_mma": "mma"}  # the runners of triton_hopper that take cfg=
+_KINDS = {
+    "run_gemv": "gemv",
+    "run_mma": "mma",
+    "run_prefill": "prefill",
+}  # the runners of triton_hopper that take cfg=
 _TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call
 
 
