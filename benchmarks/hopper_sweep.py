@@ -39,10 +39,17 @@ GEMV = [
 ]
 # Every tiling is checked first; the one- and two-warp tilings (mma.sync instead of wgmma)
 # were measured slower at every M (results/hopper_sweep_small.json) and stay for comparison.
+# The steps of 32 and 64 words (128-256 bytes of each weight row per step) are not measured
+# yet: they test whether small M is bound by 64-byte reads per row (docs/hopper_kernels.md).
 MMA = [
     triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
     for bn, bt, bkw, w, st, sp in [
         (128, 16, 16, 4, 3, 0),
+        (128, 16, 32, 4, 3, 0),
+        (128, 16, 32, 8, 3, 0),
+        (64, 16, 32, 4, 3, 0),
+        (64, 16, 64, 4, 3, 0),
+        (128, 32, 32, 8, 3, 0),
         (128, 16, 16, 4, 3, 8),
         (128, 16, 16, 4, 4, 0),
         (128, 16, 16, 4, 4, 8),
