@@ -1,6 +1,6 @@
 """Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
 
-Why one file of ~880 lines: Triton resolves a kernel's helpers through its module's globals,
+Why one file of ~890 lines: Triton resolves a kernel's helpers through its module's globals,
 and the three kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
 asm strings and the twins they must agree with read best side by side.
 
@@ -8,13 +8,16 @@ Design rules:
 
 * Decode whole words, never single nibbles. Weights and activations are read as 32-bit words
   (8 E2M1 values, all in one 16-value scale block) or 64-bit words (one whole NVFP4 block),
-  and every inline-asm routine takes one word and returns values derived from that word only.
-  So an asm routine is elementwise over words whatever register layout Triton picks for the
-  tensor, which is what made the earlier byte-packed decode silently wrong inside ``tl.dot``.
+  and every value an inline-asm routine returns is derived from one word (and its scale) only:
+  ``_PAIR_TO_F16`` takes two words at a time, but each half of each output register comes
+  from one of them. So an asm routine is elementwise over words whatever register layout
+  Triton picks for the tensor, which is what made the earlier byte-packed decode silently
+  wrong inside ``tl.dot``.
 * The order of K inside a step is free: a dot product does not care in which order its terms
   come, as long as both operands use the same order. ``_WORD_TO_F16`` returns the 8 values of
-  a word as 8 separate tensors ("planes": plane i holds element i of every word), and both the
-  weight and the activation are decoded with it, so plane i of one meets plane i of the other.
+  a word as 8 separate tensors ("planes": plane i holds element i of every word); the
+  activation is decoded with it and the weight with ``_PAIR_TO_F16``, which returns the same
+  planes, so plane i of one meets plane i of the other.
 * Exact arithmetic. ``_DECODE_S8`` maps E2M1 codes to the integers 2*value (-12..12) with a
   byte-permute table lookup (``prmt``) and ``_DOT4`` multiplies with ``dp4a``: the integer dot product of
   one block is exact, and is scaled by both block scales once, in float32. ``_WORD_TO_F16``
