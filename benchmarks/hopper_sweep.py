@@ -35,7 +35,7 @@ from _common import dumps, machine
 
 from fp4select import formats, timing, validate
 from fp4select.backends import torch_dequant, triton_fp4, triton_hopper
-from fp4select.backends._hopper_kernels import sf_offset
+from fp4select.backends._hopper_kernels import plane_major, sf_offset
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
 
@@ -132,10 +132,7 @@ def _floor(
         sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
         if MMA:
             h = (wq ^ sw).to(tl.float16)
-            w = tl.join(
-                tl.join(tl.join(h, h), tl.join(h, h)), tl.join(tl.join(h, h), tl.join(h, h))
-            )
-            w = tl.reshape(tl.permute(tl.reshape(w, (BN, BKW, 8)), (0, 2, 1)), (BN, 8 * BKW))
+            w = plane_major(h, h, h, h, h, h, h, h, BN, BKW)
             xb = x_ptr + tl.arange(0, BT)[None, :] + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
             acc = tl.dot(w, tl.load(xb), acc)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from fp4select import settings, validate
@@ -95,3 +96,11 @@ def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):
     finally:
         monkeypatch.delenv("FP4SELECT_TACTICS")
         settings.use(None)
+
+
+def test_only_tritons_out_of_resources_counts_as_a_tile_that_does_not_fit():
+    errors = pytest.importorskip("triton.runtime.errors")
+    assert ht._out_of_resources(errors.OutOfResources(300_000, 232_448, "shared memory"))
+    assert not ht._out_of_resources(RuntimeError("out of resources"))
+    fake = type("OutOfResources", (Exception,), {})  # same name, not Triton's
+    assert not ht._out_of_resources(fake())

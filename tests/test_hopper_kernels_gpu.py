@@ -137,3 +137,15 @@ def test_tuning_times_every_candidate_and_its_choice_is_exact():
         assert pinned.keywords["cfg"] in candidates
         assert list(dataclasses.astuple(pinned.keywords["cfg"])) == record["tactic"]
         assert validate.check(pinned(*inputs.args(problem)), inputs, problem.torch_out_dtype).ok
+
+
+def test_a_candidate_too_large_for_the_gpu_is_skipped_and_named(monkeypatch):
+    fits = hopper_configs.MmaConfig(128, 16, 16, 4, 3)
+    too_big = hopper_configs.MmaConfig(128, 256, 16, 8, 6)  # about 400 KiB of shared memory
+    monkeypatch.setattr(hopper_configs, "candidates", lambda kind, m: (too_big, fits))
+    problem = Problem(n=4096, k=4096, m_bucket=m_bucket(16))
+    inputs = validate.make_inputs(problem, 16, "cuda", seed=5)
+    record = hopper_tactics.tune(triton_hopper.run_mma, problem, inputs.args(problem), name="x")
+    key = " ".join(map(str, dataclasses.astuple(too_big)))
+    assert key in record["skipped"] and "shared memory" in record["skipped"][key], record
+    assert record["tactic"] == list(dataclasses.astuple(fits))

@@ -84,6 +84,13 @@ def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> st
     return _compile(fn, signature, constexprs, warps, stages).asm["ttgir"]
 
 
+def _compile_mma(cfg):
+    """``mma_planes`` as ``cfg`` launches it (scalar alpha)."""
+    constexprs = {"ALPHA": 2, "PARTIALS": cfg.split != 1, "GROUP": cfg.group, "ASM": True}
+    constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
+    return _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)
+
+
 def _weight_tiles_in_shared_memory(ttgir: str, block_n: int, words: int) -> list[str]:
     """Shared-memory copies of a decoded plane (block_n x words) or of the joined operand."""
     tiles = (f"tensor<{block_n}x{words}xf16", f"tensor<{block_n}x{8 * words}xf16")
@@ -104,21 +111,7 @@ def _weight_tiles_in_shared_memory(ttgir: str, block_n: int, words: int) -> list
     ids=str,
 )
 def test_the_decoded_weight_never_goes_through_shared_memory(cfg):
-    ttgir = _ttgir(
-        hk.mma_planes,
-        SIGNATURE,
-        {
-            "ALPHA": 2,
-            "PARTIALS": cfg.split != 1,
-            "BN": cfg.block_n,
-            "BT": cfg.block_t,
-            "BKW": cfg.words_per_step,
-            "GROUP": cfg.group,
-            "ASM": True,
-        },
-        cfg.num_warps,
-        cfg.num_stages,
-    )
+    ttgir = _compile_mma(cfg).asm["ttgir"]
     assert "warp_group_dot" in ttgir  # wgmma, with the weight as the register operand
     assert "opIdx = 0" in ttgir
     assert _weight_tiles_in_shared_memory(ttgir, cfg.block_n, cfg.words_per_step) == []
@@ -173,22 +166,7 @@ def _serialization_report(ptx: str, tmp_path) -> str:
     "cfg", [hopper_configs.MMA_TACTICS[0][1][0], hopper_configs.PREFILL], ids=str
 )
 def test_the_main_loop_wgmma_are_not_serialized(cfg, tmp_path):
-    kernel = _compile(
-        hk.mma_planes,
-        SIGNATURE,
-        {
-            "ALPHA": 2,
-            "PARTIALS": cfg.split != 1,
-            "BN": cfg.block_n,
-            "BT": cfg.block_t,
-            "BKW": cfg.words_per_step,
-            "GROUP": cfg.group,
-            "ASM": True,
-        },
-        cfg.num_warps,
-        cfg.num_stages,
-    )
-    assert _serialization_report(kernel.asm["ptx"], tmp_path) == ""
+    assert _serialization_report(_compile_mma(cfg).asm["ptx"], tmp_path) == ""
 
 
 @triton.jit
@@ -200,12 +178,7 @@ def _maybe_empty_loop(w_ptr, x_ptr, o_ptr, KW, BN: tl.constexpr, BT: tl.constexp
     acc = tl.zeros((BN, BT), tl.float32)
     for i in range(0, KW, 16):  # no tl.assume(KW > 0): the loop may not run
         q = tl.load(w_ptr + n[:, None] * KW + i + kw[None, :])
-        p = hk.pair_to_f16(q, q & 0xFF, True)
-        w = tl.join(
-            tl.join(tl.join(p[0], p[4]), tl.join(p[2], p[6])),
-            tl.join(tl.join(p[1], p[5]), tl.join(p[3], p[7])),
-        )
-        w = tl.reshape(tl.permute(tl.reshape(w, (BN, 16, 8)), (0, 2, 1)), (BN, 128))
+        w = hk.plane_major(*hk.pair_to_f16(q, q & 0xFF, True), BN, 16)
         acc = tl.dot(w, tl.load(x_ptr + (i * 8 + kx)[:, None] * BT + t[None, :]), acc)
     tl.store(o_ptr + n[:, None] * BT + t[None, :], acc)
 

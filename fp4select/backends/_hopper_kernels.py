@@ -794,6 +794,19 @@ def decode_planes(
 
 
 @triton.jit
+def plane_major(w0, w1, w2, w3, w4, w5, w6, w7, BN: tl.constexpr, BKW: tl.constexpr):
+    """8 planes of (BN, BKW) -> one (BN, 8 * BKW) operand, plane p's word w at p * BKW + w.
+
+    Joined in this order the planes stay in the registers the MMA reads (word-major goes
+    through shared memory), and the step's wgmma are issued back to back.
+    """
+    w = tl.join(
+        tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7))
+    )
+    return tl.reshape(tl.permute(tl.reshape(w, (BN, BKW, 8)), (0, 2, 1)), (BN, 8 * BKW))
+
+
+@triton.jit
 def mma_planes(
     x_ptr,  # float16 (XK, MP) from decode_planes (same BKW)
     w_ptr,  # int32 view of the weight: (N, K/8)
@@ -861,14 +874,7 @@ def mma_planes(
         blk = tl.where(k_ok, k // 2, 0)
         # Scale words, not bytes: an 8-bit load also sends the decoded tile through shared memory.
         sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
-        w0, w1, w2, w3, w4, w5, w6, w7 = pair_to_f16(wq, (sw >> shift) & 0xFF, ASM)
-        # One operand of 8 * BKW values, plane-major (plane p, word w at p * BKW + w): joined
-        # in this order the planes stay in the registers the MMA reads, and Triton issues the
-        # step's wgmma back to back instead of waiting for each.
-        w = tl.join(
-            tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7))
-        )
-        w = tl.reshape(tl.permute(tl.reshape(w, (BN, BKW, 8)), (0, 2, 1)), (BN, 8 * BKW))
+        w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
         acc = tl.dot(w, tl.load(xb), acc)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
