@@ -133,8 +133,8 @@ def measure_point(
         for i in range(1, sets_n)
     ]
     calls = {}
-    for name in passed:
-        runner = registry.get(name).fast_runner_for(problem)
+    for name in passed:  # each at the tactic it was tuned to, as fp4select serves it
+        runner = registry.get(name).fast_runner_for(problem, decision.tactic(name))
         calls[name] = [functools.partial(runner, *s.args(problem)) for s in sets]
     dq = [dequantized(s, k) for s in sets[: max(1, min(len(sets), 4))]]
     calls["bf16 cuBLAS"] = [functools.partial(torch.mm, a, w.T) for a, w in dq]

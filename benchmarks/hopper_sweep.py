@@ -9,7 +9,14 @@ line per point (the best configuration of each family, bf16, and the ratio) and 
 ``bench_gpu.py`` is the benchmark of record.
 
     python benchmarks/hopper_sweep.py [--shapes 8192x8192,...] [--ms 1,16,...]
-        [--families gemv,mma,prefill,old] [--name hopper_sweep]
+        [--families gemv,mma,prefill,old,floor] [--name hopper_sweep]
+
+``floor`` (not in the default families) times, for the small-M tensor-core tilings, what the
+tiling costs without part of its work: ``floor-loads`` reads the weight and scale words and
+nothing else (plain loads: Triton pipelines loads only into a dot), ``floor-mma`` also runs
+the MMA on undecoded words, its loads pipelined as in ``mma_planes``. They compute nothing useful
+(their results are not checked); they say whether a tiling is bound by its reads, its decode or
+its MMA.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import traceback
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from _common import dumps, machine
 
 from fp4select import formats, timing, validate
 from fp4select.backends import torch_dequant, triton_fp4, triton_hopper
+from fp4select.backends._hopper_kernels import plane_major, sf_offset
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
 
@@ -37,24 +47,49 @@ GEMV = [
     triton_hopper.GemvConfig(r, bk, w)
     for r, bk, w in [(4, 128, 2), (4, 256, 2), (8, 128, 2), (4, 256, 4), (2, 256, 2), (8, 64, 1)]
 ]
+# Every tiling is checked first; the one- and two-warp tilings (mma.sync instead of wgmma)
+# were measured slower at every M (results/hopper_sweep_small.json) and stay for comparison.
+# The steps of 32 and 64 words (128-256 bytes of each weight row per step) are not measured
+# yet: they test whether small M is bound by 64-byte reads per row (docs/hopper_kernels.md).
 MMA = [
     triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
     for bn, bt, bkw, w, st, sp in [
+        (128, 16, 16, 4, 3, 0),
+        (128, 16, 32, 4, 3, 0),
+        (128, 16, 32, 8, 3, 0),
+        (64, 16, 32, 4, 3, 0),
+        (64, 16, 64, 4, 3, 0),
+        (128, 32, 32, 8, 3, 0),
+        (128, 16, 16, 4, 3, 8),
+        (128, 16, 16, 4, 4, 0),
+        (128, 16, 16, 4, 4, 8),
+        (128, 16, 16, 4, 4, 16),
+        (128, 16, 16, 8, 4, 0),
         (64, 16, 16, 4, 3, 0),
         (64, 16, 16, 4, 4, 0),
-        (64, 16, 16, 4, 2, 0),
-        (64, 16, 32, 4, 3, 0),
-        (128, 16, 16, 4, 3, 0),
-        (128, 16, 32, 8, 3, 0),
-        (64, 16, 16, 4, 3, 1),
-        (64, 16, 16, 4, 3, 4),
-        (64, 16, 16, 4, 3, 8),
-        (64, 16, 16, 4, 3, 16),
+        (64, 16, 16, 4, 4, 8),
+        (64, 16, 16, 1, 3, 4),
+        (64, 16, 16, 2, 3, 0),
+        (64, 16, 16, 2, 3, 4),
+        (64, 16, 32, 2, 3, 4),
+        (64, 16, 16, 2, 3, 8),
+        (64, 16, 16, 2, 4, 4),
+        (32, 16, 16, 1, 3, 0),
+        (32, 16, 16, 1, 3, 4),
+        (32, 16, 32, 1, 3, 4),
+        (32, 16, 16, 1, 3, 8),
+        (128, 32, 16, 4, 3, 0),
+        (128, 32, 16, 4, 3, 8),
         (64, 32, 16, 4, 3, 0),
-        (128, 32, 16, 8, 3, 0),
-        (64, 64, 16, 4, 3, 0),
+        (64, 32, 16, 2, 3, 0),
+        (64, 32, 16, 2, 3, 4),
+        (32, 32, 16, 1, 3, 4),
+        (128, 64, 16, 4, 3, 0),
         (128, 64, 16, 8, 3, 0),
-        (128, 64, 16, 8, 4, 0),
+        (64, 64, 16, 4, 3, 0),
+        (64, 64, 16, 2, 3, 0),
+        (64, 64, 16, 2, 3, 2),
+        (128, 128, 16, 4, 3, 0),
         (128, 128, 16, 8, 3, 0),
     ]
 ]
@@ -63,13 +98,70 @@ PREFILL = [
     for bn, bt, bkw, w, st, g in [
         (128, 128, 16, 8, 3, 8),
         (128, 128, 16, 8, 4, 8),
-        (128, 64, 16, 8, 4, 8),
-        (128, 64, 32, 8, 3, 8),
-        (64, 64, 16, 4, 3, 8),
-        (128, 128, 16, 8, 3, 16),
+        (128, 128, 16, 4, 3, 8),
+        (128, 256, 16, 8, 3, 8),
+        (256, 128, 16, 8, 3, 8),
+        (128, 64, 16, 4, 4, 8),
     ]
 ]
-FAMILIES = ("gemv", "mma", "prefill", "old")
+FAMILIES = ("gemv", "mma", "prefill", "old")  # and "floor", on request
+
+
+@triton.jit
+def _floor(
+    x_ptr, w_ptr, sw_ptr, out_ptr, N, KW, MP, stride_wn, cp, iters,
+    BN: tl.constexpr, BT: tl.constexpr, BKW: tl.constexpr, MMA: tl.constexpr,
+):  # fmt: skip
+    """``mma_planes``' loads (and with MMA its tensor-core work) without the decode."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rows_n = tl.where(offs_n < N, offs_n, 0)
+    kw = tl.arange(0, BKW)
+    kx = tl.arange(0, 8 * BKW)
+    w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
+    tl.assume(iters > 0)
+    acc = tl.zeros((BN, BT), dtype=tl.float32)
+    bits = tl.zeros((BN, BKW), dtype=tl.int32)
+    for i in range(0, iters):
+        k0 = (pid_k * iters + i) * BKW
+        k = k0 + kw
+        k_ok = k < KW
+        wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
+        blk = tl.where(k_ok, k // 2, 0)
+        sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
+        if MMA:
+            h = (wq ^ sw).to(tl.float16)
+            w = plane_major(h, h, h, h, h, h, h, h, BN, BKW)
+            xb = x_ptr + tl.arange(0, BT)[None, :] + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
+            acc = tl.dot(w, tl.load(xb), acc)
+        else:
+            bits = bits ^ wq ^ sw
+    acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
+    ptrs = out_ptr + pid_k * N * BT + offs_n[:, None] * BT + tl.arange(0, BT)[None, :]
+    tl.store(ptrs, acc, mask=(offs_n < N)[:, None])
+
+
+def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool) -> torch.Tensor:
+    """Launch ``_floor`` on mm_fp4's arguments with ``cfg``'s tiling and split."""
+    b, b_descale = args[1], args[3]
+    n, kh = b.shape[1], b.shape[0]
+    w32 = b.T.view(torch.int32)
+    sw32 = triton_hopper._scale_words(b_descale)
+    kw = kh // 4
+    sms = triton_fp4._sms(b.device)
+    split = triton_hopper._mma_split(cfg.block_t, n, kw, cfg, sms)
+    iters = triton.cdiv(triton.cdiv(kw, cfg.words_per_step), split)
+    x = torch.zeros(
+        (iters * split * cfg.words_per_step * 8, cfg.block_t), dtype=torch.float16, device=b.device
+    )
+    out = torch.empty((split, n, cfg.block_t), dtype=torch.float32, device=b.device)
+    _floor[(triton.cdiv(n, cfg.block_n), split)](
+        x, w32, sw32, out, n, kw, cfg.block_t, w32.stride(0), triton_fp4._ceil4(kh // 8), iters,
+        BN=cfg.block_n, BT=cfg.block_t, BKW=cfg.words_per_step, MMA=mma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
 
 
 def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functools.partial]:
@@ -79,7 +171,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out[f"gemv r{c.rows_per_program} bk{c.blocks_per_step} w{c.num_warps}"] = (
                 functools.partial(triton_hopper.run_gemv, cfg=c)
             )
-    if 2 <= m <= 256 and "mma" in families:
+    if m <= 256 and "mma" in families:
         for c in MMA:
             if c.block_t >= 2 * max(16, m) and c.block_t > 16:
                 continue
@@ -91,6 +183,14 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out[
                 f"prefill n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} g{c.group}"
             ] = functools.partial(triton_hopper.run_prefill, cfg=c)
+    if m <= 16 and "floor" in families:
+        for c in MMA:
+            if c.block_t == 16 and c.num_warps >= 4:
+                tiling = f"n{c.block_n} t16 kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
+                for mma in (False, True):
+                    out[f"floor-{'mma' if mma else 'loads'} {tiling}"] = functools.partial(
+                        run_floor, cfg=c, mma=mma
+                    )
     old = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None} if "old" in families else {}
     for name, limit in old.items():
         if limit is None or m <= limit:
@@ -116,7 +216,9 @@ def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...
         try:
             out = fn(*first.args(problem))
             torch.cuda.synchronize()
-            if first.ref.numel():
+            if name.startswith("floor"):
+                verdicts[name] = ("unchecked: a floor, not a product", None)
+            elif first.ref.numel():
                 res = validate.check(out, first, problem.torch_out_dtype)
                 verdicts[name] = ("ok" if res.ok else "WRONG " + res.reason, res.worst_ratio)
                 if not res.ok:

@@ -235,9 +235,9 @@ class Settings:
         "tune",
         _tactic_mode,
         "`tune`",
-        "`default` times and serves every backend that has tactics (flashinfer's, `hopper-gemv`, "
-        "`hopper-mma`) at its default (no tuning); `default:cute-dsl,hopper-mma` does so for the "
-        "backends named only",
+        "`default` times and serves every backend that has tactics (flashinfer's and the "
+        "`hopper-*` kernels) at its default (no tuning); `default:cute-dsl,hopper-mma` does so "
+        "for the backends named only",
     )
     tune_timeout_s: float = _setting(
         "FP4SELECT_TUNE_TIMEOUT_S",

@@ -190,6 +190,42 @@ def test_word_to_f16_is_exact_at_every_code_and_every_e4m3_scale():
         assert np.array_equal(planes.astype(np.float64), values * 2.0**-14 * s), s
 
 
+def _pair_planes(got: dict[int, np.ndarray], half: int) -> np.ndarray:
+    return np.stack(
+        [((got[i] >> U32(16 * half)) & U32(0xFFFF)).astype(np.uint16) for i in range(8)], 1
+    )
+
+
+def test_pair_to_f16_is_exact_at_every_code_and_every_e4m3_scale():
+    """Each half of each output is its own word's code times its own word's scale."""
+    bytes_ = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(bytes_.view(torch.float8_e4m3fn).double())
+    scale_bytes = bytes_[finite].numpy().astype(np.uint32)
+    words0 = ALL_HALVES | (np.roll(ALL_HALVES, 4321) << U32(16))
+    words1 = np.roll(words0, 999)
+    values = [
+        formats.e2m1_decode(
+            torch.from_numpy(_codes(w.astype(np.uint64), 8)).to(torch.uint8), torch.float64
+        ).numpy()
+        for w in (words0, words1)
+    ]
+    scale_values = bytes_.view(torch.float8_e4m3fn).double().numpy()
+    for s0 in scale_bytes.tolist():
+        s1 = int(scale_bytes[(s0 * 7 + 3) % len(scale_bytes)])  # a different scale for word 1
+        got = run_ptx(
+            hk._PAIR_TO_F16.value,
+            {
+                8: words0,
+                9: words1,
+                10: np.full(words0.shape, s0, U32),
+                11: np.full(words0.shape, s1, U32),
+            },
+        )
+        for half, (s, v) in enumerate(((s0, values[0]), (s1, values[1]))):
+            planes = _pair_planes(got, half).view(np.float16).astype(np.float64)
+            assert np.array_equal(planes, v * 2.0**-14 * scale_values[s]), (s0, s1, half)
+
+
 def test_a_planted_table_error_is_caught():
     words = _words_64()
     broken = hk._DECODE_S8.value.replace(str(hk.TABLE_POS[1]), str(hk.TABLE_POS[1] ^ 0x100))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from fp4select import settings, validate
@@ -46,7 +47,11 @@ def _record(cfg) -> dict:
 
 
 def test_pin_runs_a_known_candidate_and_nothing_else():
-    for run, cfg in [(th.run_gemv, hc.GEMV_TACTICS[2]), (th.run_mma, hc.MMA_TACTICS[1][1][1])]:
+    for run, cfg in [
+        (th.run_gemv, hc.GEMV_TACTICS[2]),
+        (th.run_mma, hc.MMA_TACTICS[1][1][1]),
+        (th.run_prefill, hc.PREFILL_TACTICS[1]),
+    ]:
         pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
     known = list(dataclasses.astuple(hc.GEMV_TACTICS[3]))  # (8, 64, 1)
@@ -60,6 +65,9 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     ):
         assert ht.pin(th.run_gemv, bad) is th.run_gemv, bad
     assert ht.pin(th.run_gemv, _record(hc.MMA_TACTICS[0][1][0])) is th.run_gemv
+    # Each backend pins only its own kind's candidates.
+    assert ht.pin(th.run_prefill, _record(hc.MMA_TACTICS[-1][1][0])) is th.run_prefill
+    assert ht.pin(th.run_mma, _record(hc.PREFILL_TACTICS[0])) is th.run_mma
 
 
 def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
@@ -67,6 +75,8 @@ def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
     for limit, cfgs in hc.MMA_TACTICS:
         assert hc.for_m(hc.MMA_BY_M, limit) in cfgs
         assert all(c.block_t <= max(16, limit) for c in cfgs), limit
+    assert hc.default("prefill", 4096) == hc.PREFILL == hc.PREFILL_TACTICS[0]
+    assert all(c.split == 1 for c in hc.PREFILL_TACTICS)  # no partial sums at large M
 
 
 def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):
@@ -86,3 +96,11 @@ def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):
     finally:
         monkeypatch.delenv("FP4SELECT_TACTICS")
         settings.use(None)
+
+
+def test_only_tritons_out_of_resources_counts_as_a_tile_that_does_not_fit():
+    errors = pytest.importorskip("triton.runtime.errors")
+    assert ht._out_of_resources(errors.OutOfResources(300_000, 232_448, "shared memory"))
+    assert not ht._out_of_resources(RuntimeError("out of resources"))
+    fake = type("OutOfResources", (Exception,), {})  # same name, not Triton's
+    assert not ht._out_of_resources(fake())

@@ -32,7 +32,7 @@ COMBOS = [
 ]
 RUNNERS = {
     "hopper-gemv": (triton_hopper.run_gemv, (1, 2, 3, 5, 8)),
-    "hopper-mma": (triton_hopper.run_mma, (1, 7, 16, 33, 128)),
+    "hopper-mma": (triton_hopper.run_mma, (1, 7, 16, 33, 128, 256)),
     "hopper-prefill": (triton_hopper.run_prefill, (1, 64, 200, 515)),
 }
 
@@ -107,6 +107,11 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
     for limit, cfgs in hopper_configs.MMA_TACTICS:
         cases += [(triton_hopper.run_mma, cfg, m) for cfg in cfgs for m in (low, limit)]
         low = limit + 1
+    cases += [
+        (triton_hopper.run_prefill, cfg, m)
+        for cfg in hopper_configs.PREFILL_TACTICS
+        for m in (1, 300)
+    ]
     for run, cfg, m in cases:
         problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")
         inputs = validate.make_inputs(problem, m, "cuda", seed=m + k)
@@ -115,16 +120,32 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
 
 
 def test_tuning_times_every_candidate_and_its_choice_is_exact():
-    for run, m in ((triton_hopper.run_gemv, 1), (triton_hopper.run_mma, 16)):
+    kinds = {triton_hopper.run_gemv: "gemv", triton_hopper.run_mma: "mma"}
+    kinds[triton_hopper.run_prefill] = "prefill"
+    for run, m in (
+        (triton_hopper.run_gemv, 1),
+        (triton_hopper.run_mma, 16),
+        (triton_hopper.run_prefill, 512),
+    ):
         problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m))
         inputs = validate.make_inputs(problem, m, "cuda", seed=3)
         record = hopper_tactics.tune(run, problem, inputs.args(problem), name="x")
-        candidates = hopper_configs.candidates(
-            "gemv" if run is triton_hopper.run_gemv else "mma", m
-        )
+        candidates = hopper_configs.candidates(kinds[run], m)
         assert len(record["timed_us"]) == len(candidates), record
         assert all(us > 0 for us in record["timed_us"].values())
         pinned = hopper_tactics.pin(run, record)
         assert pinned.keywords["cfg"] in candidates
         assert list(dataclasses.astuple(pinned.keywords["cfg"])) == record["tactic"]
         assert validate.check(pinned(*inputs.args(problem)), inputs, problem.torch_out_dtype).ok
+
+
+def test_a_candidate_too_large_for_the_gpu_is_skipped_and_named(monkeypatch):
+    fits = hopper_configs.MmaConfig(128, 16, 16, 4, 3)
+    too_big = hopper_configs.MmaConfig(128, 256, 16, 8, 6)  # about 400 KiB of shared memory
+    monkeypatch.setattr(hopper_configs, "candidates", lambda kind, m: (too_big, fits))
+    problem = Problem(n=4096, k=4096, m_bucket=m_bucket(16))
+    inputs = validate.make_inputs(problem, 16, "cuda", seed=5)
+    record = hopper_tactics.tune(triton_hopper.run_mma, problem, inputs.args(problem), name="x")
+    key = " ".join(map(str, dataclasses.astuple(too_big)))
+    assert key in record["skipped"] and "shared memory" in record["skipped"][key], record
+    assert record["tactic"] == list(dataclasses.astuple(fits))

@@ -1,4 +1,5 @@
-"""The decoded weight reaches the tensor cores from registers, never through shared memory.
+"""The decoded weight reaches the tensor cores from registers, never through shared memory,
+and the main loop's wgmma run asynchronously.
 
 Triton keeps a decode in the wgmma register layout only when every input of the decode is a
 32-bit (or wider) load: an 8-bit scale load, or a byte index computed from ``tl.arange``,
@@ -7,6 +8,12 @@ kernel stays correct but runs at half speed (docs/hopper_kernels.md). Correctnes
 see that, so this compiles ``mma_planes`` for sm90 on the CPU (Triton ships ptxas; no GPU is
 needed) and reads the TTGIR: no float16 tile of the weight's shape may be stored to shared
 memory. A planted kernel with an 8-bit scale load shows the check can fail.
+
+ptxas (also shipped with Triton) serializes every wgmma of a loop, waiting for each before
+the next, when it finds the accumulator set outside the MMA inside a pipeline stage; a loop
+that may run zero times is such a case. It says so only in its own output ("C7515"), so the
+second check runs it on the kernel's PTX; a planted loop without ``tl.assume`` shows the check
+can fail.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 compiler = pytest.importorskip("triton.compiler")
 backends_compiler = pytest.importorskip("triton.backends.compiler")
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
 
 from fp4select.backends import _hopper_kernels as hk  # noqa: E402
 from fp4select.backends import hopper_configs  # noqa: E402
@@ -53,7 +63,7 @@ SIGNATURE = {
 DIVISIBLE = {"N", "KW", "MP", "stride_wn", "stride_om", "cp"}
 
 
-def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> str:
+def _compile(fn, signature: dict, constexprs: dict, warps: int, stages: int):
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, (name, kind) in enumerate(signature.items())
@@ -67,12 +77,28 @@ def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> st
         )
     except Exception as exc:  # a Triton without an sm90 backend or its ptxas here
         pytest.skip(f"cannot compile for sm90 here: {type(exc).__name__}: {exc}")
-    return kernel.asm["ttgir"]
+    return kernel
+
+
+def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> str:
+    return _compile(fn, signature, constexprs, warps, stages).asm["ttgir"]
+
+
+def _compile_mma(cfg):
+    """``mma_planes`` as ``cfg`` launches it (scalar alpha)."""
+    constexprs = {"ALPHA": 2, "PARTIALS": cfg.split != 1, "GROUP": cfg.group, "ASM": True}
+    constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
+    return _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)
 
 
 def _weight_tiles_in_shared_memory(ttgir: str, block_n: int, words: int) -> list[str]:
-    tile = f"tensor<{block_n}x{words}xf16"
-    return [line.strip() for line in ttgir.splitlines() if "local_alloc %" in line and tile in line]
+    """Shared-memory copies of a decoded plane (block_n x words) or of the joined operand."""
+    tiles = (f"tensor<{block_n}x{words}xf16", f"tensor<{block_n}x{8 * words}xf16")
+    return [
+        line.strip()
+        for line in ttgir.splitlines()
+        if "local_alloc %" in line and any(t in line for t in tiles)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -85,21 +111,7 @@ def _weight_tiles_in_shared_memory(ttgir: str, block_n: int, words: int) -> list
     ids=str,
 )
 def test_the_decoded_weight_never_goes_through_shared_memory(cfg):
-    ttgir = _ttgir(
-        hk.mma_planes,
-        SIGNATURE,
-        {
-            "ALPHA": 2,
-            "PARTIALS": cfg.split != 1,
-            "BN": cfg.block_n,
-            "BT": cfg.block_t,
-            "BKW": cfg.words_per_step,
-            "GROUP": cfg.group,
-            "ASM": True,
-        },
-        cfg.num_warps,
-        cfg.num_stages,
-    )
+    ttgir = _compile_mma(cfg).asm["ttgir"]
     assert "warp_group_dot" in ttgir  # wgmma, with the weight as the register operand
     assert "opIdx = 0" in ttgir
     assert _weight_tiles_in_shared_memory(ttgir, cfg.block_n, cfg.words_per_step) == []
@@ -131,3 +143,53 @@ def test_a_planted_byte_load_is_caught():
         3,
     )
     assert _weight_tiles_in_shared_memory(ttgir, 64, 16)
+
+
+def _serialization_report(ptx: str, tmp_path) -> str:
+    nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+    ptxas = nvidia.get_ptxas(90).path  # the one Triton itself runs for sm90
+    if not ptxas or not os.path.exists(ptxas):
+        pytest.skip("this Triton ships no ptxas for sm90")
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "kernel.o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return "\n".join(line for line in run.stderr.splitlines() if "C7515" in line)
+
+
+@pytest.mark.parametrize(
+    "cfg", [hopper_configs.MMA_TACTICS[0][1][0], hopper_configs.PREFILL], ids=str
+)
+def test_the_main_loop_wgmma_are_not_serialized(cfg, tmp_path):
+    assert _serialization_report(_compile_mma(cfg).asm["ptx"], tmp_path) == ""
+
+
+@triton.jit
+def _maybe_empty_loop(w_ptr, x_ptr, o_ptr, KW, BN: tl.constexpr, BT: tl.constexpr):
+    n = tl.arange(0, BN)
+    t = tl.arange(0, BT)
+    kw = tl.arange(0, 16)
+    kx = tl.arange(0, 128)
+    acc = tl.zeros((BN, BT), tl.float32)
+    for i in range(0, KW, 16):  # no tl.assume(KW > 0): the loop may not run
+        q = tl.load(w_ptr + n[:, None] * KW + i + kw[None, :])
+        w = hk.plane_major(*hk.pair_to_f16(q, q & 0xFF, True), BN, 16)
+        acc = tl.dot(w, tl.load(x_ptr + (i * 8 + kx)[:, None] * BT + t[None, :]), acc)
+    tl.store(o_ptr + n[:, None] * BT + t[None, :], acc)
+
+
+def test_a_planted_loop_that_may_not_run_is_caught(tmp_path):
+    kernel = _compile(
+        _maybe_empty_loop,
+        {"w_ptr": "*i32", "x_ptr": "*fp16", "o_ptr": "*fp32", "KW": "i32"}
+        | {"BN": "constexpr", "BT": "constexpr"},
+        {"BN": 128, "BT": 16},
+        4,
+        3,
+    )
+    assert "C7515" in _serialization_report(kernel.asm["ptx"], tmp_path)

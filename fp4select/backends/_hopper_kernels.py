@@ -1,6 +1,6 @@
 """Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
 
-Why one file of ~880 lines: Triton resolves a kernel's helpers through its module's globals,
+Why one file of ~890 lines: Triton resolves a kernel's helpers through its module's globals,
 and the three kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
 asm strings and the twins they must agree with read best side by side.
 
@@ -8,13 +8,16 @@ Design rules:
 
 * Decode whole words, never single nibbles. Weights and activations are read as 32-bit words
   (8 E2M1 values, all in one 16-value scale block) or 64-bit words (one whole NVFP4 block),
-  and every inline-asm routine takes one word and returns values derived from that word only.
-  So an asm routine is elementwise over words whatever register layout Triton picks for the
-  tensor, which is what made the earlier byte-packed decode silently wrong inside ``tl.dot``.
+  and every value an inline-asm routine returns is derived from one word (and its scale) only:
+  ``_PAIR_TO_F16`` takes two words at a time, but each half of each output register comes
+  from one of them. So an asm routine is elementwise over words whatever register layout
+  Triton picks for the tensor, which is what made the earlier byte-packed decode silently
+  wrong inside ``tl.dot``.
 * The order of K inside a step is free: a dot product does not care in which order its terms
   come, as long as both operands use the same order. ``_WORD_TO_F16`` returns the 8 values of
-  a word as 8 separate tensors ("planes": plane i holds element i of every word), and both the
-  weight and the activation are decoded with it, so plane i of one meets plane i of the other.
+  a word as 8 separate tensors ("planes": plane i holds element i of every word); the
+  activation is decoded with it and the weight with ``_PAIR_TO_F16``, which returns the same
+  planes, so plane i of one meets plane i of the other.
 * Exact arithmetic. ``_DECODE_S8`` maps E2M1 codes to the integers 2*value (-12..12) with a
   byte-permute table lookup (``prmt``) and ``_DOT4`` multiplies with ``dp4a``: the integer dot product of
   one block is exact, and is scaled by both block scales once, in float32. ``_WORD_TO_F16``
@@ -280,6 +283,77 @@ def dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM: tl.constexpr):
         return dot4(p0, p1, p2, p3, x0, x1, x2, x3, False) - dot4(
             n0, n1, n2, n3, x0, x1, x2, x3, False
         )
+
+
+def _plane_pair(byte: int, out_lo: int, out_hi: int) -> str:
+    """PTX: byte ``byte`` of words $8 and $9 -> planes 2 * byte and 2 * byte + 1, float16x2.
+
+    One byte permute puts the byte of each word into both bytes of its half-word; the low
+    nibble's code then moves to the float16 bits of value * 2**-14 by shifts of 9 and 12, the
+    high nibble's by a shift of 3 (its sign is in place), and each half is scaled by its word's
+    scale ($10 and $11, folded into ``s``).
+    """
+    sel = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12
+    return f"""
+    prmt.b32 t, $8, $9, {sel};
+    shl.b32 a, t, 9;
+    and.b32 a, a, 0x0E000E00;
+    shl.b32 b, t, 12;
+    and.b32 b, b, 0x80008000;
+    or.b32 v, a, b;
+    mul.rn.f16x2 ${out_lo}, v, s;
+    shr.b32 a, t, 3;
+    and.b32 a, a, 0x0E000E00;
+    and.b32 b, t, 0x80008000;
+    or.b32 v, a, b;
+    mul.rn.f16x2 ${out_hi}, v, s;"""
+
+
+# Two words at a time (pack=2: $8 = word w, $9 = word w + 1; $10, $11 = their e4m3 scale
+# bytes): $p = plane p as float16x2, code p of word w in the low half and of word w + 1 in the
+# high half, each value * 2**-14 * its scale. Output p is then the operand register the MMA
+# reads for two neighbouring values of K, so nothing is unpacked and packed again, and the
+# scale is decoded once per two words. Still elementwise: each half depends on its own word
+# and its own scale only, however Triton pairs the elements.
+_PAIR_TO_F16 = tl.constexpr(
+    """{
+    .reg .b32 t, a, b, v, s, c;
+    shl.b32 t, $11, 16;
+    or.b32 t, t, $10;
+    and.b32 a, t, 0x007F007F;
+    shl.b32 a, a, 7;
+    and.b32 b, t, 0x00800080;
+    shl.b32 b, b, 8;
+    or.b32 s, a, b;
+    mov.b32 c, 0x5C005C00;
+    mul.rn.f16x2 s, s, c;"""
+    + _plane_pair(0, 0, 1)
+    + _plane_pair(1, 2, 3)
+    + _plane_pair(2, 4, 5)
+    + _plane_pair(3, 6, 7)
+    + """
+    }"""
+)
+
+
+@triton.jit
+def pair_to_f16(q, sb, ASM: tl.constexpr):
+    """Words of 8 E2M1 codes (int32) and their e4m3 scale bytes (int32) -> 8 float16 planes.
+
+    Plane i holds code i of each word (bits 4i..4i+3) times 2**-14 times the word's scale, as
+    ``word_to_f16`` does, two words per asm call (see ``_PAIR_TO_F16``).
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _PAIR_TO_F16,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+            [q, sb],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        return word_to_f16(q, e4m3_f16x2(sb), False)
 
 
 @triton.jit
@@ -720,6 +794,19 @@ def decode_planes(
 
 
 @triton.jit
+def plane_major(w0, w1, w2, w3, w4, w5, w6, w7, BN: tl.constexpr, BKW: tl.constexpr):
+    """8 planes of (BN, BKW) -> one (BN, 8 * BKW) operand, plane p's word w at p * BKW + w.
+
+    Joined in this order the planes stay in the registers the MMA reads (word-major goes
+    through shared memory), and the step's wgmma are issued back to back.
+    """
+    w = tl.join(
+        tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7))
+    )
+    return tl.reshape(tl.permute(tl.reshape(w, (BN, BKW, 8)), (0, 2, 1)), (BN, 8 * BKW))
+
+
+@triton.jit
 def mma_planes(
     x_ptr,  # float16 (XK, MP) from decode_planes (same BKW)
     w_ptr,  # int32 view of the weight: (N, K/8)
@@ -774,6 +861,10 @@ def mma_planes(
     shift = tl.load(shift_ptr + kw)[None, :]
     w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
     x_cols = x_ptr + offs_t[None, :]  # no clamp: the workspace is whole tiles wide
+    kx = tl.arange(0, 8 * BKW)
+    # At least one step: a loop that may run zero times leaves a path where the accumulator
+    # is set outside the MMA, and ptxas then serializes every wgmma of the loop.
+    tl.assume(iters_per_split > 0)
     acc = tl.zeros((BN, BT), dtype=tl.float32)
     for i in range(0, iters_per_split):
         k0 = (pid_k * iters_per_split + i) * BKW
@@ -783,18 +874,9 @@ def mma_planes(
         blk = tl.where(k_ok, k // 2, 0)
         # Scale words, not bytes: an 8-bit load also sends the decoded tile through shared memory.
         sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
-        ws2 = e4m3_f16x2((sw >> shift) & 0xFF)
-        w0, w1, w2, w3, w4, w5, w6, w7 = word_to_f16(wq, ws2, ASM)
-        # Plane p of this step: rows k0 * 8 + p * BKW + (0..BKW) of the (XK, MP) workspace.
-        xb = x_cols + (k0 * 8 + kw)[:, None].to(tl.int64) * MP
-        acc = tl.dot(w0, tl.load(xb + (0 * BKW) * MP), acc)
-        acc = tl.dot(w1, tl.load(xb + (1 * BKW) * MP), acc)
-        acc = tl.dot(w2, tl.load(xb + (2 * BKW) * MP), acc)
-        acc = tl.dot(w3, tl.load(xb + (3 * BKW) * MP), acc)
-        acc = tl.dot(w4, tl.load(xb + (4 * BKW) * MP), acc)
-        acc = tl.dot(w5, tl.load(xb + (5 * BKW) * MP), acc)
-        acc = tl.dot(w6, tl.load(xb + (6 * BKW) * MP), acc)
-        acc = tl.dot(w7, tl.load(xb + (7 * BKW) * MP), acc)
+        w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
+        xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
+        acc = tl.dot(w, tl.load(xb), acc)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
     mask_t = offs_t < M
     mask = (offs_n[:, None] < N) & mask_t[None, :]

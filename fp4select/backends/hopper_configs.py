@@ -47,11 +47,11 @@ class MmaConfig:
 GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1)))
 MMA_BY_M = (
     (16, MmaConfig(128, 16, 16, 4, 3)),
-    (32, MmaConfig(64, 32, 16, 4, 3)),
-    (64, MmaConfig(64, 64, 16, 4, 3)),
-    (None, MmaConfig(128, 128, 16, 8, 3)),
+    (32, MmaConfig(128, 32, 16, 4, 3)),
+    (64, MmaConfig(128, 64, 16, 4, 3)),
+    (None, MmaConfig(128, 128, 16, 4, 3)),
 )
-PREFILL = MmaConfig(128, 128, 16, 8, 4, split=1)
+PREFILL = MmaConfig(128, 256, 16, 8, 3, split=1)
 
 
 def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
@@ -70,21 +70,44 @@ GEMV_TACTICS = (
 MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
     (
         16,
-        (MmaConfig(128, 16, 16, 4, 3), MmaConfig(64, 16, 32, 4, 3), MmaConfig(64, 16, 16, 4, 3, 4)),
+        (
+            MmaConfig(128, 16, 16, 4, 3),
+            MmaConfig(128, 16, 16, 4, 3, 8),
+            MmaConfig(64, 16, 16, 4, 3),
+        ),
     ),
-    (32, (MmaConfig(64, 32, 16, 4, 3), MmaConfig(128, 32, 16, 8, 3))),
-    (64, (MmaConfig(64, 64, 16, 4, 3), MmaConfig(128, 64, 16, 8, 3))),
     (
-        128,
-        (MmaConfig(128, 128, 16, 8, 3), MmaConfig(128, 64, 16, 8, 3), MmaConfig(64, 64, 16, 4, 3)),
+        32,
+        (
+            MmaConfig(128, 32, 16, 4, 3),
+            MmaConfig(128, 32, 16, 4, 3, 8),
+            MmaConfig(64, 32, 16, 4, 3),
+        ),
     ),
+    (64, (MmaConfig(128, 64, 16, 4, 3), MmaConfig(128, 64, 16, 8, 3), MmaConfig(64, 64, 16, 4, 3))),
+    (
+        256,
+        (
+            MmaConfig(128, 128, 16, 4, 3),
+            MmaConfig(128, 128, 16, 8, 3),
+            MmaConfig(128, 64, 16, 4, 3),
+        ),
+    ),
+)
+PREFILL_TACTICS = (
+    PREFILL,
+    MmaConfig(128, 128, 16, 4, 3, split=1),
+    MmaConfig(256, 128, 16, 8, 3, split=1),
 )
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
-    """The tactic candidates of ``kind`` ("gemv" or "mma") at M = m; every one when m is None."""
+    """The tactic candidates of ``kind`` ("gemv", "mma" or "prefill") at M = m; every one when
+    m is None."""
     if kind == "gemv":
         return GEMV_TACTICS
+    if kind == "prefill":
+        return PREFILL_TACTICS
     if kind != "mma":
         return ()
     if m is None:
@@ -97,4 +120,6 @@ def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
 
 def default(kind: str, m: int) -> Any:
     """The table's configuration of ``kind`` at M = m."""
+    if kind == "prefill":
+        return PREFILL
     return for_m(GEMV_BY_M if kind == "gemv" else MMA_BY_M, m)

@@ -1,4 +1,4 @@
-"""Tactics for ``hopper-gemv`` and ``hopper-mma``: a few configurations timed per shape.
+"""Tactics for the ``hopper-*`` backends: a few configurations timed per shape.
 
 The tables in ``hopper_configs`` hold one configuration per range of M, chosen at three shapes;
 the best one differs by shape (the H200 sweeps: up to a fifth). Like flashinfer's autotuner,
@@ -15,6 +15,8 @@ Design rules:
 * ``FP4SELECT_TACTICS=default`` (or ``default:NAME``) and batch-invariant problems keep the
   table, as for flashinfer's backends; candidates left past ``FP4SELECT_TUNE_TIMEOUT_S`` are
   not timed.
+* A candidate Triton refuses to load on this GPU (``OutOfResources``: the tiles were chosen
+  on an H200) is skipped and named in the record; any other error is the backend's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from fp4select import settings as settings_mod
 from fp4select.backends import hopper_configs
 
 OP = "hopper"
-_KINDS = {"run_gemv": "gemv", "run_mma": "mma"}  # the runners of triton_hopper that take cfg=
+_KINDS = {
+    "run_gemv": "gemv",
+    "run_mma": "mma",
+    "run_prefill": "prefill",
+}  # the runners of triton_hopper that take cfg=
 _TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call
 
 
@@ -109,6 +115,7 @@ def tune(
     sets = _input_copies(args, a.device)
     started = time.perf_counter()
     timed: dict[str, float] = {}
+    skipped: dict[str, str] = {}
     best, best_us = default, math.inf
     for cfg in hopper_configs.candidates(kind, m):
         if time.perf_counter() - started > settings.tune_timeout_s:
@@ -119,11 +126,27 @@ def tune(
         if progress is not None:
             progress()
         calls = [functools.partial(run, *s, cfg=cfg) for s in sets]
-        us = _time_us(calls, a.device, _TUNE_BUDGET_S)
+        try:
+            us = _time_us(calls, a.device, _TUNE_BUDGET_S)
+        except Exception as exc:
+            if not _out_of_resources(exc):
+                raise
+            # A tile too large for this GPU's shared memory or registers (an H200-sized tile
+            # on an A100 or an L40S): refused before launch, so nothing ran; the others compete.
+            skipped[" ".join(map(str, astuple(cfg)))] = str(exc).splitlines()[0][:200]
+            continue
         timed[" ".join(map(str, astuple(cfg)))] = round(us, 2)
         if us < best_us:
             best, best_us = cfg, us
+    if skipped:
+        record["skipped"] = skipped
     return record | {"tactic": list(astuple(best)), "timed_us": timed}
+
+
+def _out_of_resources(exc: BaseException) -> bool:
+    """Triton's refusal to load a kernel that does not fit the device (no import of triton)."""
+    kind = type(exc)
+    return kind.__name__ == "OutOfResources" and kind.__module__.startswith("triton")
 
 
 def pin(runner: Callable[..., Any], record: Mapping[str, Any]) -> Callable[..., Any]:

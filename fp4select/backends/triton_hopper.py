@@ -5,12 +5,13 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 
 * ``hopper-gemv`` (M <= 8): CUDA cores. Each block of 16 values is one exact integer dot
   product (byte-permute table decode, ``dp4a``), scaled once by both block scales.
-* ``hopper-mma`` (M <= 128): tensor cores with the operands swapped (weight rows fill the
-  MMA's large side, tokens its small side), both decoded in registers from packed words, with
-  split-K where N alone leaves SMs idle.
-* ``hopper-prefill`` (any M, built for M >= 128): a is decoded once per call into a float16
-  workspace in the kernel's K order; the weight is decoded inside the main loop, so no
-  decoded copy of the weight ever exists in memory.
+* ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
+  MMA's large side, tokens its small side), the weight decoded in registers from packed words,
+  with split-K where N alone leaves SMs idle.
+* ``hopper-prefill`` (any M, built for M >= 256): the same kernel with large tiles and no
+  split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
+  and the weight inside the main loop, so no decoded copy of the weight exists in memory.
+* The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
 
@@ -309,10 +310,10 @@ BACKENDS: tuple[Backend, ...] = (
         name="hopper-mma",
         checked_runner=run_mma,
         why_unavailable=why_unavailable,
-        caps=_caps(128),
+        caps=_caps(256),
         preference=185,
         family=FAMILY,
-        description="NVFP4 tensor-core GEMM for M <= 128, operands swapped, split-K",
+        description="NVFP4 tensor-core GEMM for M <= 256, operands swapped, split-K",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
@@ -324,5 +325,7 @@ BACKENDS: tuple[Backend, ...] = (
         preference=188,
         family=FAMILY,
         description="NVFP4 GEMM for large M: a decoded once, the weight decoded in the main loop",
+        tune=hopper_tactics.tune,
+        pin=hopper_tactics.pin,
     ),
 )
