@@ -202,7 +202,8 @@ def shape_problems(
     ]
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist``, or None."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -222,11 +223,11 @@ def environment(device_index: int | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": None,
-        "flashinfer": _version("flashinfer-python"),
-        "flashinfer_cubin": _version("flashinfer-cubin"),
-        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "cudnn_frontend": _version("nvidia-cudnn-frontend"),
-        "triton": _version("triton"),  # compiles the triton-* and torch-dequant kernels
+        "flashinfer": installed_version("flashinfer-python"),
+        "flashinfer_cubin": installed_version("flashinfer-cubin"),
+        "cutlass_dsl": installed_version("nvidia-cutlass-dsl"),
+        "cudnn_frontend": installed_version("nvidia-cudnn-frontend"),
+        "triton": installed_version("triton"),  # compiles the triton-* and torch-dequant kernels
     }
     if device_index is None:
         env.update(device="cpu", gpu=None, cc=None, sm_count=None)

@@ -76,7 +76,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.metadata
 import inspect
 import json
 import logging
@@ -91,7 +90,7 @@ import torch
 
 from fp4select import settings as settings_mod
 from fp4select.backends.base import Runner
-from fp4select.keys import Problem
+from fp4select.keys import Problem, installed_version
 from fp4select.store._warn import first_time
 
 log = logging.getLogger("fp4select")
@@ -143,10 +142,7 @@ def tuner_api() -> tuple[TunerAPI | None, str | None]:
         autotuner = importlib.import_module("flashinfer.autotuner")
     except Exception as exc:  # not installed, or broken at import
         return None, f"flashinfer's autotuner is not importable ({type(exc).__name__}: {exc})"
-    try:
-        version: str | None = importlib.metadata.version("flashinfer-python")
-    except importlib.metadata.PackageNotFoundError:
-        version = getattr(autotuner, "__version__", None)
+    version = installed_version("flashinfer-python") or getattr(autotuner, "__version__", None)
     autotune = getattr(autotuner, "autotune", None)
     tuner_class = getattr(autotuner, "AutoTuner", None)
     if autotune is None or tuner_class is None:
