@@ -304,6 +304,16 @@ class _Builder:
             _Gemm(f"{prefix}.down_proj", (f"{prefix}.down_proj",), hidden, i, "K"),
         ]
 
+    def moe_layer_mlp(self, hidden: int, sparse: bool, shared: int) -> list[_Gemm]:
+        """The MLP GEMMs of a layer: dense where it is not an MoE layer, else its shared expert
+        (Qwen's; routed experts are not mm_fp4), else none."""
+        if not sparse:
+            return self.mlp(hidden, self.cfg.integer("intermediate_size", "the dense MLP layers"))
+        if shared:
+            self.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
+            return self.mlp(hidden, shared, "mlp.shared_expert")
+        return []
+
     def moe_notes(self) -> None:
         self.note(
             "routed MoE experts are left out: engines run them in fused MoE kernels, not mm_fp4"
@@ -361,18 +371,7 @@ def _moe_decoder(b: _Builder) -> None:
     sparse = _sparse_rule(cfg, experts, layers)
     attention = b.attention(hidden, heads, kv, head_dim)
     b.moe_notes()
-
-    def layer(i: int) -> list[_Gemm]:
-        if not sparse(i):
-            return attention + b.mlp(
-                hidden, cfg.integer("intermediate_size", "the dense MLP layers")
-            )
-        if shared:
-            b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
-            return attention + b.mlp(hidden, shared, "mlp.shared_expert")
-        return attention
-
-    b.layers(layers, layer)
+    b.layers(layers, lambda i: attention + b.moe_layer_mlp(hidden, sparse(i), shared))
 
 
 def _hybrid_decoder(b: _Builder) -> None:
@@ -410,16 +409,10 @@ def _hybrid_decoder(b: _Builder) -> None:
         def full(i: int) -> bool:
             return bool(types[i] == "full_attention")
 
-    k_heads = _split(
-        cfg.integer("linear_num_key_heads", "linear attention", hi=_MAX_HEADS),
-        tp,
-        "linear key heads",
-    )
-    v_heads = _split(
-        cfg.integer("linear_num_value_heads", "linear attention", hi=_MAX_HEADS),
-        tp,
-        "linear value heads",
-    )
+    k_heads = cfg.integer("linear_num_key_heads", "linear attention", hi=_MAX_HEADS)
+    k_heads = _split(k_heads, tp, "linear key heads")
+    v_heads = cfg.integer("linear_num_value_heads", "linear attention", hi=_MAX_HEADS)
+    v_heads = _split(v_heads, tp, "linear value heads")
     k_dim = k_heads * cfg.integer("linear_key_head_dim", "linear attention")
     v_dim = v_heads * cfg.integer("linear_value_head_dim", "linear attention")
     linear = [
@@ -454,13 +447,8 @@ def _hybrid_decoder(b: _Builder) -> None:
     sparse = _sparse_rule(cfg, experts, layers)
 
     def layer(i: int) -> list[_Gemm]:
-        gemms = attention if full(i) else linear
-        if not sparse(i):
-            return gemms + b.mlp(hidden, cfg.integer("intermediate_size", "the dense MLP"))
-        if shared:
-            b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
-            return gemms + b.mlp(hidden, shared, "mlp.shared_expert")
-        return gemms
+        mixer = attention if full(i) else linear
+        return mixer + b.moe_layer_mlp(hidden, sparse(i), shared)
 
     b.layers(layers, layer)
     b.note("the checkpoint's parts (in_proj_qkv + in_proj_z, in_proj_b + in_proj_a) are fused")
@@ -471,9 +459,8 @@ def _mla_decoder(b: _Builder) -> None:
     cfg = b.cfg
     tp = b.tp
     hidden = cfg.integer("hidden_size", "every projection")
-    heads = _split(
-        cfg.integer("num_attention_heads", "attention", hi=_MAX_HEADS), tp, "num_attention_heads"
-    )
+    heads = cfg.integer("num_attention_heads", "attention", hi=_MAX_HEADS)
+    heads = _split(heads, tp, "num_attention_heads")
     q_lora = cfg.optional_int("q_lora_rank", lo=0)
     kv_lora = cfg.integer("kv_lora_rank", "MLA")
     nope = cfg.integer("qk_nope_head_dim", "MLA")
