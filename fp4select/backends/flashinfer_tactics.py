@@ -686,9 +686,7 @@ def tune(
         "runner": None,
         "default": DEFAULT_TACTIC,
         "m": problem.m_bucket,
-        # flashinfer's own rule (0: the fastest measured). A tie tolerance would only make
-        # separate processes agree, and the tactic is tuned once and stored for all of them.
-        "tie_tolerance": 0.0,
+        "tie_tolerance": 0.0,  # flashinfer's own rule, the fastest measured (the module's rules)
         "flashinfer": api.version,
     }
     captured: list[tuple[str, Any]] = []
