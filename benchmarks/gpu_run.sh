@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|bench|all|quant]      (default: all)
+#   bash benchmarks/gpu_run.sh [tests|bench|all|quant|floor|deploy]      (default: all)
 #
 #   tests  the tests marked gpu, then the warm path's, the guard's, the C++ key's, batch
 #          invariance's and start-up's tests, which take CUDA tensors where there is a GPU
@@ -13,6 +13,11 @@
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
 #   quant  benchmarks/quant_sweep.py alone (the activation quantizer's tilings, checked and
 #          timed, about 30-40 s); not part of all (its tests marked gpu run in tests)
+#   floor  benchmarks/hopper_sweep.py --families mma,floor at M = 1 and 16: each small-M
+#          tiling beside itself without its decode (about 1-2 min); not part of all
+#   deploy benchmarks/bench_cold.py: Llama-3.1-8B's keys at fp4select's default settings
+#          (sandboxed), from an empty Triton cache and again with the kernels compiled (the
+#          JIT share); it may need most of a 600 s call; not part of all
 #
 # Results and the log (gpu_run_<mode>_log.txt) go to $OUT (default benchmarks/results).
 # Exit status: non-zero if any step failed (the log says which).
@@ -64,6 +69,15 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
   fi
   if [ "$MODE" = quant ]; then
     step "quant_sweep.py" timeout 120 python3 benchmarks/quant_sweep.py --out "$OUT"
+  fi
+  if [ "$MODE" = floor ]; then
+    step "hopper_sweep.py floor" timeout 300 python3 benchmarks/hopper_sweep.py \
+      --families mma,floor --ms 1,16 --name hopper_sweep_floor --out "$OUT" --time-limit-s 240
+  fi
+  if [ "$MODE" = deploy ]; then
+    step "bench_cold.py at default settings" timeout 560 python3 benchmarks/bench_cold.py \
+      --device cuda --preset llama3-8b --max-m 8192 --defaults --jit-share
+    cp benchmarks/results/cold_llama3-8b_cuda.json "$OUT/" 2>/dev/null
   fi
   echo "== $(date -u +%FT%TZ) done; failed: ${failed[*]:-none}"
 } 2>&1 | tee "$OUT/gpu_run_${MODE}_log.txt"

@@ -131,7 +131,7 @@ def _floor(
         blk = tl.where(k_ok, k // 2, 0)
         sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
         if MMA:
-            h = (wq ^ sw).to(tl.float16)
+            h = ((wq ^ sw) & 0x3FF).to(tl.float16)  # finite: the MMA still runs on every word
             w = plane_major(h, h, h, h, h, h, h, h, BN, BKW)
             xb = x_ptr + tl.arange(0, BT)[None, :] + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
             acc = tl.dot(w, tl.load(xb), acc)
