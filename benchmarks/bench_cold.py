@@ -26,8 +26,8 @@ import torch
 from _common import table, write
 
 import fp4select
-from fp4select.cli.plan import buckets
 from fp4select.keys import Problem
+from fp4select.keys import buckets_up_to as buckets
 from fp4select.timing import TimingOptions
 
 # (N, K) of the dense linear layers per transformer block, unsharded.

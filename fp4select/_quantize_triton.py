@@ -226,17 +226,9 @@ def quantize(
     if m == 0:  # nothing to write, and a grid of no programs is not a launch
         return out, sf.view(torch.float8_e4m3fn)
     block_m, programs_m, programs_c = grid(m, cp, cfg)
+    args = (x, gs, out, sf, m, k, x.stride(0), x.stride(1), cp, -(-m // block_m))
     _quantize_kernel[(programs_m, programs_c)](
-        x,
-        gs,
-        out,
-        sf,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        cp,
-        -(-m // block_m),
+        *args,
         BLOCK_M=block_m,
         BLOCK_C=cfg.block_c,
         SPLIT=cfg.split,

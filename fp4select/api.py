@@ -47,7 +47,7 @@ from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
 from fp4select.backends import flashinfer_tactics
-from fp4select.keys import Problem, environment_for
+from fp4select.keys import Problem, environment_for, resolve_device
 from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
 from fp4select.settings import Settings
@@ -61,8 +61,9 @@ _lookup = _bound.get  # one global load on the warm path instead of two
 # native key is exact metadata, so an entry needs no guard.
 _native_bound: dict[tuple, Any] = {}
 _native_lookup = _native_bound.get
-# The loaded C++ key function (fp4select.native_key.for_settings), or None: the Python path
-# serves. Set with the settings, read once per call.
+# The loaded C++ key function (fp4select.native_key.for_settings: a trusted existing build,
+# never a new one), or None: the Python path serves. Set with the settings (under _table_lock),
+# read once per call.
 _native_key: native_key.Key | None = None
 _checked: dict[tuple, Any] = {}
 # Entries a warm key held before its current one: a caller that alternates between two
@@ -84,14 +85,14 @@ _always_check = False
 
 def selector() -> Selector:
     """The process-wide selector, created on first use from the process-wide settings."""
-    global _selector, _always_check
+    global _selector, _always_check, _native_key
     if _selector is None:
         with _table_lock:
             if _selector is None:
                 made = Selector(settings=settings_mod.current())
                 _always_check = made.settings.check == "always"
                 _selector = made
-                _native_for(made.settings)
+                _native_key = native_key.for_settings(made.settings)
     return _selector
 
 
@@ -103,13 +104,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _native_for(settings: Settings) -> None:
-    """New settings: the C++ key they serve with (fp4select.native_key.for_settings: a
-    trusted existing build, or None; never a build). Call with _table_lock held."""
-    global _native_key
-    _native_key = native_key.for_settings(settings)
 
 
 def configure(
@@ -125,7 +119,7 @@ def configure(
     replaces the whole ``TimingOptions``; a ``time_budget_s`` given too sets its budget.
     Returns the new selector.
     """
-    global _selector, _always_check
+    global _selector, _always_check, _native_key
     base = settings if settings is not None else Settings.from_env()
     if not isinstance(base, Settings):
         raise TypeError(f"settings must be a fp4select.Settings, got {type(base).__name__}")
@@ -139,7 +133,7 @@ def configure(
         _selector = Selector(timing=timing, settings=chosen)
         _always_check = chosen.check == "always"
         _forget_all()
-        _native_for(chosen)
+        _native_key = native_key.for_settings(chosen)
     return _selector
 
 
@@ -162,13 +156,7 @@ def clear_blacklist(backend: str | None = None, device: torch.device | str | Non
     The blacklist is per environment, so an upgrade clears it by itself; this is for the
     driver update or the fix that fp4select cannot see.
     """
-    if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else "cpu"
-        )
-    return selector().store.remove_from_blacklist(environment_for(torch.device(device)), backend)
+    return selector().store.remove_from_blacklist(environment_for(resolve_device(device)), backend)
 
 
 def stats() -> dict[str, int]:
@@ -225,13 +213,9 @@ def best_mm_fp4(
             flags: Any = True
         else:
             flags = (
-                id(block_size),
-                id(use_8x4_sf_layout),
-                id(use_nvfp4),
-                id(enable_pdl),
-                id(batch_invariant),
-                id(allow_blacklisted),
-            )
+                id(block_size), id(use_8x4_sf_layout), id(use_nvfp4), id(enable_pdl),
+                id(batch_invariant), id(allow_blacklisted),
+            )  # fmt: skip
         native = _native_key
         exact = None if native is None else native(a, b, a_descale, b_descale, alpha, out)
         if exact is not None:  # the tensors' exact metadata: a match is the whole check
@@ -239,16 +223,9 @@ def best_mm_fp4(
             runner = _native_lookup(key)
         else:
             key = (
-                a.shape,
-                b.shape,
-                a.get_device(),
-                alpha is None,
-                out is None,
-                out_dtype,
-                backend,
-                b_layout,
-                flags,
-            )
+                a.shape, b.shape, a.get_device(), alpha is None, out is None, out_dtype, backend,
+                b_layout, flags,
+            )  # fmt: skip
             entry = _lookup(key)
             if entry is None:
                 runner = None
@@ -271,18 +248,9 @@ def best_mm_fp4(
         runner = _runner_for(key, args, flags)
     try:
         return runner(
-            a,
-            b,
-            a_descale,
-            b_descale,
-            alpha,
-            out_dtype,
-            out,
-            block_size,
-            use_8x4_sf_layout,
-            use_nvfp4,
-            enable_pdl,
-        )
+            a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout,
+            use_nvfp4, enable_pdl,
+        )  # fmt: skip
     except Exception:
         # A failing call explains itself as its first call would have: the same argument
         # errors, whatever was bound. Arguments that pass the checks: the backend's own error.
@@ -304,32 +272,15 @@ def _signature(args: tuple, flags: tuple) -> tuple | None:
     backend, use_nvfp4, enable_pdl, b_layout, allow_blacklisted, batch_invariant = flags
     try:
         return (
-            a.shape,
-            a.dtype,
-            a.device,
-            a.is_contiguous(),
-            b.shape,
-            b.dtype,
-            b.stride(),
-            b.device,
-            a_descale.shape,
-            a_descale.dtype,
-            a_descale.device,
-            b_descale.shape,
-            b_descale.dtype,
-            b_descale.device,
+            a.shape, a.dtype, a.device, a.is_contiguous(),
+            b.shape, b.dtype, b.stride(), b.device,
+            a_descale.shape, a_descale.dtype, a_descale.device,
+            b_descale.shape, b_descale.dtype, b_descale.device,
             None if alpha is None else (alpha.shape, alpha.dtype, alpha.device),
             None if out is None else (out.shape, out.dtype, out.device),
-            out_dtype,
-            id(block_size),
-            id(use_8x4),
-            backend,
-            id(use_nvfp4),
-            id(enable_pdl),
-            id(batch_invariant),
-            b_layout,
-            id(allow_blacklisted),
-        )
+            out_dtype, id(block_size), id(use_8x4), backend, id(use_nvfp4), id(enable_pdl),
+            id(batch_invariant), b_layout, id(allow_blacklisted),
+        )  # fmt: skip
     except (AttributeError, TypeError):
         return None
 

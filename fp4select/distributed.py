@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from fp4select._version import __version__
-from fp4select.keys import Problem, environment_for
+from fp4select.keys import Problem, environment_for, resolve_device
 from fp4select.records import Decision
 from fp4select.selector import Selector
 from fp4select.store import MAX_DEPTH, digest, too_deep
@@ -79,14 +79,6 @@ class SyncReport:
     adopted: int  # decisions this rank took from rank 0 (0 on rank 0)
     tuned: int  # tunings this call caused on this rank (always 0 except on rank 0)
     digest: str  # the table hash every rank agreed on
-
-
-def _device(device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _selector(sel: Selector | None) -> Selector:
@@ -342,7 +334,7 @@ def verify(
     dist = _dist()
     try:
         sel = _selector(sel)
-        table = decision_table(environment_for(_device(device)), sel)
+        table = decision_table(environment_for(resolve_device(device)), sel)
         mine: dict[str, Any] = {"digest": table_digest(table), "error": error}
     except Exception as exc:  # still take part: the others must learn it, not wait
         table = {}
@@ -413,7 +405,7 @@ def sync(
     world = dist.get_world_size(group)
     error: str | None = None
     sel = _selector(sel)
-    dev = _device(device)
+    dev = resolve_device(device)
     tunings_before = sel.counters.tunings
     union: dict[Problem, None] = {}
     env: Mapping[str, Any] = {}

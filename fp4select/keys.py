@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 import importlib.metadata
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -77,10 +78,7 @@ def validation_ms(bucket: int) -> tuple[int, ...]:
     catches kernels that assume even or aligned M.
     """
     lo, hi = bucket_range(bucket)
-    odd = lo + (hi - lo) // 2
-    odd |= 1
-    if odd > hi:
-        odd = hi
+    odd = min(hi, (lo + (hi - lo) // 2) | 1)
     return tuple(sorted({lo, odd, hi}))
 
 
@@ -185,7 +183,27 @@ class Problem:
         )
 
 
-def _version(dist: str) -> str | None:
+def buckets_up_to(max_m: int) -> list[int]:
+    """The M buckets that batches of 1 to ``max_m`` rows fall in."""
+    top = m_bucket(max_m)
+    return [b for b in M_BUCKETS if b <= top]
+
+
+def shape_problems(
+    shapes: Iterable[tuple[int, int]], max_m: int, fmt: str = "nvfp4", **fields: Any
+) -> list[Problem]:
+    """Every (N, K) of ``shapes`` at every M bucket up to ``max_m``'s, in ``fmt`` ("nvfp4" or
+    "mxfp4", its block size with it); ``fields`` are the key's others (out_dtype, layouts...)."""
+    nvfp4 = fmt == "nvfp4"
+    return [
+        Problem(n=n, k=k, m_bucket=b, use_nvfp4=nvfp4, block_size=16 if nvfp4 else 32, **fields)
+        for n, k in shapes
+        for b in buckets_up_to(max_m)
+    ]
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist``, or None."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -205,11 +223,11 @@ def environment(device_index: int | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": None,
-        "flashinfer": _version("flashinfer-python"),
-        "flashinfer_cubin": _version("flashinfer-cubin"),
-        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "cudnn_frontend": _version("nvidia-cudnn-frontend"),
-        "triton": _version("triton"),  # compiles the triton-* and torch-dequant kernels
+        "flashinfer": installed_version("flashinfer-python"),
+        "flashinfer_cubin": installed_version("flashinfer-cubin"),
+        "cutlass_dsl": installed_version("nvidia-cutlass-dsl"),
+        "cudnn_frontend": installed_version("nvidia-cudnn-frontend"),
+        "triton": installed_version("triton"),  # compiles the triton-* and torch-dequant kernels
     }
     if device_index is None:
         env.update(device="cpu", gpu=None, cc=None, sm_count=None)
@@ -228,9 +246,14 @@ def environment(device_index: int | None = None) -> dict[str, Any]:
     return env
 
 
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """``device`` with its CUDA index filled in; None: the current CUDA device, else the CPU."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def environment_for(device: torch.device) -> dict[str, Any]:
-    if device.type == "cuda":
-        return environment(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
-    return environment(None)
+    device = resolve_device(device)
+    return environment(device.index if device.type == "cuda" else None)

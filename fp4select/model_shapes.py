@@ -39,11 +39,11 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4select.keys import M_BUCKETS, MAX_DIM, Problem, m_bucket
+from fp4select.keys import MAX_DIM, Problem, shape_problems
 from fp4select.quant_config import MODELOPT_QUANT_FILE, ModelConfigError, quant_scheme
 from fp4select.store._jsonfile import decode, read_named_file
 
@@ -75,13 +75,8 @@ class Layer:
     split: str  # "N" (column parallel), "K" (row parallel) or "none" (replicated)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "layer": self.name,
-            "n": self.n,
-            "k": self.k,
-            "count": self.count,
-            "split": self.split,
-        }
+        data = asdict(self)
+        return {"layer": data.pop("name"), **data}
 
 
 @dataclass
@@ -106,14 +101,7 @@ class ModelShapes:
         ``fields`` are other Problem fields (out_dtype, a_sf_layout, b_layout, alpha_kind);
         the format and block size are the model's.
         """
-        nvfp4 = self.format == "nvfp4"
-        top = m_bucket(max_m)
-        return [
-            Problem(n=n, k=k, m_bucket=b, use_nvfp4=nvfp4, block_size=16 if nvfp4 else 32, **fields)
-            for n, k in self.shapes()
-            for b in M_BUCKETS
-            if b <= top
-        ]
+        return shape_problems(self.shapes(), max_m, self.format, **fields)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -152,9 +140,7 @@ def _exists(path: Path) -> bool:
     return True
 
 
-def load_model_config(
-    path: str | os.PathLike[str],
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def load_model_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(config.json, hf_quant_config.json or None) for a model folder or a config.json path.
 
     Whatever is at either name must be a regular file: a FIFO or a device is refused with a
@@ -197,12 +183,7 @@ class _Cfg:
         return value
 
     def integer(
-        self,
-        name: str,
-        why: str = "",
-        default: int | None = None,
-        lo: int = 1,
-        hi: int = MAX_DIM,
+        self, name: str, why: str = "", default: int | None = None, lo: int = 1, hi: int = MAX_DIM
     ) -> int:
         """The int field ``name`` (``default`` when absent or null; required without one),
         between ``lo`` and ``hi``."""
@@ -323,6 +304,16 @@ class _Builder:
             _Gemm(f"{prefix}.down_proj", (f"{prefix}.down_proj",), hidden, i, "K"),
         ]
 
+    def moe_layer_mlp(self, hidden: int, sparse: bool, shared: int) -> list[_Gemm]:
+        """The MLP GEMMs of a layer: dense where it is not an MoE layer, else its shared expert
+        (Qwen's; routed experts are not mm_fp4), else none."""
+        if not sparse:
+            return self.mlp(hidden, self.cfg.integer("intermediate_size", "the dense MLP layers"))
+        if shared:
+            self.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
+            return self.mlp(hidden, shared, "mlp.shared_expert")
+        return []
+
     def moe_notes(self) -> None:
         self.note(
             "routed MoE experts are left out: engines run them in fused MoE kernels, not mm_fp4"
@@ -380,18 +371,7 @@ def _moe_decoder(b: _Builder) -> None:
     sparse = _sparse_rule(cfg, experts, layers)
     attention = b.attention(hidden, heads, kv, head_dim)
     b.moe_notes()
-
-    def layer(i: int) -> list[_Gemm]:
-        if not sparse(i):
-            return attention + b.mlp(
-                hidden, cfg.integer("intermediate_size", "the dense MLP layers")
-            )
-        if shared:
-            b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
-            return attention + b.mlp(hidden, shared, "mlp.shared_expert")
-        return attention
-
-    b.layers(layers, layer)
+    b.layers(layers, lambda i: attention + b.moe_layer_mlp(hidden, sparse(i), shared))
 
 
 def _hybrid_decoder(b: _Builder) -> None:
@@ -429,16 +409,10 @@ def _hybrid_decoder(b: _Builder) -> None:
         def full(i: int) -> bool:
             return bool(types[i] == "full_attention")
 
-    k_heads = _split(
-        cfg.integer("linear_num_key_heads", "linear attention", hi=_MAX_HEADS),
-        tp,
-        "linear key heads",
-    )
-    v_heads = _split(
-        cfg.integer("linear_num_value_heads", "linear attention", hi=_MAX_HEADS),
-        tp,
-        "linear value heads",
-    )
+    k_heads = cfg.integer("linear_num_key_heads", "linear attention", hi=_MAX_HEADS)
+    k_heads = _split(k_heads, tp, "linear key heads")
+    v_heads = cfg.integer("linear_num_value_heads", "linear attention", hi=_MAX_HEADS)
+    v_heads = _split(v_heads, tp, "linear value heads")
     k_dim = k_heads * cfg.integer("linear_key_head_dim", "linear attention")
     v_dim = v_heads * cfg.integer("linear_value_head_dim", "linear attention")
     linear = [
@@ -473,13 +447,8 @@ def _hybrid_decoder(b: _Builder) -> None:
     sparse = _sparse_rule(cfg, experts, layers)
 
     def layer(i: int) -> list[_Gemm]:
-        gemms = attention if full(i) else linear
-        if not sparse(i):
-            return gemms + b.mlp(hidden, cfg.integer("intermediate_size", "the dense MLP"))
-        if shared:
-            b.note("the shared expert's gate (N = 1) is left out: not an FP4 GEMM")
-            return gemms + b.mlp(hidden, shared, "mlp.shared_expert")
-        return gemms
+        mixer = attention if full(i) else linear
+        return mixer + b.moe_layer_mlp(hidden, sparse(i), shared)
 
     b.layers(layers, layer)
     b.note("the checkpoint's parts (in_proj_qkv + in_proj_z, in_proj_b + in_proj_a) are fused")
@@ -490,9 +459,8 @@ def _mla_decoder(b: _Builder) -> None:
     cfg = b.cfg
     tp = b.tp
     hidden = cfg.integer("hidden_size", "every projection")
-    heads = _split(
-        cfg.integer("num_attention_heads", "attention", hi=_MAX_HEADS), tp, "num_attention_heads"
-    )
+    heads = cfg.integer("num_attention_heads", "attention", hi=_MAX_HEADS)
+    heads = _split(heads, tp, "num_attention_heads")
     q_lora = cfg.optional_int("q_lora_rank", lo=0)
     kv_lora = cfg.integer("kv_lora_rank", "MLA")
     nope = cfg.integer("qk_nope_head_dim", "MLA")

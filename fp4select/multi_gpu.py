@@ -96,12 +96,7 @@ def tuning_order(problems: Sequence[Problem]) -> list[Problem]:
 
 
 def _worker(
-    device: str,
-    tasks: Any,
-    results: Any,
-    store_root: str,
-    isolation: Isolation,
-    timing: Any,
+    device: str, tasks: Any, results: Any, store_root: str, isolation: Isolation, timing: Any
 ) -> None:
     """Body of one worker process: take keys until the sentinel, decide each, report it.
 

@@ -47,26 +47,12 @@ def _compile_command(source: Path, target: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     lib_dir = Path(torch.__file__).parent / "lib"
-    command = [
-        *_compiler(),
-        "-O2",
-        "-std=c++17",
-        "-shared",
-        "-fPIC",
-        "-fvisibility=hidden",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        f"-I{sysconfig.get_paths()['include']}",
-        str(source),
-        "-o",
-        str(target),
-        f"-L{lib_dir}",
-        "-lc10",
-        "-ltorch",
-        "-ltorch_cpu",
-        "-ltorch_python",
-        f"-Wl,-rpath,{lib_dir}",
-    ]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    command = [*_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", abi]
+    command += [f"-I{p}" for p in cpp_extension.include_paths()]
+    command += [f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)]
+    command += [f"-L{lib_dir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    command += [f"-Wl,-rpath,{lib_dir}"]
     if sys.platform == "darwin":  # Python's symbols come from the interpreter that loads it
         command += ["-undefined", "dynamic_lookup"]
     return command

@@ -34,7 +34,7 @@ import torch
 
 from fp4select import timing, validate
 from fp4select.backends.base import Backend
-from fp4select.keys import Problem
+from fp4select.keys import Problem, resolve_device
 from fp4select.records import (  # noqa: F401  (re-exported: the names plugins and tests know)
     FATAL_STATUSES,
     STATUSES,
@@ -77,11 +77,6 @@ def classify(backend: Backend, exc: BaseException, m: int | None) -> Verdict:
         return Verdict(backend.name, Status.CUDA_ERROR, message, m)
     tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
     return Verdict(backend.name, Status.ERROR, message, m, detail={"traceback": tail})
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _finite(value: float) -> float | None:
@@ -140,7 +135,7 @@ def _validate(
                 runner, problem, inputs[m].args(problem), name=backend.name, progress=progress
             )
             tactic.update(record or {})
-            _sync(device)
+            timing.sync(device)
             if tactic:
                 runner = backend.checked_runner_for(problem, tactic)
         last = None
@@ -148,7 +143,7 @@ def _validate(
             report({"event": "run", "backend": backend.name, "phase": "validate", "m": m})
             data = inputs[m]
             out = runner(*data.args(problem))
-            _sync(device)
+            timing.sync(device)
             result = validate.check(out, data, out_dtype)
             if not result.ok:
                 return Verdict(
@@ -161,7 +156,7 @@ def _validate(
         report({"event": "run", "backend": backend.name, "phase": "out=", "m": m})
         poisoned = torch.full((m, problem.n), float("nan"), dtype=out_dtype, device=device)
         returned = runner(*data.args(problem, out=poisoned))
-        _sync(device)
+        timing.sync(device)
         result = validate.check(poisoned, data, out_dtype)
         if not result.ok:
             return Verdict(
@@ -202,7 +197,7 @@ def _variance(
     for m in problem.validation_ms()[:-1]:
         report({"event": "run", "backend": name, "phase": "invariance", "m": m})
         part = runner(*validate.prefix_inputs(data, m, problem).args(problem))
-        _sync(device)
+        timing.sync(device)
         if not (isinstance(part, torch.Tensor) and torch.equal(part, full[:m])):
             return (
                 f"not batch invariant: the first {m} rows differ in their bits when computed "
@@ -258,9 +253,7 @@ def probe(
     options: ProbeOptions = ProbeOptions(),
     report: Report | None = None,
 ) -> ProbeResult:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     report = report or (lambda event: None)
     started = time.perf_counter()
     result = ProbeResult()

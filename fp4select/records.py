@@ -223,11 +223,7 @@ class ProbeOptions:
     validate_only: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "timing": self.timing.to_json(),
-            "seed": self.seed,
-            "validate_only": self.validate_only,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ProbeOptions:

@@ -290,14 +290,9 @@ class Selector:
     def _fresh_without_flashinfer(
         self, env: Mapping[str, Any], problem: Problem, decision: Decision
     ) -> bool:
-        """True when ``decision`` is fresh and its winner runs here, told without flashinfer.
-
-        False means "cannot tell cheaply", never "stale": the caller then runs the full check.
-        The stored verdicts of backends outside the light registry (flashinfer's, or a plugin
-        since removed) were reached in this environment, whose fingerprint holds flashinfer's
-        version, the CUDA and library versions and the GPU: only the experimental switch and
-        the blacklist can change inside it, and those are read again here.
-        """
+        """True when ``decision`` is fresh and its winner runs here, told without flashinfer
+        (why that is enough: the module's rules). False means "cannot tell cheaply", never
+        "stale": the caller then runs the full check."""
         if self._full_registry_current() or decision.winner in _FLASHINFER_NAMES:
             return False  # flashinfer is loaded already, or it must be loaded to serve
         light = self.light_registry()
@@ -373,12 +368,8 @@ class Selector:
         if backend is None:
             return None
         self.counters.add("proofs")
-        options = ProbeOptions(timing=self.timing, validate_only=True)
-        result = self.prober().probe(problem, [backend], device, options)
-        self._record_fatal(env, problem, result)
-        verdict = result.verdicts.get(backend.name)
-        if verdict is None or not verdict.passed:
-            why = f"{verdict.status}: {verdict.reason}" if verdict else "not probed"
+        verdict, why = self._validate_alone(backend, problem, device, env)
+        if verdict is None:
             log.warning(
                 "imported decision for %s: its winner %s failed here (%s); tuning",
                 problem.describe(),
@@ -393,6 +384,19 @@ class Selector:
         self.store.write_entry(env, problem.to_json(), decision.to_json())
         log.info("imported decision for %s: %s proven here", problem.describe(), winner)
         return decision
+
+    def _validate_alone(
+        self, backend: Backend, problem: Problem, device: torch.device, env: Mapping[str, Any]
+    ) -> tuple[Verdict | None, str]:
+        """(its passed verdict, "") or (None, why not), probing ``backend`` alone, validation
+        only; a fatal failure blacklists it as tuning would."""
+        options = ProbeOptions(timing=self.timing, validate_only=True)
+        result = self.prober().probe(problem, [backend], device, options)
+        self._record_fatal(env, problem, result)
+        verdict = result.verdicts.get(backend.name)
+        if verdict is not None and verdict.passed:
+            return verdict, ""
+        return None, f"{verdict.status}: {verdict.reason}" if verdict else "not probed"
 
     def tune(
         self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
@@ -509,7 +513,6 @@ class Selector:
         self.counters.add("fallbacks")
         with self._lock:
             self.pending.add((problem, str(device)))
-        with self._lock:
             proven = [
                 d
                 for d in self._memory.values()
@@ -552,21 +555,14 @@ class Selector:
         if decision and decision.verdicts.get(name) and decision.verdicts[name].passed:
             return backend.fast_runner_for(problem, decision.tactic(name))
         if self.isolation == "inprocess" or backend.family == "builtin":
-            return backend.checked_runner_for(
-                problem
-            )  # unproven here: keep the backend's own checks on
-        options = ProbeOptions(timing=self.timing, validate_only=True)
-        result = self.prober().probe(problem, [backend], device, options)
-        self._record_fatal(env, problem, result)
-        verdict = result.verdicts.get(name)
-        if verdict is None or not verdict.passed:
-            why = f"{verdict.status}: {verdict.reason}" if verdict else "not probed"
+            # Unproven here: keep the backend's own checks on.
+            return backend.checked_runner_for(problem)
+        verdict, why = self._validate_alone(backend, problem, device, env)
+        if verdict is None:
             raise NoCorrectBackendError(
                 f"backend {name!r} failed its check on {problem.describe()} ({why})"
             )
-        return backend.fast_runner_for(
-            problem, verdict.detail.get("tactic")
-        )  # the tactic it passed at
+        return backend.fast_runner_for(problem, verdict.detail.get("tactic"))  # as it passed
 
     def tune_pending(self) -> list[Decision]:
         """Tune every key that was served by a fallback during graph capture."""

@@ -86,8 +86,7 @@ class _Sampler:
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
             with torch.cuda.graph(self.graph):
-                for i in range(reps):
-                    calls[i % len(calls)]()
+                self._loop()
 
     def _loop(self) -> None:
         calls, n = self.calls, len(self.calls)
@@ -111,7 +110,7 @@ class _Sampler:
         return begin.elapsed_time(end) * 1e3 / self.reps
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -120,11 +119,11 @@ def _calls_per_sample(
     calls: Sequence[Callable[[], Any]], device: torch.device, target_s: float
 ) -> int:
     """Enough calls that one sample dwarfs event and launch resolution; a multiple of the sets."""
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for fn in calls:
         fn()
-    _sync(device)
+    sync(device)
     per_call = max((time.perf_counter() - start) / len(calls), 1e-7)
     reps = max(1, int(target_s / per_call))
     sets = len(calls)
@@ -165,7 +164,7 @@ def time_interleaved(
             samplers.clear()
             method = f"cuda-events (graph capture failed: {type(exc).__name__}: {exc})"[:200]
             use_graph = False
-            _sync(device)
+            sync(device)
     if not samplers:
         samplers = {n: _Sampler(calls[n], reps[n], device, graph=False) for n in names}
     if options.cold_l2 and device.type == "cuda":

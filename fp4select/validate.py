@@ -56,34 +56,16 @@ class ProbeInputs:
     def args(self, problem: Problem, out: torch.Tensor | None = None) -> tuple:
         """Positional runner arguments (flashinfer.mm_fp4's order without ``backend``)."""
         return (
-            self.a,
-            self.b,
-            self.a_descale,
-            self.b_descale,
-            self.alpha,
-            problem.torch_out_dtype,
-            out,
-            problem.block_size,
-            problem.a_sf_layout == "8x4",
-            problem.use_nvfp4,
-            True,
-        )
+            self.a, self.b, self.a_descale, self.b_descale, self.alpha, problem.torch_out_dtype,
+            out, problem.block_size, problem.a_sf_layout == "8x4", problem.use_nvfp4, True,
+        )  # fmt: skip
 
     def kwargs(self, problem: Problem, out: torch.Tensor | None = None) -> dict:
         """Keyword arguments for ``best_mm_fp4`` / ``flashinfer.mm_fp4`` (with b_layout)."""
         names = (
-            "a",
-            "b",
-            "a_descale",
-            "b_descale",
-            "alpha",
-            "out_dtype",
-            "out",
-            "block_size",
-            "use_8x4_sf_layout",
-            "use_nvfp4",
-            "enable_pdl",
-        )
+            "a", "b", "a_descale", "b_descale", "alpha", "out_dtype", "out", "block_size",
+            "use_8x4_sf_layout", "use_nvfp4", "enable_pdl",
+        )  # fmt: skip
         kwargs = dict(zip(names, self.args(problem, out)))
         kwargs["b_layout"] = problem.b_layout
         return kwargs
@@ -134,15 +116,8 @@ def clear_cache() -> None:
 
 
 def _weight(problem: Problem, device: torch.device, seed: int, with_value: bool) -> _Weight:
-    key = (
-        problem.n,
-        problem.k,
-        problem.block_size,
-        problem.use_nvfp4,
-        problem.b_layout,
-        str(device),
-        seed,
-    )
+    key: tuple = (problem.n, problem.k, problem.block_size, problem.use_nvfp4, problem.b_layout)
+    key += (str(device), seed)
     cached = _weights.get(key)
     if cached is not None and (cached.value is not None or not with_value):
         return cached
@@ -261,24 +236,23 @@ def _expand(sf: torch.Tensor, problem: Problem, bs: int) -> torch.Tensor:
     return formats.decode_scales(sf, problem.use_nvfp4).double().repeat_interleave(bs, dim=1)
 
 
+def _refused(reason: str) -> CheckResult:
+    """An output not worth measuring: not a tensor, the wrong shape, dtype or device, or NaN."""
+    return CheckResult(False, reason, math.inf, math.inf)
+
+
 def check(out: object, inputs: ProbeInputs, out_dtype: torch.dtype) -> CheckResult:
     """Compare a candidate's output with the reference; the reason says what went wrong."""
     m, n = inputs.ref.shape
     if not isinstance(out, torch.Tensor):
-        return CheckResult(
-            False, f"returned {type(out).__name__}, not a tensor", math.inf, math.inf
-        )
+        return _refused(f"returned {type(out).__name__}, not a tensor")
     if tuple(out.shape) != (m, n):
         hint = " (transposed?)" if tuple(out.shape) == (n, m) else ""
-        return CheckResult(
-            False, f"shape {tuple(out.shape)}, expected {(m, n)}{hint}", math.inf, math.inf
-        )
+        return _refused(f"shape {tuple(out.shape)}, expected {(m, n)}{hint}")
     if out.dtype != out_dtype:
-        return CheckResult(False, f"dtype {out.dtype}, expected {out_dtype}", math.inf, math.inf)
+        return _refused(f"dtype {out.dtype}, expected {out_dtype}")
     if out.device != inputs.ref.device:
-        return CheckResult(
-            False, f"on {out.device}, expected {inputs.ref.device}", math.inf, math.inf
-        )
+        return _refused(f"on {out.device}, expected {inputs.ref.device}")
 
     got = out.double()
     finite = torch.isfinite(got)
@@ -286,9 +260,7 @@ def check(out: object, inputs: ProbeInputs, out_dtype: torch.dtype) -> CheckResu
         nan = int(torch.isnan(got).sum())
         inf = int((~finite).sum()) - nan
         where = tuple(int(i) for i in (~finite).nonzero()[0])
-        return CheckResult(
-            False, f"non-finite output: {nan} NaN, {inf} Inf, first at {where}", math.inf, math.inf
-        )
+        return _refused(f"non-finite output: {nan} NaN, {inf} Inf, first at {where}")
 
     err = (got - inputs.ref).abs()
     ratio = err / inputs.tol

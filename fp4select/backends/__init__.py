@@ -3,10 +3,10 @@
 Design rules:
 
 * Four sources, in this order: flashinfer's runtime-listed backends, the built-in ones
-  (``emulation``, then the GPU kernels ``hopper-*``, ``triton-*``, ``torch-dequant``, ``torch-scaled-mm``,
-  each saying itself where it cannot run), the ``fp4select.backends`` entry-point group, and
-  ``register_backend(...)`` calls. A name may
-  appear once; a later source must pass ``replace=True`` to shadow an earlier one.
+  (``emulation``, then the GPU kernels ``hopper-*``, ``triton-*``, ``torch-dequant``,
+  ``torch-scaled-mm``, each saying itself where it cannot run), the ``fp4select.backends``
+  entry-point group, and ``register_backend(...)`` calls. A name may appear once; a later
+  source must pass ``replace=True`` to shadow an earlier one.
 * A broken source never breaks discovery: an entry point that fails to load, or a flashinfer
   that fails to import, is recorded as a reason and shown by ``doctor`` and ``explain``.
 * An entry point's object may be a Backend, an iterable of them, or a zero-argument callable
@@ -21,13 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4select.backends import (
-    emulation,
-    torch_dequant,
-    torch_scaled_mm,
-    triton_fp4,
-    triton_hopper,
-)
+from fp4select.backends import emulation, torch_dequant, torch_scaled_mm, triton_fp4, triton_hopper
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import (
     Backend,
@@ -194,12 +188,8 @@ def discover(*, include_flashinfer: bool = True) -> Registry:
         for b in flashinfer_backends.invariant_backends():
             registry.backends[b.name] = b
     registry.backends[emulation.NAME] = emulation.BACKEND
-    for b in (
-        *triton_hopper.BACKENDS,
-        *triton_fp4.BACKENDS,
-        torch_dequant.BACKEND,
-        torch_scaled_mm.BACKEND,
-    ):
+    gpu_kernels = (*triton_hopper.BACKENDS, *triton_fp4.BACKENDS, torch_dequant.BACKEND)
+    for b in (*gpu_kernels, torch_scaled_mm.BACKEND):
         registry.backends[b.name] = b
     eps, errors = _load_entry_points()
     registry.source_errors.update(errors)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -196,39 +196,29 @@ class Backend:
         Never stored: it crosses a pipe to a child of the same fp4select, so its keys are the
         field names of this version.
         """
-        return {
-            "name": self.name,
-            "checked_runner": _reference(self.checked_runner),
-            "make_checked_runner": _reference(self.make_checked_runner),
-            "why_unavailable": _reference(self.why_unavailable),
-            "caps": self.caps.to_json(),
-            "preference": self.preference,
-            "family": self.family,
-            "experimental": self.experimental,
-            "description": self.description,
-            "make_fast_runner": _reference(self.make_fast_runner),
-            "unsupported_errors": [_reference(e) for e in self.unsupported_errors],
-            "tune": _reference(self.tune),
-            "pin": _reference(self.pin),
-        }
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data.update({name: _reference(data[name]) for name in _FUNCTIONS})
+        data["caps"] = self.caps.to_json()
+        data["unsupported_errors"] = [_reference(e) for e in self.unsupported_errors]
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Backend:
-        return cls(
-            name=data["name"],
-            checked_runner=_resolve(data["checked_runner"]),
-            make_checked_runner=_resolve(data["make_checked_runner"]),
-            why_unavailable=_resolve(data["why_unavailable"]),
-            caps=Capabilities.from_json(data["caps"]),
-            preference=data["preference"],
-            family=data["family"],
-            experimental=data["experimental"],
-            description=data.get("description", ""),
-            make_fast_runner=_resolve(data.get("make_fast_runner")),
-            unsupported_errors=tuple(_resolve(e) for e in data.get("unsupported_errors", [])),
-            tune=_resolve(data.get("tune")),
-            pin=_resolve(data.get("pin")),
-        )
+        values = {**data, **{name: _resolve(data.get(name)) for name in _FUNCTIONS}}
+        values["caps"] = Capabilities.from_json(data["caps"])
+        values["unsupported_errors"] = tuple(_resolve(e) for e in data["unsupported_errors"])
+        return cls(**values)
+
+
+# The fields of a Backend that hold functions: they cross as ``module:qualname`` references.
+_FUNCTIONS = (
+    "checked_runner",
+    "make_checked_runner",
+    "why_unavailable",
+    "make_fast_runner",
+    "tune",
+    "pin",
+)
 
 
 class UnsupportedProblem(Exception):

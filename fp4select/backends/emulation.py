@@ -44,11 +44,7 @@ def _chunked_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _run_invariant(*args: Any, b_layout: str) -> torch.Tensor:
-    return reference_mm_fp4(
-        *args[:10],
-        b_layout=b_layout,
-        matmul=_chunked_matmul,
-    )
+    return reference_mm_fp4(*args[:10], b_layout=b_layout, matmul=_chunked_matmul)
 
 
 def make_runner(problem: Problem) -> Runner:

@@ -75,10 +75,7 @@ KNOWN: dict[str, tuple[Capabilities, int, tuple[str, ...]]] = {
     ),
     "cake": (
         Capabilities(
-            formats=_NV,
-            n_multiple=8,
-            k_multiple=256,
-            alpha_kinds=frozenset({"per_token"}),
+            formats=_NV, n_multiple=8, k_multiple=256, alpha_kinds=frozenset({"per_token"})
         ),
         90,
         (),
@@ -182,21 +179,9 @@ def _runner_maker(name: str, *, skip_check: bool, **extra: Any):
 
         def run(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4, nvfp4, pdl):
             return mm_fp4(
-                a,
-                b,
-                a_descale,
-                b_descale,
-                alpha,
-                out_dtype,
-                out,
-                block_size,
-                use_8x4,
-                name,
-                nvfp4,
-                pdl,
-                skip_check=skip_check,
-                **extra,
-            )
+                a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4, name,
+                nvfp4, pdl, skip_check=skip_check, **extra,
+            )  # fmt: skip
 
         return run
 
@@ -227,6 +212,7 @@ def backends() -> tuple[list[Backend], str | None]:
     out = []
     for name in names:
         caps, preference, modules = KNOWN.get(name, (Capabilities(), UNKNOWN_PREFERENCE, ()))
+        new = "" if name in KNOWN else "new in this flashinfer; checked by its own checks"
         out.append(
             Backend(
                 name=name,
@@ -240,9 +226,7 @@ def backends() -> tuple[list[Backend], str | None]:
                 unsupported_errors=unsupported_errors(),
                 tune=flashinfer_tactics.tune,
                 pin=flashinfer_tactics.pinned,
-                description=""
-                if name in KNOWN
-                else "new in this flashinfer; checked by its own checks",
+                description=new,
             )
         )
     return out, None

@@ -76,7 +76,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.metadata
 import inspect
 import json
 import logging
@@ -91,7 +90,7 @@ import torch
 
 from fp4select import settings as settings_mod
 from fp4select.backends.base import Runner
-from fp4select.keys import Problem
+from fp4select.keys import Problem, installed_version
 from fp4select.store._warn import first_time
 
 log = logging.getLogger("fp4select")
@@ -143,10 +142,7 @@ def tuner_api() -> tuple[TunerAPI | None, str | None]:
         autotuner = importlib.import_module("flashinfer.autotuner")
     except Exception as exc:  # not installed, or broken at import
         return None, f"flashinfer's autotuner is not importable ({type(exc).__name__}: {exc})"
-    try:
-        version: str | None = importlib.metadata.version("flashinfer-python")
-    except importlib.metadata.PackageNotFoundError:
-        version = getattr(autotuner, "__version__", None)
+    version = installed_version("flashinfer-python") or getattr(autotuner, "__version__", None)
     autotune = getattr(autotuner, "autotune", None)
     tuner_class = getattr(autotuner, "AutoTuner", None)
     if autotune is None or tuner_class is None:
@@ -188,13 +184,10 @@ _MAPPING_PROBES = (*range(1, 4097), 4098, 6000, 8191, 8192, 8193, 12345, 16384, 
 
 @functools.lru_cache(maxsize=1)
 def bucket_mapping_disagreement() -> str | None:
-    """Where mm_fp4's tuning configs bucket M unlike fp4select's ``m_bucket``, or None.
-
-    cuDNN builds one graph per ``map_to_tuning_buckets(M)`` and a tactic is a plan index into
-    that graph: a tactic tuned at the bucket's top means the same kernel for every M of the
-    bucket only if flashinfer maps all of them to that top, as fp4select does. The configs are
-    private names, read if present; a flashinfer without them is not second-guessed (pinned
-    validation at several M of the bucket still checks the numbers).
+    """Where mm_fp4's tuning configs bucket M unlike fp4select's ``m_bucket``, or None (why
+    it matters: the module's rules). The configs are private names, read if present; a
+    flashinfer without them is not second-guessed (pinned validation at several M of the
+    bucket still checks the numbers).
     """
     from fp4select.keys import m_bucket
 
@@ -265,13 +258,8 @@ def _profile_of(inputs: Sequence[Any]) -> Any:
 
 
 def why_not_valid(tuner: Any, runner: Any, inputs: Sequence[Any], tactic: Any) -> str | None:
-    """Why ``runner`` cannot run ``tactic`` on these inputs, or None when it can.
-
-    flashinfer's own check first: its cache lookup calls ``_tactic_still_valid`` (the runner's
-    ``validate_tactic``) before it serves a cached tactic, so the same check here. A runner
-    without a validator is asked for its valid tactics for this very problem (trtllm's cubins
-    and cute-dsl's tiles depend on M, N, K), and the tactic must be one of them.
-    """
+    """Why ``runner`` cannot run ``tactic`` on these inputs, or None when it can: flashinfer's
+    own check where the runner has one, else its valid tactics here (see the module's rules)."""
     cls = type(runner).__name__
     m = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else "?"
     if not _shaped_like_a_tactic(tactic):
@@ -504,14 +492,12 @@ def is_tuned(record: Any) -> bool:
 
 
 def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
-    """``runner`` running at the recorded tactic, whatever flashinfer's cache or context says.
+    """``runner`` running at the recorded tactic (checked per M, see the module's rules),
+    whatever flashinfer's cache or context says.
 
-    Every call's tactic is checked for the call's own problem first (once per M): where the
-    runner cannot run it, that call runs at flashinfer's default tactic and is counted
-    (``tactic_fallbacks``). A record without a tactic serves flashinfer's choice; a malformed
-    one serves flashinfer's default (a miss, warned once). Returns ``runner`` itself when the
-    record is empty or the hook cannot be installed (then flashinfer chooses, as without
-    fp4select).
+    A record without a tactic serves flashinfer's choice; a malformed one serves flashinfer's
+    default (a miss, warned once). Returns ``runner`` itself when the record is empty or the
+    hook cannot be installed (then flashinfer chooses, as without fp4select).
     """
     if not isinstance(record, Mapping) or "tactic" not in record:
         return runner
@@ -700,9 +686,7 @@ def tune(
         "runner": None,
         "default": DEFAULT_TACTIC,
         "m": problem.m_bucket,
-        # flashinfer's own rule (0: the fastest measured). A tie tolerance would only make
-        # separate processes agree, and the tactic is tuned once and stored for all of them.
-        "tie_tolerance": 0.0,
+        "tie_tolerance": 0.0,  # flashinfer's own rule, the fastest measured (the module's rules)
         "flashinfer": api.version,
     }
     captured: list[tuple[str, Any]] = []

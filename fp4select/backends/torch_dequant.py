@@ -25,7 +25,6 @@ Design rules:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,8 +32,8 @@ import torch
 
 from fp4select import formats
 from fp4select.backends import triton_fp4
-from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
-from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
+from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities
+from fp4select.keys import ALPHA_KINDS, OUT_DTYPES
 
 NAME = "torch-dequant"
 
@@ -81,14 +80,10 @@ def _growing(
 
 
 def _decode_into(
-    ws: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    use_nvfp4: bool,
-    layout: str,
+    ws: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, use_nvfp4: bool, layout: str
 ) -> None:
     rows, kh = data.shape
-    cp = triton_fp4._ceil4(2 * kh // (16 if use_nvfp4 else 32))
+    cp = formats.padded_sf_shape(rows, 2 * kh // (16 if use_nvfp4 else 32), layout)[1]
     if triton_fp4.triton_installed():
         k = triton_fp4.kernels()
         k.dequant_bf16[(k.cdiv(rows, 32), k.cdiv(kh, 64))](
@@ -142,35 +137,16 @@ def _run(
     enable_pdl: bool,
 ) -> torch.Tensor:
     """mm_fp4's positional order (without backend); enable_pdl means nothing here."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"a and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    m, kh = a.shape
-    n = b.shape[1]
-    if b.shape[0] != kh:
-        raise ValueError(f"b must be (K/2, N) with K/2 = a.shape[1] = {kh}, got {tuple(b.shape)}")
-    if block_size != (16 if use_nvfp4 else 32) or (2 * kh) % block_size:
-        raise ValueError(
-            f"block_size must be {16 if use_nvfp4 else 32} and divide K={2 * kh}, got {block_size}"
-        )
-    if a.stride(1) != 1 or b.stride(0) != 1:
-        raise ValueError(
-            "a must be row-major (M, K/2) and b the .T view of a row-major (N, K/2) weight, "
-            f"got strides {a.stride()} and {b.stride()}"
-        )
-    if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype:
-        raise ValueError(
-            f"out must be a ({m}, {n}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}"
-        )
-    if isinstance(alpha, torch.Tensor) and alpha.numel() not in (1, m):
-        raise ValueError(f"alpha must have 1 or M={m} elements, got shape {tuple(alpha.shape)}")
+    c = triton_fp4.check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
+    )
+    m, n, kh, out = c.m, c.n, c.kh, c.out
     device = a.device
     k = 2 * kh
     w = _growing(_b_workspaces, (device, n, k), n, k, torch.bfloat16, device)
     _decode_into(w, b.T, b_descale.T if b_descale.dim() == 2 else b_descale, use_nvfp4, "128x4")
     x = _growing(_a_workspaces, (device, k), m, k, torch.bfloat16, device)
-    _decode_into(x, a, a_descale, use_nvfp4, "8x4" if use_8x4_sf_layout else "128x4")
+    _decode_into(x, a, c.a_descale, use_nvfp4, "8x4" if use_8x4_sf_layout else "128x4")
     if alpha is None and out_dtype == torch.bfloat16:
         return torch.mm(x, w.T, out=out)  # cuBLAS rounds once, to bfloat16
     # Otherwise the product stays in float32 until alpha is applied: one rounding to the
@@ -179,21 +155,15 @@ def _run(
     result = _mm_f32(x, w.T, _growing(_f32_workspaces, (device, n), m, n, torch.float32, device))
     if alpha is None:
         return out.copy_(result)
-    factor: torch.Tensor | float
-    if isinstance(alpha, torch.Tensor):
-        factor = alpha.reshape(m, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
-    else:
-        factor = alpha
+    if c.alpha_kind == 1:
+        return torch.mul(result, c.alpha_value, out=out)
+    factor = c.alpha_ptr.reshape(m, 1) if c.alpha_kind == 3 else c.alpha_ptr.reshape(())
     return torch.mul(result, factor, out=out)
-
-
-def make_runner(problem: Problem) -> Runner:
-    return functools.partial(_run)
 
 
 BACKEND = Backend(
     name=NAME,
-    make_checked_runner=make_runner,
+    checked_runner=_run,
     why_unavailable=why_unavailable,
     caps=Capabilities(
         formats=ALL_FORMATS,

@@ -26,15 +26,14 @@ Design rules:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fp4select import formats
-from fp4select.backends.base import Backend, Capabilities, Runner
-from fp4select.keys import OUT_DTYPES, Problem
+from fp4select.backends.base import Backend, Capabilities
+from fp4select.keys import OUT_DTYPES
 
 NAME = "torch-scaled-mm"
 MIN_CC = 100
@@ -96,7 +95,7 @@ def scaled_mm_arguments(
     fp4 = torch.float4_e2m1fn_x2
     mat_a = a if a.dtype == fp4 else a.view(torch.uint8).view(fp4)
     mat_b = b if b.dtype == fp4 else b.view(torch.uint8).view(fp4)
-    swizzle = f.SwizzleType.SWIZZLE_32_4_4
+    swizzle: Any = f.SwizzleType.SWIZZLE_32_4_4
     cols = 2 * a.shape[1] // (16 if use_nvfp4 else 32)
     a_descale = formats.without_spare_row_tiles(a_descale, a.shape[0], cols, "128x4")
     if use_nvfp4:
@@ -111,30 +110,21 @@ def scaled_mm_arguments(
             else b_descale.view(torch.float8_e4m3fn)
         )
         if alpha is None:
-            recipe = f.ScalingType.BlockWise1x16
-            return (mat_a, mat_b, sa, recipe, sb, recipe), {
-                "swizzle_a": swizzle,
-                "swizzle_b": swizzle,
-                "output_dtype": out_dtype,
-            }
-        if one is None:
-            one = torch.ones((), dtype=torch.float32, device=a.device)
-        recipe2 = [f.ScalingType.BlockWise1x16, f.ScalingType.TensorWise]
-        swizzle2 = [swizzle, f.SwizzleType.NO_SWIZZLE]
-        return (mat_a, mat_b, [sa, alpha.reshape(())], recipe2, [sb, one], recipe2), {
-            "swizzle_a": swizzle2,
-            "swizzle_b": swizzle2,
-            "output_dtype": out_dtype,
-        }
-    e8m0 = torch.float8_e8m0fnu
-    sa = a_descale.view(torch.uint8).view(e8m0)
-    sb = b_descale.view(torch.uint8).view(e8m0)
-    recipe = f.ScalingType.BlockWise1x32
-    return (mat_a, mat_b, sa, recipe, sb, recipe), {
-        "swizzle_a": swizzle,
-        "swizzle_b": swizzle,
-        "output_dtype": out_dtype,
-    }
+            recipe: Any = f.ScalingType.BlockWise1x16
+            args: tuple[Any, ...] = (mat_a, mat_b, sa, recipe, sb, recipe)
+        else:  # alpha rides as a second, tensor-wise scale of a (and 1 of b)
+            if one is None:
+                one = torch.ones((), dtype=torch.float32, device=a.device)
+            recipe = [f.ScalingType.BlockWise1x16, f.ScalingType.TensorWise]
+            swizzle = [swizzle, f.SwizzleType.NO_SWIZZLE]
+            args = (mat_a, mat_b, [sa, alpha.reshape(())], recipe, [sb, one], recipe)
+    else:
+        e8m0 = torch.float8_e8m0fnu
+        sa = a_descale.view(torch.uint8).view(e8m0)
+        sb = b_descale.view(torch.uint8).view(e8m0)
+        recipe = f.ScalingType.BlockWise1x32
+        args = (mat_a, mat_b, sa, recipe, sb, recipe)
+    return args, {"swizzle_a": swizzle, "swizzle_b": swizzle, "output_dtype": out_dtype}
 
 
 def _run(
@@ -179,13 +169,9 @@ def _run(
     return out.copy_(result)
 
 
-def make_runner(problem: Problem) -> Runner:
-    return functools.partial(_run)
-
-
 BACKEND = Backend(
     name=NAME,
-    make_checked_runner=make_runner,
+    checked_runner=_run,
     why_unavailable=why_unavailable,
     caps=Capabilities(
         # MXFP4 not declared: torch's rule for MX scales counts them from the packed K/2

@@ -164,14 +164,6 @@ def clear_workspaces() -> None:
     _workspaces.clear()
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
-def _ceil4(x: int) -> int:
-    return (x + 3) // 4 * 4
-
-
 @dataclass
 class Checked:
     """The arguments of one call, checked and resolved for a kernel launch."""
@@ -215,10 +207,9 @@ def check_call(
             "a must be row-major (M, K/2) and b the .T view of a row-major (N, K/2) weight, "
             f"got strides {a.stride()} and {b.stride()}"
         )
-    cp = _ceil4(2 * kh // block_size)
-    mp = (m + 7) // 8 * 8 if use_8x4_sf_layout else (m + 127) // 128 * 128
-    np_ = (n + 127) // 128 * 128
     layout = "8x4" if use_8x4_sf_layout else "128x4"
+    mp, cp = formats.padded_sf_shape(m, 2 * kh // block_size, layout)
+    np_ = formats.padded_sf_shape(n, 1, "128x4")[0]
     a_descale = formats.without_spare_row_tiles(a_descale, m, 2 * kh // block_size, layout)
     if a_descale.numel() != mp * cp or not a_descale.is_contiguous():
         raise ValueError(
@@ -295,56 +286,21 @@ def _run(
         else:
             ws = got
     steps = k.cdiv(kh, cfg.block_kh)
-    common = (
-        a,
-        b,
-        a_descale,
-        b_descale,
-        alpha_ptr,
-        out,
-        ws,
-        m,
-        n,
-        kh,
-        a.stride(0),
-        b.stride(1),
-        out.stride(0),
-        out.stride(1),
-        cp,
-        k.cdiv(steps, split),
-        alpha_value,
-    )
+    # fp4_mm and fp4_gemv take the same arguments but for their own tile parameters.
+    pointers = (a, b, a_descale, b_descale, alpha_ptr, out, ws)
+    sizes = (m, n, kh, a.stride(0), b.stride(1), out.stride(0), out.stride(1), cp)
+    common = (*pointers, *sizes, k.cdiv(steps, split), alpha_value)
+    meta = {"NVFP4": use_nvfp4, "A_8X4": use_8x4_sf_layout, "ALPHA": alpha_kind}
+    meta.update(PARTIALS=split > 1, BN=cfg.block_n, BKH=cfg.block_kh)
+    meta.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.kind == "gemv":
         if m > cfg.block_m:
             raise ValueError(f"{cfg.name} takes M <= {cfg.block_m}, got M={m}")
-        k.fp4_gemv[(k.cdiv(n, cfg.block_n), split)](
-            *common,
-            NVFP4=use_nvfp4,
-            A_8X4=use_8x4_sf_layout,
-            ALPHA=alpha_kind,
-            PARTIALS=split > 1,
-            BM=_next_pow2(m),
-            BN=cfg.block_n,
-            BKH=cfg.block_kh,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        bm = 1 << (m - 1).bit_length()  # the rows of a, unrolled: the next power of two
+        k.fp4_gemv[(k.cdiv(n, cfg.block_n), split)](*common, BM=bm, **meta)
     else:
-        grid_m, grid_n = k.cdiv(m, cfg.block_m), k.cdiv(n, cfg.block_n)
-        k.fp4_mm[(grid_m * grid_n, split)](
-            *common,
-            NVFP4=use_nvfp4,
-            A_8X4=use_8x4_sf_layout,
-            ALPHA=alpha_kind,
-            PARTIALS=split > 1,
-            BM=cfg.block_m,
-            BN=cfg.block_n,
-            BKH=cfg.block_kh,
-            GROUP_M=8,
-            INTERPRETED=_INTERPRETED,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        grid = (k.cdiv(m, cfg.block_m) * k.cdiv(n, cfg.block_n), split)
+        k.fp4_mm[grid](*common, BM=cfg.block_m, GROUP_M=8, INTERPRETED=_INTERPRETED, **meta)
     if split > 1:
         k.reduce_split[(k.cdiv(m, 16), k.cdiv(n, 128))](
             ws,

@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
+from fp4select.keys import resolve_device
+
 __all__ = [
     "UsageError",
     "compute_capability",
+    "failed",
     "many",
     "os_error",
     "parse_device",
@@ -49,11 +52,7 @@ def parse_device(arg: str | None) -> torch.device:
         if device.type not in ("cpu", "cuda"):
             raise UsageError(f"--device {arg}: fp4select runs on cpu or cuda devices")
         return device
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    return resolve_device()
 
 
 def print_json(obj: Any) -> None:
@@ -104,6 +103,12 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+def failed(message: str, status: int = 1) -> int:
+    """Say ``message`` on stderr (stdout stays clean for ``--json``); returns ``status``."""
+    print(message, file=sys.stderr)
+    return status
 
 
 def many(n: int, one: str, many: str) -> str:

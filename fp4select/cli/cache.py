@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from fp4select.cli._common import many, os_error, parse_device, print_json, table
+from fp4select.cli._common import failed, many, os_error, parse_device, print_json, table
 from fp4select.keys import environment_for
 
 __all__ = ["cmd_blacklist", "cmd_clear", "cmd_export", "cmd_import", "cmd_show"]
@@ -54,12 +54,10 @@ def cmd_blacklist(args: argparse.Namespace) -> int:
         removed = store.remove_from_blacklist(env, name)
         if name is not None and not removed:
             listed = ", ".join(sorted(store.blacklist(env))) or "none"
-            print(
+            return failed(
                 f"fp4select blacklist: {name} is not blacklisted here, nothing cleared "
-                f"(blacklisted here: {listed})",
-                file=sys.stderr,
+                f"(blacklisted here: {listed})"
             )
-            return 1
         print(f"removed {removed} blacklist entr{'y' if removed == 1 else 'ies'}")
         return 0
     bl = store.blacklist(env)
@@ -88,19 +86,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     env = None if args.all else environment_for(parse_device(args.device))
     folder = os.path.dirname(os.path.abspath(args.path))
     if not os.path.isdir(folder):
-        print(f"export failed: {folder}: no such directory", file=sys.stderr)
-        return 1
+        return failed(f"export failed: {folder}: no such directory")
     try:
         result = selector().store.export_archive(args.path, env, overwrite=args.overwrite)
     except FileExistsError:
-        print(
-            f"export failed: {args.path} already exists; add --overwrite to replace it",
-            file=sys.stderr,
-        )
-        return 1
+        return failed(f"export failed: {args.path} already exists; add --overwrite to replace it")
     except OSError as exc:  # a directory, a failing disk
-        print(f"export failed: {os_error(exc)}", file=sys.stderr)
-        return 1
+        return failed(f"export failed: {os_error(exc)}")
     if args.json:
         print_json({"path": args.path, **result.as_dict()})
     else:
@@ -137,11 +129,9 @@ def cmd_import(args: argparse.Namespace) -> int:
             check_entry=_entry_problem,
         )
     except OSError as exc:
-        print(f"import failed: {os_error(exc)}", file=sys.stderr)
-        return 1
+        return failed(f"import failed: {os_error(exc)}")
     except ValueError as exc:
-        print(f"import failed: {exc}", file=sys.stderr)
-        return 1
+        return failed(f"import failed: {exc}")
     from fp4select import bundle
 
     fit = bundle.applicability(args.path, environment_for(parse_device(args.device)))
@@ -174,12 +164,10 @@ def cmd_import(args: argparse.Namespace) -> int:
                 "cannot be blacklisted by an archive"
             )
     if lost:
-        print(
+        return failed(
             f"import failed: {many(lost, 'record', 'records')} could not be written to the cache "
-            "(see the warning above) and are lost when this command ends",
-            file=sys.stderr,
+            "(see the warning above) and are lost when this command ends"
         )
-        return 1
     return 0
 
 

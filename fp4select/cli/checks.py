@@ -148,27 +148,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         ]
         for name, r in report.backends.items()
     ]
-    header = [
-        "backend",
-        "wins",
-        "verdicts",
-        "worst/bound",
-        "tactics (default/tuned time)",
-        "first failure",
-    ]
-    print(table(rows, header))
+    header = ["backend", "wins", "verdicts", "worst/bound", "tactics (default/tuned time)"]
+    print(table(rows, [*header, "first failure"]))
     for name, r in report.backends.items():  # why a backend runs at flashinfer's default
         for why, count in sorted(r["default_reasons"].items(), key=lambda kv: -kv[1])[:5]:
             print(f"  {name}: {count} x flashinfer's default: {why}"[:200])
-    failed = report.failed
-    print(
-        f"{report.problems} problems on {report.environment.get('gpu') or 'cpu'}; "
-        + (
-            f"backends that failed somewhere: {', '.join(failed)}"
-            if failed
-            else "no backend failed"
-        )
-    )
+    failed = ", ".join(report.failed)
+    found = f"backends that failed somewhere: {failed}" if failed else "no backend failed"
+    print(f"{report.problems} problems on {report.environment.get('gpu') or 'cpu'}; {found}")
     return 0 if report.ok else 1
 
 

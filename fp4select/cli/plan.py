@@ -10,46 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from fp4select.cli._common import UsageError
-from fp4select.keys import M_BUCKETS, Problem, m_bucket
+from fp4select.keys import Problem, shape_problems
 
-__all__ = [
-    "WarmUsageError",
-    "buckets",
-    "check_shape",
-    "problems_for",
-    "shapes_file",
-    "warm_plan",
-]
-
-
-def buckets(max_m: int) -> list[int]:
-    top = m_bucket(max_m)
-    return [b for b in M_BUCKETS if b <= top]
-
-
-def problems_for(
-    shapes: Sequence[tuple[int, int]], args: argparse.Namespace, fmt: str
-) -> list[Problem]:
-    use_nvfp4 = fmt == "nvfp4"
-    return [
-        Problem(
-            n=n,
-            k=k,
-            m_bucket=bucket,
-            out_dtype=args.out_dtype,
-            block_size=16 if use_nvfp4 else 32,
-            use_nvfp4=use_nvfp4,
-            a_sf_layout=args.a_sf_layout,
-            b_layout=args.b_layout,
-            alpha_kind=args.alpha,
-        )
-        for n, k in shapes
-        for bucket in buckets(args.max_m)
-    ]
+__all__ = ["WarmUsageError", "check_shape", "shapes_file", "warm_plan"]
 
 
 class WarmUsageError(UsageError):
@@ -111,6 +77,12 @@ def warm_plan(args: argparse.Namespace) -> dict[str, Any]:
     for n, k in shapes:
         check_shape(n, k, fmt)
     problems: list[Problem] = []
+    fields = {
+        "out_dtype": args.out_dtype,
+        "a_sf_layout": args.a_sf_layout,
+        "b_layout": args.b_layout,
+        "alpha_kind": args.alpha,
+    }
     if args.model:
         try:
             model = shapes_from_path(args.model, tp=args.tp)
@@ -121,14 +93,8 @@ def warm_plan(args: argparse.Namespace) -> dict[str, Any]:
                 f"--format {args.format} contradicts the model's FP4 layers ({model.format})"
             )
         plan["model"] = model
-        problems += model.problems(
-            args.max_m,
-            out_dtype=args.out_dtype,
-            a_sf_layout=args.a_sf_layout,
-            b_layout=args.b_layout,
-            alpha_kind=args.alpha,
-        )
-    problems += problems_for(shapes, args, fmt)
+        problems += model.problems(args.max_m, **fields)
+    problems += shape_problems(shapes, args.max_m, fmt, **fields)
     if args.from_record:
         try:
             counts = read_record(args.from_record)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fp4select.cli._common import parse_device, print_json, progress_bar, table
+from fp4select.cli._common import failed, parse_device, print_json, progress_bar, table
 from fp4select.cli.plan import WarmUsageError, check_shape, warm_plan
 from fp4select.keys import Problem, environment_for, m_bucket
 from fp4select.settings import Settings
@@ -82,15 +82,13 @@ def cmd_warm(args: argparse.Namespace) -> int:
     try:
         devices = None if args.dry_run else warm_devices(args)
     except DeviceError as exc:
-        print(f"fp4select warm: {exc}", file=sys.stderr)
-        return 2
+        return failed(f"fp4select warm: {exc}", 2)
     if args.dry_run:
         print_plan(plan, args.json)
         return 0
     problems = plan["problems"]
     if not problems:
-        print("warm: no FP4 problem keys to tune (see --dry-run for why)", file=sys.stderr)
-        return 1
+        return failed("warm: no FP4 problem keys to tune (see --dry-run for why)")
     sel = selector()
     native = warm_native_key(sel.settings, quiet=args.quiet or args.json)
     started = time.perf_counter()
@@ -146,8 +144,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         try:
             exported = sel.store.export_archive(args.export, environment_for(device)).entries
         except (OSError, ValueError) as exc:
-            print(f"warm: --export {args.export} failed: {exc}", file=sys.stderr)
-            return 1
+            return failed(f"warm: --export {args.export} failed: {exc}")
     if args.json:
         print_json(
             {

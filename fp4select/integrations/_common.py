@@ -178,16 +178,6 @@ def _describe(owner: Any) -> str:
     return getattr(owner, "__name__", None) or (f"field {field}" if field else repr(owner))
 
 
-_noted: set[tuple[str, str, str]] = set()
-
-
-def _note_once(engine: str, backend: str, what: str) -> None:
-    key = (engine, backend, what)
-    if key not in _noted:
-        _noted.add(key)
-        log.info("fp4select: %s mm_fp4(backend=%r): %s", engine, backend, what)
-
-
 def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[..., torch.Tensor]:
     """An ``mm_fp4`` with flashinfer's signature that selects within the engine's layout family.
 
@@ -230,22 +220,18 @@ def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[
         elif layout == "trtllm" and b.shape[-1] % 128:
             why = f"N={b.shape[-1]} is not a multiple of 128 (trtllm row shuffle)"
         if why is not None or layout is None:  # no layout always comes with a why
-            _note_once(engine, str(backend), f"passed to flashinfer unchanged: {why}")
+            if first_time(f"integrations: {engine} mm_fp4(backend={backend!r}): {why}"):
+                log.info(
+                    "fp4select: %s mm_fp4(backend=%r): passed to flashinfer unchanged: %s",
+                    engine,
+                    backend,
+                    why,
+                )
             return original(
-                a,
-                b,
-                a_descale,
-                b_descale,
-                alpha,
-                out_dtype,
-                out=out,
-                block_size=block_size,
-                use_8x4_sf_layout=use_8x4_sf_layout,
-                backend=backend,
-                use_nvfp4=use_nvfp4,
-                enable_pdl=enable_pdl,
-                **kwargs,
-            )
+                a, b, a_descale, b_descale, alpha, out_dtype, out=out, block_size=block_size,
+                use_8x4_sf_layout=use_8x4_sf_layout, backend=backend, use_nvfp4=use_nvfp4,
+                enable_pdl=enable_pdl, **kwargs,
+            )  # fmt: skip
         if use_nvfp4:
             # Engines hand cutlass/cudnn the same e4m3 bytes as uint8: fp4select proves every
             # candidate with e4m3 scales, so each gets the dtype it was proven with.
@@ -254,21 +240,9 @@ def make_mm_fp4(original: Callable[..., torch.Tensor], engine: str) -> Callable[
             if b_descale.dtype == torch.uint8:
                 b_descale = b_descale.view(e4m3)
         return best_mm_fp4(
-            a,
-            b,
-            a_descale,
-            b_descale,
-            alpha,
-            out_dtype,
-            out,
-            block_size,
-            use_8x4_sf_layout,
-            "auto",
-            use_nvfp4,
-            enable_pdl,
-            b_layout=layout,
-            **extra,
-        )
+            a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout,
+            "auto", use_nvfp4, enable_pdl, b_layout=layout, **extra,
+        )  # fmt: skip
 
     mm_fp4.__name__ = mm_fp4.__qualname__ = "mm_fp4"
     mm_fp4.__module__ = __name__
@@ -376,12 +350,11 @@ def warm_max_m(engine_max_m: int) -> int:
 
 def problems_for(shapes: Iterable[LinearShape], max_m: int) -> list:
     """One Problem per (shape, M bucket up to max_m), in the order a warm-up would meet them."""
-    from fp4select.keys import M_BUCKETS, Problem, m_bucket
+    from fp4select.keys import Problem, buckets_up_to
 
-    top = m_bucket(max_m)
     out = []
     for shape in sorted(set(shapes), key=lambda s: (s.n, s.k, s.out_dtype, s.b_layout)):
-        for bucket in (b for b in M_BUCKETS if b <= top):
+        for bucket in buckets_up_to(max_m):
             eight = shape.small_m_8x4 and shape.b_layout == "trtllm" and bucket <= 32
             out.append(
                 Problem(

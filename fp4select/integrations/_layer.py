@@ -60,14 +60,8 @@ def linear_nvfp4(
         raise ValueError(f"x has K={k} but the weight holds K={weight.shape[-1] * 2}")
     x2 = x.reshape(-1, k)
     a, a_sf = fp4_quantize(x2, input_scale_inv)
-    out = best_mm_fp4(
-        a,
-        weight.T,
-        a_sf,
-        weight_scale.T,
-        alpha.reshape(1) if alpha.dim() == 0 else alpha,
-        out_dtype or x.dtype,
-    )
+    alpha = alpha.reshape(1) if alpha.dim() == 0 else alpha
+    out = best_mm_fp4(a, weight.T, a_sf, weight_scale.T, alpha, out_dtype or x.dtype)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import sys
 import threading
 from typing import Any
@@ -52,6 +51,7 @@ import torch
 
 from fp4select.integrations import _common
 from fp4select.integrations._common import LAYOUT_OF_BACKEND, LinearShape, PatchSet, log
+from fp4select.keys import installed_version
 
 ENGINE = "SGLang"
 DIST = "sglang"
@@ -68,10 +68,7 @@ _patches = PatchSet(ENGINE)
 
 def engine_version() -> str | None:
     """The installed SGLang's version (what the version gate reads)."""
-    try:
-        return importlib.metadata.version(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version(DIST)
 
 
 def plugin() -> None:

@@ -33,7 +33,6 @@ Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import sys
 import typing
 from typing import Any
@@ -42,6 +41,7 @@ import torch
 
 from fp4select.integrations import _common
 from fp4select.integrations._common import LinearShape, PatchSet, log
+from fp4select.keys import installed_version
 
 ENGINE = "vLLM"
 DIST = "vllm"
@@ -68,10 +68,7 @@ _patches = PatchSet(ENGINE)
 
 def engine_version() -> str | None:
     """The installed vLLM's version (what the version gate reads)."""
-    try:
-        return importlib.metadata.version(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version(DIST)
 
 
 def plugin() -> None:

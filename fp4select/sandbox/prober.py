@@ -53,7 +53,7 @@ import torch
 from fp4select import settings as settings_mod
 from fp4select.backends.base import Backend, NotImportableError
 from fp4select.backends.emulation import NAME as EMULATION
-from fp4select.keys import Problem
+from fp4select.keys import Problem, resolve_device
 from fp4select.records import FATAL_STATUSES, ProbeOptions, ProbeResult, Report, Status, Verdict
 from fp4select.sandbox.attempt import (
     STRAY_LINES_KEPT,
@@ -118,7 +118,8 @@ class SandboxProber:
         the child's imports with the caller's own start-up.
         """
         begin = time.monotonic()
-        self._pool.start(str(_normalise(device)), self.timeout_s)
+        # The child's current device is 0: send the caller's choice explicitly.
+        self._pool.start(str(resolve_device(device)), self.timeout_s)
         return time.monotonic() - begin
 
     def close(self) -> None:
@@ -142,7 +143,7 @@ class SandboxProber:
         step, a result came back, the child died or hung, or it was lost before anything ran.
         """
         started = time.perf_counter()
-        device = _normalise(device)
+        device = resolve_device(device)
         report = report or (lambda event: None)
         verdicts: dict[str, Verdict] = {}
         job = Job(
@@ -400,14 +401,6 @@ class SandboxProber:
             return attempt.failure.verdict(name)  # it was alone: whatever ran was its doing
         reason = f"the sandbox failed while it ran alone: {attempt.lost}"
         return Verdict(name, Status.ERROR, reason[:2000], detail={"phase": "sandbox"})
-
-
-def _normalise(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        # The child's current device is 0: send the caller's choice explicitly.
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 @dataclass

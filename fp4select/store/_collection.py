@@ -64,6 +64,11 @@ _ENV_DIR = re.compile(r"[0-9a-f]{20}")
 _Table = dict[tuple[str, str], "bytes | None"]
 
 
+def _header(kind: str, env_hash: str, env: dict[str, Any]) -> dict[str, Any]:
+    """What every file of ours starts with: what it is, and for which environment."""
+    return {"schema": SCHEMA_VERSION, "kind": kind, "env_hash": env_hash, "env": env}
+
+
 def _check_env(obj: dict[str, Any], env_hash: str) -> str | None:
     return check_header(obj, KIND_ENV, env_hash)
 
@@ -171,40 +176,33 @@ class Root:
             )
         return None
 
-    def list(self, directory: Path, pattern: re.Pattern[str]) -> dict[str, Path]:
-        """Stem -> path of the names in ``directory`` that this package could have written."""
+    def _scan(self, directory: Path) -> builtins.list[os.DirEntry[str]]:
+        """What is in ``directory``: nothing when it is absent, or unreadable (warned once)."""
         try:
             self.check_dirs(directory)
-            names = os.listdir(directory)
+            with os.scandir(directory) as entries:
+                return builtins.list(entries)
         except (FileNotFoundError, NotADirectoryError):
-            return {}
+            return []
         except OSError as exc:
             warn_once(
                 str(directory),
                 f"fp4select cache: cannot list {directory} ({exc.strerror or exc}); skipping it.",
             )
-            return {}
+            return []
+
+    def list(self, directory: Path, pattern: re.Pattern[str]) -> dict[str, Path]:
+        """Stem -> path of the names in ``directory`` that this package could have written."""
         found = {}
-        for name in names:
-            match = pattern.fullmatch(name)
+        for entry in self._scan(directory):
+            match = pattern.fullmatch(entry.name)
             if match:
-                found[match.group(1)] = directory / name
+                found[match.group(1)] = directory / entry.name
         return found
 
     # builtins.list: inside this class, ``list`` is the method above
     def _list_dirs(self, directory: Path) -> builtins.list[str]:
-        try:
-            self.check_dirs(directory)
-            with os.scandir(directory) as entries:
-                found = list(entries)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as exc:
-            warn_once(
-                str(directory),
-                f"fp4select cache: cannot list {directory} ({exc.strerror or exc}); skipping it.",
-            )
-            return []
+        found = self._scan(directory)
         for entry in found:
             if entry.is_symlink():
                 warn_once(
@@ -236,9 +234,7 @@ class Root:
     # ----------------------------------------------------------------- env.json
 
     def env_bytes(self, env: dict[str, Any], env_hash: str) -> bytes:
-        return file_bytes(
-            {"schema": SCHEMA_VERSION, "kind": KIND_ENV, "env_hash": env_hash, "env": env}
-        )
+        return file_bytes(_header(KIND_ENV, env_hash, env))
 
     def ensure_env_file(self, env_hash: str, env_data: bytes) -> None:
         path = self.schema_dir / env_hash / "env.json"
@@ -308,13 +304,7 @@ class Collection:
 
         Raises ``TypeError``/``ValueError`` for what is not strict JSON or too large to read back.
         """
-        header = {
-            "schema": SCHEMA_VERSION,
-            "kind": self._kind.kind,
-            "env_hash": env_hash,
-            "env": env,
-        }
-        data = file_bytes({**header, **fields})
+        data = file_bytes({**_header(self._kind.kind, env_hash, env), **fields})
         if len(data) > MAX_FILE_BYTES:  # it would be refused when read back
             raise ValueError(f"record is {len(data)} bytes as JSON; the limit is {MAX_FILE_BYTES}")
         env_data = self._root.env_bytes(env, env_hash)

@@ -40,7 +40,6 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from types import TracebackType
 
 import filelock
 
@@ -167,11 +166,6 @@ class KeyLock(AbstractContextManager[None]):
             "of this process are serialized, so other processes may tune the same problem.",
         )
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         assert self._held, "lock released without being acquired"
         self._held.pop().release()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -141,11 +141,8 @@ def export_archive(
             errno.EISDIR, "is a directory; export writes one file: name a file", str(target)
         )
     if not overwrite and os.path.lexists(target):
-        raise FileExistsError(
-            errno.EEXIST,
-            "already exists; pass overwrite=True to replace it",
-            str(target),
-        )
+        why = "already exists; pass overwrite=True to replace it"
+        raise FileExistsError(errno.EEXIST, why, str(target))
     entries = [{"env": e, "key": k, "record": r} for e, k, r in store.iter_entries(env)]
     blacklist = [
         {"env": e, "backend": backend, "record": record}
@@ -195,33 +192,25 @@ def import_archive(
             else:
                 invalid.append(f"entries[{i}]: {problem}")
         entries = checked
-    counts = dict.fromkeys(
-        ("written", "in_memory", "present", "bl_written", "bl_in_memory", "bl_present"), 0
-    )
+    counts = {f.name: 0 for f in fields(ImportResult) if f.default == 0}
     refused: list[str] = []
     for env, key, record in entries:
         record = {k: v for k, v in record.items() if k != "proven_here"} | {"imported": True}
         if not overwrite and store.read_entry(env, key) is not None:
-            counts["present"] += 1
+            counts["entries_present"] += 1
         else:
-            counts["written" if store.write_entry(env, key, record) else "in_memory"] += 1
+            written = store.write_entry(env, key, record)
+            counts["entries_written" if written else "entries_in_memory"] += 1
     for env, backend, record in blacklist:
         if backend in protected:
             refused.append(backend)
         elif not overwrite and backend in store.blacklist(env):
-            counts["bl_present"] += 1
+            counts["blacklist_present"] += 1
         else:
             written = store.add_to_blacklist(env, backend, record)
-            counts["bl_written" if written else "bl_in_memory"] += 1
+            counts["blacklist_written" if written else "blacklist_in_memory"] += 1
     return ImportResult(
-        entries_written=counts["written"],
-        entries_in_memory=counts["in_memory"],
-        entries_present=counts["present"],
-        blacklist_written=counts["bl_written"],
-        blacklist_in_memory=counts["bl_in_memory"],
-        blacklist_present=counts["bl_present"],
-        blacklist_protected=tuple(refused),
-        entries_invalid=tuple(invalid),
+        **counts, blacklist_protected=tuple(refused), entries_invalid=tuple(invalid)
     )
 
 
