@@ -133,6 +133,22 @@ def test_dequant_on_cpu_without_triton_uses_the_reference_decode(monkeypatch):
     torch_dequant.clear_workspaces()
 
 
+def test_dequant_refuses_scale_buffers_its_decode_would_misread():
+    """The Triton decode reads scales as contiguous storage: a strided view is refused first."""
+    problem = Problem(n=128, k=128, m_bucket=8)
+    inputs = make_inputs(problem, 5, "cpu")
+    args = list(inputs.args(problem))
+    doubled = torch.stack([args[2], args[2]], dim=-1).reshape(args[2].shape[0], -1)
+    args[2] = doubled[:, ::2]  # the same values, every other byte of a wider buffer
+    assert torch.equal(args[2], inputs.args(problem)[2]) and not args[2].is_contiguous()
+    with pytest.raises(ValueError, match="a_descale must be a contiguous"):
+        torch_dequant._run(*args)
+    args = list(inputs.args(problem))
+    args[3] = args[3].T.contiguous()  # the row-major (K/16, N) copy instead of the .T view
+    with pytest.raises(ValueError, match="b_descale must be the .T view"):
+        torch_dequant._run(*args)
+
+
 # -- torch-scaled-mm's arguments, against torch's own rules -----------------------------------
 
 needs_scaled_mm = pytest.mark.skipif(
