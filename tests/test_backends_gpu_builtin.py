@@ -145,7 +145,7 @@ def test_dequant_refuses_scale_buffers_its_decode_would_misread():
         torch_dequant._run(*args)
     args = list(inputs.args(problem))
     args[3] = args[3].T.contiguous()  # the row-major (K/16, N) copy instead of the .T view
-    with pytest.raises(ValueError, match="b_descale must be the .T view"):
+    with pytest.raises(ValueError, match=r"b_descale must be the \.T view"):
         torch_dequant._run(*args)
 
 

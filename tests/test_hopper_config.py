@@ -77,6 +77,8 @@ def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
         assert all(c.block_t <= max(16, limit) for c in cfgs), limit
     assert hc.default("prefill", 4096) == hc.PREFILL == hc.PREFILL_TACTICS[0]
     assert all(c.split == 1 for c in hc.PREFILL_TACTICS)  # no partial sums at large M
+    assert hc.candidates("prefill", hc.PREFILL_TUNED_FROM) == hc.PREFILL_TACTICS
+    assert hc.candidates("prefill", hc.PREFILL_TUNED_FROM - 1) == ()  # never wins there
 
 
 def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):

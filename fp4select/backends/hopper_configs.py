@@ -99,6 +99,8 @@ PREFILL_TACTICS = (
     MmaConfig(128, 128, 16, 4, 3, split=1),
     MmaConfig(256, 128, 16, 8, 3, split=1),
 )
+# Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
+PREFILL_TUNED_FROM = 128
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
@@ -107,7 +109,7 @@ def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
     if kind == "gemv":
         return GEMV_TACTICS
     if kind == "prefill":
-        return PREFILL_TACTICS
+        return PREFILL_TACTICS if m is None or m >= PREFILL_TUNED_FROM else ()
     if kind != "mma":
         return ()
     if m is None:

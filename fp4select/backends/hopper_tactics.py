@@ -110,8 +110,10 @@ def tune(
         return record | {"reason": f"FP4SELECT_TACTICS={settings.tactics}"}
     if getattr(problem, "batch_invariant", False):
         return record | {"reason": "batch-invariant problems keep the table's configuration"}
-    if a.device.type != "cuda" or not hopper_configs.candidates(kind, m):
+    if a.device.type != "cuda":
         return record | {"reason": "tuned on CUDA only"}
+    if not hopper_configs.candidates(kind, m):
+        return record | {"reason": f"no candidates to time at M = {m}"}
     sets = _input_copies(args, a.device)
     started = time.perf_counter()
     timed: dict[str, float] = {}
