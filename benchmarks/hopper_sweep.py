@@ -35,7 +35,7 @@ from _common import dumps, machine
 
 from fp4select import formats, timing, validate
 from fp4select.backends import torch_dequant, triton_fp4, triton_hopper
-from fp4select.backends._hopper_kernels import plane_major, sf_offset
+from fp4select.backends._hopper_kernels import plane_major, weight_step
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
 
@@ -125,11 +125,7 @@ def _floor(
     bits = tl.zeros((BN, BKW), dtype=tl.int32)
     for i in range(0, iters):
         k0 = (pid_k * iters + i) * BKW
-        k = k0 + kw
-        k_ok = k < KW
-        wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
-        blk = tl.where(k_ok, k // 2, 0)
-        sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
+        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0 + kw, KW, cp)  # mma_planes' own loads
         if MMA:
             h = ((wq ^ sw) & 0x3FF).to(tl.float16)  # finite: the MMA still runs on every word
             w = plane_major(h, h, h, h, h, h, h, h, BN, BKW)
@@ -152,12 +148,13 @@ def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool) -> torch.Tensor:
     sms = triton_fp4._sms(b.device)
     split = triton_hopper._mma_split(cfg.block_t, n, kw, cfg, sms)
     iters = triton.cdiv(triton.cdiv(kw, cfg.words_per_step), split)
+    cp = formats.padded_sf_shape(n, kh // 8, "128x4")[1]  # scale columns, whole tiles
     x = torch.zeros(
         (iters * split * cfg.words_per_step * 8, cfg.block_t), dtype=torch.float16, device=b.device
     )
     out = torch.empty((split, n, cfg.block_t), dtype=torch.float32, device=b.device)
     _floor[(triton.cdiv(n, cfg.block_n), split)](
-        x, w32, sw32, out, n, kw, cfg.block_t, w32.stride(0), triton_fp4._ceil4(kh // 8), iters,
+        x, w32, sw32, out, n, kw, cfg.block_t, w32.stride(0), cp, iters,
         BN=cfg.block_n, BT=cfg.block_t, BKW=cfg.words_per_step, MMA=mma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -794,6 +794,20 @@ def decode_planes(
 
 
 @triton.jit
+def weight_step(w_rows, sw_ptr, rows_n, k, KW, cp):
+    """One step's weight words (zeros past K) and, for each word, the 128x4 scale word holding
+    its block's scale.
+
+    Scale words, not bytes: an 8-bit load sends the decoded tile through shared memory.
+    """
+    k_ok = k < KW
+    wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
+    blk = tl.where(k_ok, k // 2, 0)
+    sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
+    return wq, sw
+
+
+@triton.jit
 def plane_major(w0, w1, w2, w3, w4, w5, w6, w7, BN: tl.constexpr, BKW: tl.constexpr):
     """8 planes of (BN, BKW) -> one (BN, 8 * BKW) operand, plane p's word w at p * BKW + w.
 
@@ -868,12 +882,7 @@ def mma_planes(
     acc = tl.zeros((BN, BT), dtype=tl.float32)
     for i in range(0, iters_per_split):
         k0 = (pid_k * iters_per_split + i) * BKW
-        k = k0 + kw
-        k_ok = k < KW
-        wq = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
-        blk = tl.where(k_ok, k // 2, 0)
-        # Scale words, not bytes: an 8-bit load also sends the decoded tile through shared memory.
-        sw = tl.load(sw_ptr + (sf_offset(rows_n[:, None], blk[None, :], cp, False) >> 2))
+        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0 + kw, KW, cp)
         w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
         acc = tl.dot(w, tl.load(xb), acc)
