@@ -125,7 +125,7 @@ def _floor(
     bits = tl.zeros((BN, BKW), dtype=tl.int32)
     for i in range(0, iters):
         k0 = (pid_k * iters + i) * BKW
-        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0 + kw, KW, cp)  # mma_planes' own loads
+        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW)  # mma_planes' own loads
         if MMA:
             h = ((wq ^ sw) & 0x3FF).to(tl.float16)  # finite: the MMA still runs on every word
             w = plane_major(h, h, h, h, h, h, h, h, BN, BKW)

@@ -46,9 +46,9 @@ class MmaConfig:
 
 GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1)))
 MMA_BY_M = (
-    (16, MmaConfig(128, 16, 16, 4, 3)),
+    (16, MmaConfig(128, 16, 32, 4, 3)),
     (32, MmaConfig(128, 32, 16, 4, 3)),
-    (64, MmaConfig(128, 64, 16, 4, 3)),
+    (64, MmaConfig(128, 64, 16, 4, 4)),
     (None, MmaConfig(128, 128, 16, 4, 3)),
 )
 PREFILL = MmaConfig(128, 256, 16, 8, 3, split=1)
@@ -71,9 +71,9 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
     (
         16,
         (
+            MmaConfig(128, 16, 32, 4, 3),
             MmaConfig(128, 16, 16, 4, 3),
-            MmaConfig(128, 16, 16, 4, 3, 8),
-            MmaConfig(64, 16, 16, 4, 3),
+            MmaConfig(64, 16, 32, 4, 4),
         ),
     ),
     (
@@ -84,7 +84,7 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
             MmaConfig(64, 32, 16, 4, 3),
         ),
     ),
-    (64, (MmaConfig(128, 64, 16, 4, 3), MmaConfig(128, 64, 16, 8, 3), MmaConfig(64, 64, 16, 4, 3))),
+    (64, (MmaConfig(128, 64, 16, 4, 4), MmaConfig(128, 64, 16, 4, 3), MmaConfig(64, 64, 16, 4, 3))),
     (
         256,
         (
