@@ -24,7 +24,7 @@ import torch
 from _common import machine
 
 from fp4select import timing, validate
-from fp4select.backends import torch_dequant, torch_scaled_mm, triton_fp4
+from fp4select.backends import dequant, torch_scaled_mm, triton_fp4
 from fp4select.keys import Problem, environment_for
 
 
@@ -46,7 +46,7 @@ def runners() -> dict[str, object]:
                 out[f"{cfg.name}/split{split}"] = functools.partial(
                     triton_fp4._run, cfg=cfg, split=split
                 )
-    out["torch-dequant"] = torch_dequant._run
+    out["torch-dequant"] = dequant.run_torch
     return out
 
 
@@ -209,7 +209,7 @@ def sweep(device: torch.device) -> list[dict]:
                 continue
             calls[cfg.name] = [functools.partial(run, *s.args(problem)) for s in sets]
         calls["torch-dequant"] = [
-            functools.partial(torch_dequant._run, *s.args(problem)) for s in sets
+            functools.partial(dequant.run_torch, *s.args(problem)) for s in sets
         ]
         timings, method = timing.time_interleaved(
             calls, device, timing.TimingOptions(budget_s=1.0, min_rounds=5, max_rounds=30)
@@ -241,7 +241,7 @@ def main() -> None:
     }
     record["available"] = {
         "triton": triton_fp4.why_unavailable(env),
-        "torch-dequant": torch_dequant.why_unavailable(env),
+        "torch-dequant": dequant.why_torch_unavailable(env),
         "torch-scaled-mm": torch_scaled_mm.why_unavailable(env),
     }
     print("available:", record["available"])

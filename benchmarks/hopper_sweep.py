@@ -34,7 +34,7 @@ import triton.language as tl
 from _common import dumps, machine
 
 from fp4select import formats, timing, validate
-from fp4select.backends import torch_dequant, triton_fp4, triton_hopper
+from fp4select.backends import dequant, triton_fp4, triton_hopper
 from fp4select.backends._hopper_kernels import plane_major, weight_step
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
@@ -117,7 +117,6 @@ def _floor(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows_n = tl.where(offs_n < N, offs_n, 0)
-    kw = tl.arange(0, BKW)
     kx = tl.arange(0, 8 * BKW)
     w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
     tl.assume(iters > 0)
@@ -193,9 +192,9 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
     if m >= 64 or "old" in families:
-        out["torch-dequant"] = torch_dequant.BACKEND.checked_runner_for(
-            Problem(n=1, k=16, m_bucket=1)
-        )
+        out["torch-dequant"] = dequant.run_torch
+    if m >= 256:
+        out["hopper-dequant"] = dequant.run_hopper
     return out
 
 
@@ -275,7 +274,11 @@ def main() -> None:
                 if f not in best or t < best[f][0]:
                     best[f] = (t, nm)
             new = min(
-                (t for nm, t in us.items() if family(nm) in ("gemv", "mma", "prefill")),
+                (
+                    t
+                    for nm, t in us.items()
+                    if family(nm) in ("gemv", "mma", "prefill", "hopper-dequant")
+                ),
                 default=float("nan"),
             )
             wrong = [nm for nm, v in row["verdicts"].items() if not v[0].startswith(("ok", "unch"))]

@@ -21,7 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 
 from fp4select import validate
-from fp4select.backends import _triton_interpret, torch_dequant, triton_fp4
+from fp4select.backends import _triton_interpret, dequant, triton_fp4
 from fp4select.keys import Problem
 
 _triton_interpret.enable()
@@ -44,7 +44,8 @@ def runners():
                 functools.partial(triton_fp4._run, cfg=cfg, split=2),
                 cfg.max_m,
             )
-    yield "torch-dequant", torch_dequant._run, None
+    yield "torch-dequant", dequant.run_torch, None
+    yield "hopper-dequant", dequant.run_hopper, None
 
 
 def case(name, run, nv, layout, alpha, out_dtype, m):

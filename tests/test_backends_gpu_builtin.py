@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4select.backends import discover, torch_dequant, torch_scaled_mm, triton_fp4, triton_hopper
+from fp4select.backends import (
+    dequant,
+    discover,
+    torch_scaled_mm,
+    triton_fp4,
+    triton_hopper,
+)
 from fp4select.keys import Problem
 from fp4select.validate import make_inputs
 
@@ -22,7 +28,8 @@ B200 = {"device": "cuda", "cc": 100}
 def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
     names = list(discover(include_flashinfer=False).backends)
     hopper = [b.name for b in triton_hopper.BACKENDS]
-    gpu = hopper + [c.name for c in triton_fp4.CONFIGS] + ["torch-dequant", "torch-scaled-mm"]
+    gpu = [*hopper, "hopper-dequant", *(c.name for c in triton_fp4.CONFIGS)]
+    gpu += ["torch-dequant", "torch-scaled-mm"]
     assert names[: 1 + len(gpu)] == ["emulation", *gpu]
     backends = discover(include_flashinfer=False).backends
     # All run GPU code of ours (Triton kernels, a decode pass): unproven, they are probed in
@@ -39,8 +46,9 @@ def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
 def test_each_says_why_it_cannot_run_here():
     for backend in (
         *triton_hopper.BACKENDS,
+        dequant.HOPPER_DEQUANT,
         *triton_fp4.BACKENDS,
-        torch_dequant.BACKEND,
+        dequant.TORCH_DEQUANT,
         torch_scaled_mm.BACKEND,
     ):
         reason = backend.unavailable_reason(CPU)
@@ -48,7 +56,9 @@ def test_each_says_why_it_cannot_run_here():
     assert "8.0" in triton_fp4.why_unavailable({"device": "cuda", "cc": 75})
     assert "9.0" in torch_scaled_mm.why_unavailable(H200)
     assert "Blackwell" in torch_scaled_mm.why_unavailable(H200)
-    assert torch_dequant.why_unavailable(H200) is None
+    assert dequant.why_torch_unavailable(H200) is None
+    # hopper-dequant needs TMA: Hopper or newer, and a Triton with host tensor descriptors
+    assert "9.0" in dequant.why_hopper_unavailable({"device": "cuda", "cc": 80})
 
 
 def test_triton_is_available_on_hopper_when_installed(monkeypatch):
@@ -71,6 +81,10 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     assert "M <= 8" in backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=16), H200)
     assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=256), H200) is None
     assert "M <= 256" in backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=512), H200)
+    dequant = backends["hopper-dequant"]
+    assert "M >= 512" in dequant.rejects(Problem(n=256, k=256, m_bucket=256), H200)
+    assert dequant.rejects(Problem(n=256, k=256, m_bucket=512), H200) is None
+    assert dequant.rejects(Problem(n=256, k=256, m_bucket=8192), H200) is None
     for name in ("triton-m64", "torch-dequant", "torch-scaled-mm"):
         assert "trtllm" in backends[name].caps.rejects(trtllm, "cuda")
     sm = backends["torch-scaled-mm"].caps
@@ -108,17 +122,17 @@ def test_split_k_fills_the_sms_and_never_exceeds_the_k_steps(m, n, kh, expected)
 
 
 def test_dequant_workspaces_grow_and_outgrown_ones_are_kept_for_captured_graphs():
-    torch_dequant.clear_workspaces()
+    dequant.clear_workspaces()
     cache: dict = {}
     device = torch.device("cpu")
-    first = torch_dequant._growing(cache, ("k",), 4, 8, torch.bfloat16, device)
+    first = dequant.growing(cache, ("k",), 4, 8, torch.bfloat16, device)
     assert first.shape == (4, 8)
-    same = torch_dequant._growing(cache, ("k",), 3, 8, torch.bfloat16, device)
+    same = dequant.growing(cache, ("k",), 3, 8, torch.bfloat16, device)
     assert same.data_ptr() == first.data_ptr()  # reused, no allocation
-    bigger = torch_dequant._growing(cache, ("k",), 5, 8, torch.bfloat16, device)
+    bigger = dequant.growing(cache, ("k",), 5, 8, torch.bfloat16, device)
     assert bigger.shape == (5, 8) and cache[("k",)].shape[0] == 8  # doubled
-    assert any(t.data_ptr() == first.data_ptr() for t in torch_dequant._retired)
-    torch_dequant.clear_workspaces()
+    assert any(t.data_ptr() == first.data_ptr() for t in dequant._retired)
+    dequant.clear_workspaces()
 
 
 def test_dequant_on_cpu_without_triton_uses_the_reference_decode(monkeypatch):
@@ -127,10 +141,10 @@ def test_dequant_on_cpu_without_triton_uses_the_reference_decode(monkeypatch):
     inputs = make_inputs(problem, 5, "cpu")
     from fp4select.validate import check
 
-    out = torch_dequant._run(*inputs.args(problem))
+    out = dequant.run_torch(*inputs.args(problem))
     result = check(out, inputs, torch.bfloat16)
     assert result.ok and result.worst_ratio < 0.6, result
-    torch_dequant.clear_workspaces()
+    dequant.clear_workspaces()
 
 
 def test_dequant_refuses_scale_buffers_its_decode_would_misread():
@@ -142,11 +156,11 @@ def test_dequant_refuses_scale_buffers_its_decode_would_misread():
     args[2] = doubled[:, ::2]  # the same values, every other byte of a wider buffer
     assert torch.equal(args[2], inputs.args(problem)[2]) and not args[2].is_contiguous()
     with pytest.raises(ValueError, match="a_descale must be a contiguous"):
-        torch_dequant._run(*args)
+        dequant.run_torch(*args)
     args = list(inputs.args(problem))
     args[3] = args[3].T.contiguous()  # the row-major (K/16, N) copy instead of the .T view
     with pytest.raises(ValueError, match=r"b_descale must be the \.T view"):
-        torch_dequant._run(*args)
+        dequant.run_torch(*args)
 
 
 # -- torch-scaled-mm's arguments, against torch's own rules -----------------------------------

@@ -59,7 +59,7 @@ def results() -> list[dict]:
 def test_every_kernel_variant_matches_the_exact_reference(results):
     cases = [r for r in results if r["backend"] not in ("workspace-sharing", "spare-tiles")]
     names = {r["backend"] for r in cases}
-    expected = {c.name for c in triton_fp4.CONFIGS} | {"torch-dequant"}
+    expected = {c.name for c in triton_fp4.CONFIGS} | {"torch-dequant", "hopper-dequant"}
     expected |= {f"{c.name}/split2" for c in triton_fp4.CONFIGS if c.split_k}
     assert names == expected
     assert len(cases) == 4 * len(expected)  # four combinations each: every branch reached
@@ -76,7 +76,7 @@ def test_every_kernel_variant_matches_the_exact_reference(results):
 
 def test_a_scales_with_a_spare_row_tile_are_read_as_the_checks_accept_them(results):
     spare = [r for r in results if r["backend"] == "spare-tiles"]
-    assert len(spare) >= len(triton_fp4.CONFIGS) + 1  # every config and torch-dequant
+    assert len(spare) >= len(triton_fp4.CONFIGS) + 2  # every config and both dequants
     assert all(r["ok"] for r in spare), [r for r in spare if not r["ok"]]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp4select import validate
-from fp4select.backends import hopper_configs, hopper_tactics, triton_hopper
+from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_hopper
 from fp4select.keys import Problem, m_bucket
 
 pytestmark = [
@@ -34,6 +34,7 @@ RUNNERS = {
     "hopper-gemv": (triton_hopper.run_gemv, (1, 2, 3, 5, 8)),
     "hopper-mma": (triton_hopper.run_mma, (1, 7, 16, 33, 128, 256)),
     "hopper-prefill": (triton_hopper.run_prefill, (1, 64, 200, 515)),
+    "hopper-dequant": (dequant.run_hopper, (1, 130, 515, 2100)),
 }
 
 
@@ -57,6 +58,17 @@ def test_matches_the_exact_reference(name, n, k, layout, alpha, out_dtype):
         out = torch.full((m, n), float("nan"), dtype=problem.torch_out_dtype, device="cuda")
         got = run(*inputs.args(problem, out))
         assert got is out
+        assert validate.check(out, inputs, problem.torch_out_dtype).ok
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+def test_hopper_dequant_takes_mxfp4(out_dtype):
+    for m in (3, 300):
+        problem = Problem(
+            n=520, k=2080, m_bucket=m_bucket(m), use_nvfp4=False, block_size=32, out_dtype=out_dtype
+        )
+        inputs = validate.make_inputs(problem, m, "cuda", seed=m)
+        out = dequant.run_hopper(*inputs.args(problem))
         assert validate.check(out, inputs, problem.torch_out_dtype).ok
 
 

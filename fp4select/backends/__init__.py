@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4select.backends import emulation, torch_dequant, torch_scaled_mm, triton_fp4, triton_hopper
+from fp4select.backends import dequant, emulation, torch_scaled_mm, triton_fp4, triton_hopper
 from fp4select.backends import flashinfer as flashinfer_backends
 from fp4select.backends.base import (
     Backend,
@@ -188,7 +188,12 @@ def discover(*, include_flashinfer: bool = True) -> Registry:
         for b in flashinfer_backends.invariant_backends():
             registry.backends[b.name] = b
     registry.backends[emulation.NAME] = emulation.BACKEND
-    gpu_kernels = (*triton_hopper.BACKENDS, *triton_fp4.BACKENDS, torch_dequant.BACKEND)
+    gpu_kernels = (
+        *triton_hopper.BACKENDS,
+        dequant.HOPPER_DEQUANT,
+        *triton_fp4.BACKENDS,
+        dequant.TORCH_DEQUANT,
+    )
     for b in (*gpu_kernels, torch_scaled_mm.BACKEND):
         registry.backends[b.name] = b
     eps, errors = _load_entry_points()

@@ -306,3 +306,54 @@ def fp4_gemv(
     else:
         ptrs = part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def mm_tma_alpha(
+    x_desc,  # (M, K) bfloat16, blocks [BM, BK]
+    w_desc,  # (N, K) bfloat16, blocks [BN, BK]
+    alpha_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_om,
+    stride_on,
+    alpha_value,
+    ALPHA: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    UPCAST: tl.constexpr,  # float32 operands: Triton's CPU interpreter multiplies bf16 wrongly
+):
+    """out = alpha * (x @ w^T), one rounding: a persistent GEMM fed by TMA (zeros past M, N,
+    K), alpha applied to the float32 tile before the single conversion to the output dtype.
+
+    Tiles are visited in groups of GROUP row tiles so that programs running together share
+    weight tiles in L2.
+    """
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    in_group = GROUP * grid_n
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+        first_m = (tile // in_group) * GROUP
+        size = tl.minimum(grid_m - first_m, GROUP)
+        pid_m = first_m + (tile % in_group) % size
+        pid_n = (tile % in_group) // size
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            x = x_desc.load([pid_m * BM, k * BK])
+            w = w_desc.load([pid_n * BN, k * BK])
+            if UPCAST:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.T, acc)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_m = offs_m < M
+        acc = _epilogue(acc, offs_m, mask_m, alpha_ptr, alpha_value, ALPHA)
+        ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -48,6 +48,9 @@ class Capabilities:
     n_multiple: int = 1
     k_multiple: int = 1
     max_m: int | None = None
+    # Declines buckets that end below it: a fixed cost per call (a decode pass over the whole
+    # weight) that no small M can win back, so validating and timing it there only slows warm.
+    min_m: int | None = None
     devices: frozenset[str] = frozenset({"cuda"})
     modes: frozenset[str] = frozenset({"regular"})
 
@@ -80,6 +83,8 @@ class Capabilities:
             return f"needs M <= {self.max_m}; a batch-invariant decision serves every M"
         if self.max_m is not None and problem.m_range[0] > self.max_m:
             return f"needs M <= {self.max_m}, bucket starts at {problem.m_range[0]}"
+        if self.min_m is not None and problem.m_range[1] < self.min_m:
+            return f"is built for M >= {self.min_m}, bucket ends at {problem.m_range[1]}"
         return None
 
     def to_json(self) -> dict[str, Any]:

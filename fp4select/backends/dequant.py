@@ -1,0 +1,307 @@
+"""Decode a and the weight into bfloat16 workspaces, then one GEMM: two candidates for large M.
+
+* ``torch-dequant``: cuBLAS. cuBLAS takes alpha only as a host number and callers pass a
+  device tensor, so with alpha (or float16 out) the product goes through a float32 workspace
+  and a second pass applies alpha: 10-35% of the GEMM at M = 2048-4096 on the H200.
+* ``hopper-dequant``: a persistent Triton GEMM fed by TMA, which ran as fast as cuBLAS on
+  those shapes (1.00-1.02x, docs/hopper_kernels.md) and scales its float32 tile in registers.
+  TMA needs compute capability 9.0+ and a Triton with host tensor descriptors.
+
+For large M the GEMM dominates, so paying one decode pass per operand is the cheapest way to
+full tensor-core speed on GPUs without FP4 tensor cores.
+
+Design rules:
+
+* Exact operands: an NVFP4 value (e2m1 times e4m3) has at most 6 significant bits and fits
+  bfloat16 exactly; MXFP4 values do while they stay in bfloat16's normal range. The result
+  differs from the reference only by the GEMM's summation order and one rounding to the
+  output dtype: the float32 sum times alpha, rounded once (bfloat16 then alpha would round
+  twice, which can reach the validator's whole bound, and a raw float16 sum could overflow
+  before alpha scales it down).
+* Workspaces are reused per device and shape, never kept per layer: b's is keyed by (device,
+  N, K), a's by (device, K) and grown to the largest M seen. A workspace is never freed once
+  made (a captured CUDA graph may still write to it), and never grown during a capture: a call
+  that needs more during capture decodes into a temporary from the graph's own pool.
+  Workspaces are per device, not per stream.
+* The decode is a Triton kernel when triton is installed (one pass, no temporaries), else the
+  reference decode in torch. CUDA only: on the CPU this is exactly what ``emulation`` already
+  does (decode, then multiply), slower in bfloat16, so it would add a candidate and no speed.
+* ``hopper-dequant`` writes with masked stores, so any ``out`` the checks accept (strided
+  too) is written in place. Its workspaces' rows are K bfloat16 values, a multiple of 16
+  bytes for every K the checks accept, as TMA requires. Its tiles: 128 x 256 x 64 (8 warps,
+  3 stages), which matched cuBLAS; 128 x 128 x 64 (4 stages) where the large tiles would be
+  fewer than the SMs. It declines buckets ending below ``MIN_M`` (``Capabilities.min_m``):
+  there its decode passes alone cost more than the kernels that decode in registers take.
+* Importing this module never imports triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fp4select import formats
+from fp4select.backends import triton_fp4
+from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities
+from fp4select.keys import ALPHA_KINDS, OUT_DTYPES
+
+MIN_CC = 90
+LARGE = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages
+SMALL = (128, 128, 64, 8, 4)
+MIN_M = 512
+
+
+_b_workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
+_a_workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
+_f32_workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown workspaces a captured graph may still use
+
+
+def clear_workspaces() -> None:
+    """Drop every workspace (tests). Not safe while a captured graph that used them lives."""
+    _b_workspaces.clear()
+    _a_workspaces.clear()
+    _f32_workspaces.clear()
+    _retired.clear()
+
+
+def growing(
+    cache: dict[tuple[Any, ...], torch.Tensor],
+    key: tuple[Any, ...],
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A (rows, cols) view of a reused buffer that grows (doubling) to the largest rows seen."""
+    ws = cache.get(key)
+    if ws is not None and ws.shape[0] >= rows:
+        return ws[:rows]
+    capacity = max(rows, 2 * ws.shape[0]) if ws is not None else rows
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty((rows, cols), dtype=dtype, device=device)  # from the graph's pool
+    if ws is not None:
+        _retired.append(ws)
+    ws = cache[key] = torch.empty((capacity, cols), dtype=dtype, device=device)
+    return ws[:rows]
+
+
+def _decode_into(
+    ws: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, use_nvfp4: bool, layout: str
+) -> None:
+    rows, kh = data.shape
+    cp = formats.padded_sf_shape(rows, 2 * kh // (16 if use_nvfp4 else 32), layout)[1]
+    if triton_fp4.triton_installed():
+        k = triton_fp4.kernels()
+        k.dequant_bf16[(k.cdiv(rows, 32), k.cdiv(kh, 64))](
+            data if data.dtype == torch.uint8 else data.view(torch.uint8),
+            scales,
+            ws.view(torch.int32),
+            rows,
+            kh,
+            data.stride(0),
+            cp,
+            NVFP4=use_nvfp4,
+            SF_8X4=layout == "8x4",
+            BR=32,
+            BKH=64,
+            num_warps=4,
+        )
+        return
+    ws.copy_(
+        formats._dequantize(data, scales, 2 * kh, use_nvfp4, layout, False, None, torch.bfloat16)
+    )
+
+
+def decoded(
+    c: triton_fp4.Checked,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_descale: torch.Tensor,
+    use_8x4_sf_layout: bool,
+    use_nvfp4: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and the weight of a checked call decoded into this device's bfloat16 workspaces:
+    (M, K) and (N, K), row-major."""
+    device, k = a.device, 2 * c.kh
+    w = growing(_b_workspaces, (device, c.n, k), c.n, k, torch.bfloat16, device)
+    _decode_into(w, b.T, b_descale.T if b_descale.dim() == 2 else b_descale, use_nvfp4, "128x4")
+    x = growing(_a_workspaces, (device, k), c.m, k, torch.bfloat16, device)
+    _decode_into(x, a, c.a_descale, use_nvfp4, "8x4" if use_8x4_sf_layout else "128x4")
+    return x, w
+
+
+_has_mm_out_dtype: bool | None = None
+
+
+def why_torch_unavailable(env: Mapping[str, Any]) -> str | None:
+    if env.get("device") != "cuda":
+        return "CUDA only: on the CPU, decode-then-multiply is what emulation already is"
+    return None
+
+
+def _mm_f32(x: torch.Tensor, w_t: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """``x @ w_t`` accumulated and returned in float32, into the reused workspace ``ws``.
+
+    cuBLAS does this in one call (``mm.dtype_out``); a build without it (the CPU) multiplies
+    float32 copies instead, which is exact for these operands too.
+    """
+    global _has_mm_out_dtype
+    if _has_mm_out_dtype is not False:
+        try:
+            torch.ops.aten.mm.dtype_out(x, w_t, torch.float32, out=ws)
+            _has_mm_out_dtype = True
+            return ws
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _has_mm_out_dtype = False
+    return torch.mm(x.float(), w_t.float(), out=ws)
+
+
+def run_torch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_descale: torch.Tensor,
+    b_descale: torch.Tensor,
+    alpha: torch.Tensor | float | None,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None,
+    block_size: int,
+    use_8x4_sf_layout: bool,
+    use_nvfp4: bool,
+    enable_pdl: bool,
+) -> torch.Tensor:
+    """mm_fp4's positional order (without backend); enable_pdl means nothing here."""
+    c = triton_fp4.check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
+    )
+    m, n, out = c.m, c.n, c.out
+    device = a.device
+    x, w = decoded(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4)
+    if alpha is None and out_dtype == torch.bfloat16:
+        return torch.mm(x, w.T, out=out)  # cuBLAS rounds once, to bfloat16
+    # Otherwise the product stays in float32 until alpha is applied: one rounding to the
+    # output dtype (bfloat16 then alpha would round twice, which can reach the validator's
+    # whole bound), and no float16 overflow of a raw sum that alpha scales down.
+    result = _mm_f32(x, w.T, growing(_f32_workspaces, (device, n), m, n, torch.float32, device))
+    if alpha is None:
+        return out.copy_(result)
+    if c.alpha_kind == 1:
+        return torch.mul(result, c.alpha_value, out=out)
+    factor = c.alpha_ptr.reshape(m, 1) if c.alpha_kind == 3 else c.alpha_ptr.reshape(())
+    return torch.mul(result, factor, out=out)
+
+
+TORCH_DEQUANT = Backend(
+    name="torch-dequant",
+    checked_runner=run_torch,
+    why_unavailable=why_torch_unavailable,
+    caps=Capabilities(
+        formats=ALL_FORMATS,
+        a_sf_layouts=frozenset({"128x4", "8x4"}),
+        b_layouts=frozenset({"plain"}),
+        out_dtypes=frozenset(OUT_DTYPES),
+        alpha_kinds=frozenset(ALPHA_KINDS),
+        devices=frozenset({"cuda"}),
+    ),
+    preference=300,
+    family="native",  # a Triton decode kernel: unproven code runs in the sandbox
+    description="decode a and b to bfloat16 workspaces, cuBLAS GEMM, alpha",
+)
+
+
+def _descriptor_class() -> Any:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+def why_hopper_unavailable(env: Mapping[str, Any]) -> str | None:
+    cc = env.get("cc")
+    if env.get("device") == "cuda" and cc is not None and cc < MIN_CC:
+        return f"needs TMA (compute capability >= 9.0), got {cc / 10:.1f}"
+    why = triton_fp4.why_unavailable(env)
+    if why:
+        return why
+    if _descriptor_class() is None:
+        return "this Triton has no host tensor descriptors (triton.tools.tensor_descriptor)"
+    return None
+
+
+def tile_for(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
+    """The large tile, or the small one where the large tiles would leave SMs idle."""
+    bm, bn = LARGE[0], LARGE[1]
+    tiles = -(-m // bm) * -(-n // bn)
+    return LARGE if tiles >= sms else SMALL
+
+
+def run_hopper(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_descale: torch.Tensor,
+    b_descale: torch.Tensor,
+    alpha: torch.Tensor | float | None,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None,
+    block_size: int,
+    use_8x4_sf_layout: bool,
+    use_nvfp4: bool,
+    enable_pdl: bool,
+) -> torch.Tensor:
+    """mm_fp4's positional order (without backend); enable_pdl means nothing here."""
+    c = triton_fp4.check_call(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
+    )
+    if c.m == 0 or c.n == 0:
+        return c.out
+    x, w = decoded(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4)
+    descriptor = _descriptor_class()
+    sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
+    bm, bn, bk, warps, stages = tile_for(c.m, c.n, sms)
+    grid = min(sms, -(-c.m // bm) * -(-c.n // bn))
+    triton_fp4.kernels().mm_tma_alpha[(grid,)](
+        descriptor.from_tensor(x, [bm, bk]),
+        descriptor.from_tensor(w, [bn, bk]),
+        c.alpha_ptr,
+        c.out,
+        c.m,
+        c.n,
+        x.shape[1],
+        c.out.stride(0),
+        c.out.stride(1),
+        c.alpha_value,
+        ALPHA=c.alpha_kind,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP=8,
+        NUM_SMS=grid,
+        UPCAST=a.device.type != "cuda",
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return c.out
+
+
+HOPPER_DEQUANT = Backend(
+    name="hopper-dequant",
+    checked_runner=run_hopper,
+    why_unavailable=why_hopper_unavailable,
+    caps=Capabilities(
+        formats=ALL_FORMATS,
+        a_sf_layouts=frozenset({"128x4", "8x4"}),
+        b_layouts=frozenset({"plain"}),
+        out_dtypes=frozenset(OUT_DTYPES),
+        alpha_kinds=frozenset(ALPHA_KINDS),
+        devices=frozenset({"cuda"}),
+        min_m=MIN_M,
+    ),
+    preference=290,
+    family="native",  # Triton kernels: unproven code runs in the sandbox
+    description="decode a and b to bfloat16 workspaces, persistent TMA GEMM with alpha in it",
+)
+
+BACKENDS = (HOPPER_DEQUANT, TORCH_DEQUANT)
