@@ -17,6 +17,7 @@ from fp4select.backends import (
     triton_fp4,
     triton_hopper,
 )
+from fp4select.backends.base import Backend
 from fp4select.keys import Problem
 from fp4select.validate import make_inputs
 
@@ -81,6 +82,8 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     assert "M <= 8" in backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=16), H200)
     assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=256), H200) is None
     assert "M <= 256" in backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=512), H200)
+    assert "M >= 64" in backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=32), H200)
+    assert backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=64), H200) is None
     dequant = backends["hopper-dequant"]
     assert "M >= 512" in dequant.rejects(Problem(n=256, k=256, m_bucket=256), H200)
     assert dequant.rejects(Problem(n=256, k=256, m_bucket=512), H200) is None
@@ -265,3 +268,25 @@ def test_scaled_mm_rejects_scales_of_the_wrong_layout_size():
 def test_scaled_mm_runner_refuses_8x4_before_reaching_torch():
     with pytest.raises(ValueError, match="8x4"):
         torch_scaled_mm._run(*(None,) * 7, 16, True, True, True)
+
+
+def test_older_kernels_leave_nvfp4_to_the_hopper_kernels_from_sm90():
+    backends = discover(include_flashinfer=False).backends
+    a100 = {"device": "cuda", "cc": 80}
+    nvfp4 = Problem(n=256, k=256, m_bucket=1)  # inside every triton-* tile's M range
+    mxfp4 = Problem(n=256, k=256, m_bucket=1, use_nvfp4=False, block_size=32)
+    for cfg in triton_fp4.CONFIGS:
+        triton = backends[cfg.name]
+        assert "hopper-*" in triton.rejects(nvfp4, H200), cfg.name
+        assert "hopper-*" in triton.rejects(nvfp4, B200), cfg.name
+        assert triton.rejects(nvfp4, a100) is None, cfg.name  # not measured there: still tried
+        assert triton.rejects(mxfp4, H200) is None, cfg.name  # the hopper-* MMAs decline MXFP4
+    torch_dequant = backends["torch-dequant"]
+    assert "M = 512" in torch_dequant.rejects(nvfp4, H200)
+    assert torch_dequant.rejects(Problem(n=256, k=256, m_bucket=512), H200) is None
+    assert torch_dequant.rejects(nvfp4, a100) is None
+    assert torch_dequant.rejects(mxfp4, H200) is None
+    # The hook crosses into the sandbox by name, like the runners.
+    data = backends["triton-m16"].to_json()
+    assert data["declines"] == "fp4select.backends.triton_fp4:declines"
+    assert Backend.from_json(data).declines is triton_fp4.declines

@@ -143,6 +143,10 @@ class Backend:
     # runner that runs at the recorded tactic.
     tune: Callable[..., Mapping[str, Any]] | None = None
     pin: Callable[[Runner, Mapping[str, Any]], Runner] | None = None
+    # ``declines(problem, env)``: why this backend, though it could run the problem, is not
+    # tried here (measured never to win there, e.g. superseded on a GPU generation), or None.
+    # A declined problem is neither validated nor timed, which keeps warm-up short.
+    declines: Callable[[Problem, Mapping[str, Any]], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name == "auto":
@@ -192,7 +196,10 @@ class Backend:
             return f"availability check raised {type(exc).__name__}: {exc}"
 
     def rejects(self, problem: Problem, env: Mapping[str, Any]) -> str | None:
-        return self.caps.rejects(problem, env.get("device") or "cpu")
+        why = self.caps.rejects(problem, env.get("device") or "cpu")
+        if why is None and self.declines is not None:
+            why = self.declines(problem, env)
+        return why
 
     # -- crossing into the sandbox -------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -223,6 +230,7 @@ _FUNCTIONS = (
     "make_fast_runner",
     "tune",
     "pin",
+    "declines",
 )
 
 

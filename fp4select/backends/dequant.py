@@ -45,7 +45,7 @@ import torch
 from fp4select import formats
 from fp4select.backends import triton_fp4
 from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities
-from fp4select.keys import ALPHA_KINDS, OUT_DTYPES
+from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 MIN_CC = 90
 LARGE = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages
@@ -136,6 +136,16 @@ def decoded(
 _has_mm_out_dtype: bool | None = None
 
 
+def torch_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
+    """From SM90, NVFP4 buckets below ``MIN_M`` go to the kernels that decode in registers:
+    on the H200 they beat this at every such point (benchmarks/results/gpu_h200.json)."""
+    cc = env.get("cc")
+    hopper = env.get("device") == "cuda" and cc and cc >= MIN_CC
+    if hopper and problem.use_nvfp4 and problem.m_range[1] < MIN_M:
+        return f"below M = {MIN_M}, NVFP4 from SM90 is left to the hopper-* kernels"
+    return None
+
+
 def why_torch_unavailable(env: Mapping[str, Any]) -> str | None:
     if env.get("device") != "cuda":
         return "CUDA only: on the CPU, decode-then-multiply is what emulation already is"
@@ -197,6 +207,7 @@ TORCH_DEQUANT = Backend(
     name="torch-dequant",
     checked_runner=run_torch,
     why_unavailable=why_torch_unavailable,
+    declines=torch_declines,
     caps=Capabilities(
         formats=ALL_FORMATS,
         a_sf_layouts=frozenset({"128x4", "8x4"}),

@@ -351,6 +351,19 @@ _MAKERS = {
 }
 
 
+SUPERSEDED_FROM_CC = 90
+
+
+def declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
+    """NVFP4 from SM90 is left to the ``hopper-*`` kernels: on the H200 these kernels were
+    never the fastest at any shape or M (benchmarks/results/gpu_h200.json). MXFP4, which the
+    ``hopper-*`` tensor-core kernels decline, stays theirs."""
+    cc = env.get("cc")
+    if problem.use_nvfp4 and env.get("device") == "cuda" and cc and cc >= SUPERSEDED_FROM_CC:
+        return "NVFP4 from SM90 is left to the hopper-* kernels, which won every point measured"
+    return None
+
+
 def _caps(cfg: TileConfig) -> Capabilities:
     return Capabilities(
         formats=ALL_FORMATS,
@@ -372,6 +385,7 @@ BACKENDS: tuple[Backend, ...] = tuple(
         preference=cfg.preference,
         family=FAMILY,
         description=f"Triton fused FP4 GEMM, {cfg.description}",
+        declines=declines,
     )
     for cfg in CONFIGS
 )

@@ -48,6 +48,9 @@ from fp4select.backends.hopper_configs import (
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES
 
 FAMILY = "native"
+# hopper-prefill declines buckets ending below this: it won no point under M = 64 in any
+# sweep or record on the H200 (hopper-mma serves them).
+PREFILL_MIN_M = 64
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
 
 _kernels: Any = None
@@ -282,7 +285,7 @@ def _rows(args: tuple[Any, ...]) -> int:
     return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
 
 
-def _caps(max_m: int | None) -> Capabilities:
+def _caps(max_m: int | None, min_m: int | None = None) -> Capabilities:
     return Capabilities(
         formats=frozenset({"nvfp4"}),
         a_sf_layouts=frozenset({"128x4", "8x4"}),
@@ -290,6 +293,7 @@ def _caps(max_m: int | None) -> Capabilities:
         out_dtypes=frozenset(OUT_DTYPES),
         alpha_kinds=frozenset(ALPHA_KINDS),
         max_m=max_m,
+        min_m=min_m,
         devices=frozenset({"cuda"}),
     )
 
@@ -321,7 +325,7 @@ BACKENDS: tuple[Backend, ...] = (
         name="hopper-prefill",
         checked_runner=run_prefill,
         why_unavailable=why_unavailable,
-        caps=_caps(None),
+        caps=_caps(None, min_m=PREFILL_MIN_M),
         preference=188,
         family=FAMILY,
         description="NVFP4 GEMM for large M: a decoded once, the weight decoded in the main loop",
