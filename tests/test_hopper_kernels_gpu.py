@@ -91,6 +91,7 @@ def test_graph_capture_and_replay_give_the_same_bits():
         (triton_hopper.run_gemv, 2),
         (triton_hopper.run_mma, 16),
         (triton_hopper.run_prefill, 256),
+        (dequant.run_hopper, 600),
     ):
         problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m))
         inputs = validate.make_inputs(problem, m, "cuda", seed=9)
