@@ -41,7 +41,7 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor, out: torch.T
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(w, [bn, bk]),
         alpha, out, m, n, x.shape[1], out.stride(0), out.stride(1), 1.0,
-        ALPHA=2, BM=bm, BN=bn, BK=bk, GROUP=8, NUM_SMS=grid, UPCAST=False,
+        ALPHA=2, BM=bm, BN=bn, BK=bk, GROUP=8, UPCAST=False,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 

@@ -325,19 +325,19 @@ def mm_tma_alpha(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP: tl.constexpr,
-    NUM_SMS: tl.constexpr,
     UPCAST: tl.constexpr,  # float32 operands: Triton's CPU interpreter multiplies bf16 wrongly
 ):
     """out = alpha * (x @ w^T), one rounding: a persistent GEMM fed by TMA (zeros past M, N,
     K), alpha applied to the float32 tile before the single conversion to the output dtype.
 
     Tiles are visited in groups of GROUP row tiles so that programs running together share
-    weight tiles in L2.
+    weight tiles in L2. The grid (at most one program per SM) is a launch argument, not a
+    constant, so a new M never compiles a new kernel.
     """
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
     in_group = GROUP * grid_n
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, tl.num_programs(0), flatten=True):
         first_m = (tile // in_group) * GROUP
         size = tl.minimum(grid_m - first_m, GROUP)
         pid_m = first_m + (tile % in_group) % size
