@@ -69,11 +69,15 @@ def main() -> None:
         one_key_s = time.perf_counter() - start
         per_key = []
         start = time.perf_counter()
-        for problem in problems[1:]:
+        for i, problem in enumerate(problems[1:], 2):
             t0 = time.perf_counter()
             decision = sel.decide(problem, device)
             per_key.append((problem, decision, time.perf_counter() - t0))
+            # as it goes, so that a run cut short by a time limit still says how far it got
+            print(f"{i}/{len(problems)} {problem.describe()}: {per_key[-1][2]:.1f} s, "
+                  f"{decision.winner}", flush=True)  # fmt: skip
         model_s = time.perf_counter() - start + one_key_s
+        print(f"all {len(problems)} keys: {model_s:.1f} s", flush=True)
         sel.close()
 
         sel = fp4select.configure(cache_dir=cache, isolation=args.isolation, timing=timing)
