@@ -320,6 +320,37 @@ def test_register_takes_the_checked_runner_maker_and_why_unavailable():
         fp4select.Backend("neither")
 
 
+def not_above_four(problem, env):
+    return "not above M = 4 here" if problem.m_range[0] > 4 else None
+
+
+def broken_hook(problem, env):
+    raise RuntimeError("plugin bug")
+
+
+def test_declines_keeps_a_backend_out_of_some_problems_and_a_broken_hook_is_a_reason(inprocess):
+    fp4select.register_backend(
+        fp4select.Backend(
+            "picky", checked_runner=fake_backends.fast, declines=not_above_four,
+            caps=fp4select.Capabilities(devices=frozenset({"cpu"})),
+        )
+    )  # fmt: skip
+    broken = fp4select.Backend("broken", checked_runner=fake_backends.fast, declines=broken_hook)
+    assert broken.rejects(PROBLEM, {"device": "cuda"}) == "declines raised RuntimeError: plugin bug"
+    small, large = Problem(n=32, k=64, m_bucket=4), Problem(n=32, k=64, m_bucket=16)
+    for problem, m in ((small, 3), (large, 13)):
+        out, inputs = call(problem, m=m)
+        assert check(out, inputs, torch.bfloat16).ok
+    picky = {
+        p.m_bucket: fp4select.explain(problem=p, device="cpu")["verdicts"]["picky"]
+        for p in (small, large)
+    }
+    assert picky[4]["status"] == "passed"
+    assert (picky[16]["status"], picky[16]["reason"]) == ("unsupported", "not above M = 4 here")
+    again = fp4select.Backend.from_json(json.loads(json.dumps(broken.to_json())))
+    assert again.declines is broken_hook
+
+
 def test_a_fast_runner_maker_serves_only_the_warm_path():
     spec = fp4select.Backend(
         "two", checked_runner=fake_backends.slow, make_fast_runner=make_fast, family="plugin"

@@ -198,7 +198,10 @@ class Backend:
     def rejects(self, problem: Problem, env: Mapping[str, Any]) -> str | None:
         why = self.caps.rejects(problem, env.get("device") or "cpu")
         if why is None and self.declines is not None:
-            why = self.declines(problem, env)
+            try:
+                why = self.declines(problem, env)
+            except Exception as exc:  # a plugin's broken hook is a reason, not a crash
+                why = f"declines raised {type(exc).__name__}: {exc}"
         return why
 
     # -- crossing into the sandbox -------------------------------------------------------
