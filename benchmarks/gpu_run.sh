@@ -4,13 +4,15 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|bench|all|quant|floor|deploy]      (default: all)
+#   bash benchmarks/gpu_run.sh [tests|bench|all|record|quant|floor|deploy]      (default: all)
 #
 #   tests  the tests marked gpu, then the warm path's, the guard's, the C++ key's, batch
 #          invariance's and start-up's tests, which take CUDA tensors where there is a GPU
 #          (python -m pytest --all); with 2 or more GPUs also fp4select.distributed over NCCL
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
+#   record benchmarks/bench_gpu.py alone, without its tuning-cost part, with time for all 16
+#          shapes in one 600 s call (10 took 264 s on the H200); not part of all
 #   quant  benchmarks/quant_sweep.py alone (the activation quantizer's tilings, checked and
 #          timed, about 30-40 s); not part of all (its tests marked gpu run in tests)
 #   floor  benchmarks/hopper_sweep.py --families mma,floor at M = 1 and 16: each small-M
@@ -66,6 +68,10 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
     if [ "$GPUS" -ge 2 ]; then
       step "bench_multi_gpu.py" timeout 300 python3 benchmarks/bench_multi_gpu.py --out "$OUT"
     fi
+  fi
+  if [ "$MODE" = record ]; then
+    step "bench_gpu.py, every shape" timeout 570 python3 benchmarks/bench_gpu.py --out "$OUT" \
+      --skip-cold --time-limit-s 470
   fi
   if [ "$MODE" = quant ]; then
     step "quant_sweep.py" timeout 120 python3 benchmarks/quant_sweep.py --out "$OUT"
