@@ -75,7 +75,8 @@ def test_a_proven_candidate_is_chosen_on_this_gpu(cuda_inprocess):
     if importlib.util.find_spec("triton") is not None:
         older.append("triton-m16")
         assert record["winner"] != "emulation"
-        assert verdicts["hopper-mma"]["status"] == "passed", verdicts["hopper-mma"]
+        if cc[0] >= 9:  # measured there; below SM90 they run through Triton's mma.sync path
+            assert verdicts["hopper-mma"]["status"] == "passed", verdicts["hopper-mma"]
     for name in older:
         if cc[0] >= 9:
             assert verdicts[name]["status"] == "unsupported", verdicts[name]
