@@ -12,15 +12,21 @@ from the disk store in a fresh selector (the cost a restarted server pays).
 ``fp4select warm`` does out of the box. ``--jit-share`` starts from an empty Triton cache and
 tunes the whole set twice, the second time into a fresh store with the Triton cache the first
 pass filled: the difference bounds what compiling kernels cost (it also holds other one-time
-costs, such as the first imports).
+costs, such as the first imports). With a sandbox, the first pass also says where its time went:
+seconds per (backend, phase) from the child's ``run`` events (the time until the next event),
+and with ``--jit-share`` the kernels it compiled, by name (the Triton cache's entries).
+``--time-limit-s`` ends the first pass early (the JSON then says how many keys it tuned).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from _common import table, write
@@ -28,6 +34,7 @@ from _common import table, write
 import fp4select
 from fp4select.keys import Problem
 from fp4select.keys import buckets_up_to as buckets
+from fp4select.sandbox import attempt as sandbox_attempt
 from fp4select.timing import TimingOptions
 
 # (N, K) of the dense linear layers per transformer block, unsharded.
@@ -47,6 +54,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.5, help="timing budget per key")
     parser.add_argument("--defaults", action="store_true", help="fp4select's own settings")
     parser.add_argument("--jit-share", action="store_true", help="tune twice, see the docstring")
+    parser.add_argument("--time-limit-s", type=float, default=None, help="end the first pass")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.defaults:
@@ -59,6 +67,8 @@ def main() -> None:
     if triton_cache is not None:
         os.environ["TRITON_CACHE_DIR"] = triton_cache.name  # workers inherit it
 
+    phases = PhaseTrace()
+    phases.install()
     with tempfile.TemporaryDirectory() as cache:
         sel = fp4select.configure(cache_dir=cache, isolation=args.isolation, timing=timing)
         start = time.perf_counter()
@@ -69,7 +79,11 @@ def main() -> None:
         one_key_s = time.perf_counter() - start
         per_key = []
         start = time.perf_counter()
+        limit = start + args.time_limit_s if args.time_limit_s else None
         for i, problem in enumerate(problems[1:], 2):
+            if limit is not None and time.perf_counter() > limit:
+                print(f"time limit: {i - 1} of {len(problems)} keys tuned", flush=True)
+                break
             t0 = time.perf_counter()
             decision = sel.decide(problem, device)
             per_key.append((problem, decision, time.perf_counter() - t0))
@@ -77,19 +91,23 @@ def main() -> None:
             print(f"{i}/{len(problems)} {problem.describe()}: {per_key[-1][2]:.1f} s, "
                   f"{decision.winner}", flush=True)  # fmt: skip
         model_s = time.perf_counter() - start + one_key_s
-        print(f"all {len(problems)} keys: {model_s:.1f} s", flush=True)
+        tuned = 1 + len(per_key)
+        print(f"{tuned} of {len(problems)} keys: {model_s:.1f} s", flush=True)
         sel.close()
+        phases.remove()
 
         sel = fp4select.configure(cache_dir=cache, isolation=args.isolation, timing=timing)
         sel.registry()
         start = time.perf_counter()
-        for problem in problems:
+        for problem in problems[:tuned]:
             assert sel.decide(problem, device).source == "disk"
         reload_s = time.perf_counter() - start
         sel.close()
 
+    compiled = compiled_kernels(triton_cache.name) if triton_cache is not None else {}
     compiled_s = None
-    if triton_cache is not None:  # again, kernels compiled: what is left is not JIT
+    # Again, kernels compiled: what is left is not JIT (not after a cut-short first pass).
+    if triton_cache is not None and tuned == len(problems):
         with tempfile.TemporaryDirectory() as cache:
             sel = fp4select.configure(cache_dir=cache, isolation=args.isolation, timing=timing)
             sel.registry()
@@ -98,14 +116,18 @@ def main() -> None:
                 sel.decide(problem, device)
             compiled_s = time.perf_counter() - start
             sel.close()
+    if triton_cache is not None:
         triton_cache.cleanup()
 
     winners = sorted({d.winner for _, d, _ in per_key} | {first.winner})
     rows = [
         ["discover backends", f"{discover_s:.2f}"],
         [f"tune one key ({problems[0].describe()})", f"{one_key_s:.2f}"],
-        [f"tune {len(problems)} keys ({args.preset}, M<={args.max_m})", f"{model_s:.2f}"],
-        [f"read {len(problems)} keys back from disk", f"{reload_s:.3f}"],
+        [
+            f"tune {tuned} of {len(problems)} keys ({args.preset}, M<={args.max_m})",
+            f"{model_s:.2f}",
+        ],
+        [f"read {tuned} keys back from disk", f"{reload_s:.3f}"],
     ]
     if compiled_s is not None:
         rows.append([f"tune {len(problems)} keys again, kernels compiled", f"{compiled_s:.2f}"])
@@ -117,6 +139,12 @@ def main() -> None:
         )
     print(table(rows, ["step", "seconds"]))
     print(f"winners: {', '.join(str(w) for w in winners)}; isolation: {args.isolation}")
+    by_phase = phases.by_phase()
+    if by_phase:
+        rows = [[b, ph, f"{sec:.1f}", n] for (b, ph), (sec, n) in by_phase.items()][:25]
+        print(table(rows, ["backend", "phase (first pass)", "seconds", "events"]))
+    if compiled:
+        print(f"kernels compiled: {sum(compiled.values())} ({json.dumps(compiled)})")
     path = write(
         f"cold_{args.preset}",
         device,
@@ -125,6 +153,7 @@ def main() -> None:
             "shapes": shapes,
             "max_m": args.max_m,
             "keys": len(problems),
+            "keys_tuned": tuned,
             "isolation": args.isolation,
             "timing": timing.to_json(),
             "seconds": {
@@ -145,9 +174,68 @@ def main() -> None:
                 for p, d, s in per_key
             ],
             "winners": winners,
+            "first_pass_by_phase": [
+                {"backend": b, "phase": ph, "seconds": sec, "events": n}
+                for (b, ph), (sec, n) in by_phase.items()
+            ],
+            "kernels_compiled": compiled,
         },
     )
     print(f"wrote {path}")
+
+
+class PhaseTrace:
+    """Seconds per (backend, phase) of sandboxed probing, from the child's ``run`` events.
+
+    Each event's time runs until the next event the parent reads. It wraps the parser the
+    parent reads events with (benchmark instrumentation; the library has no hook for it).
+    """
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.events: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._open: tuple[tuple[str, str], float] | None = None
+        self._parse = sandbox_attempt.parse
+
+    def _close(self, now: float) -> None:
+        if self._open is not None:
+            key, since = self._open
+            self.seconds[key] += now - since
+            self._open = None
+
+    def _traced(self, line: bytes) -> dict | None:
+        event = self._parse(line)
+        now = time.perf_counter()
+        self._close(now)
+        if isinstance(event, dict) and event.get("event") == "run":
+            key = (str(event.get("backend")), str(event.get("phase")))
+            self.events[key] += 1
+            self._open = (key, now)
+        return event
+
+    def install(self) -> None:
+        sandbox_attempt.parse = self._traced
+
+    def remove(self) -> None:
+        self._close(time.perf_counter())
+        sandbox_attempt.parse = self._parse
+
+    def by_phase(self) -> dict[tuple[str, str], tuple[float, int]]:
+        """Longest first."""
+        return {k: (s, self.events[k]) for k, s in self.seconds.most_common()}
+
+
+def compiled_kernels(cache_dir: str) -> dict[str, int]:
+    """How many kernels of each name a Triton cache holds (one entry per compiled variant)."""
+    names: collections.Counter[str] = collections.Counter()
+    for meta in Path(cache_dir).glob("*/*.json"):
+        if meta.name.startswith("__grp__"):
+            continue
+        try:
+            names[json.loads(meta.read_text())["name"]] += 1
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return dict(names.most_common())
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ Design rules:
   timing failed) the preference order alone decides (``preference_ranking``).
 * On the CPU the same statistics come from ``time.perf_counter``.
 * A time budget bounds each key: rounds stop once it is spent and the minimum is met.
+* Hopeless candidates stop costing time (on the H200 they took most of a model's warm-up).
+  Once the minimum is met, a candidate whose median is over ``DROP_FACTOR`` (1.25) times the
+  fastest's sits out the later rounds: no noise the tie window allows (at most 5%) could make
+  it win. Its timing keeps the samples it has, and rounds end when one candidate is left
+  (a candidate timed alone, with no rival, still gets the budget: repetition is the point).
+  One whose calibration call took over ``HOPELESS_FACTOR`` (10) times the fastest's is not
+  sampled at all (a slow fallback such as emulation, 20-100x behind on a GPU): its timing
+  is that calibration run, one sample (wall clock, synchronized, so never less than the truth).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from fp4select.records import Timing, TimingOptions
 
 MIN_TIE_TOLERANCE = 0.02
 MAX_TIE_TOLERANCE = 0.05
+DROP_FACTOR = 1.25  # after min_rounds, a median this far behind the fastest stops being sampled
+HOPELESS_FACTOR = 10.0  # a calibration this far behind the fastest's: not sampled at all
 
 
 def input_sets_for_cold_l2(device: torch.device, bytes_per_set: int, cold_l2: bool) -> int:
@@ -117,8 +127,9 @@ def sync(device: torch.device) -> None:
 
 def _calls_per_sample(
     calls: Sequence[Callable[[], Any]], device: torch.device, target_s: float
-) -> int:
-    """Enough calls that one sample dwarfs event and launch resolution; a multiple of the sets."""
+) -> tuple[int, float]:
+    """Enough calls that one sample dwarfs event and launch resolution (a multiple of the
+    sets), and the seconds per call this calibration run took."""
     sync(device)
     start = time.perf_counter()
     for fn in calls:
@@ -127,7 +138,7 @@ def _calls_per_sample(
     per_call = max((time.perf_counter() - start) / len(calls), 1e-7)
     reps = max(1, int(target_s / per_call))
     sets = len(calls)
-    return max(sets, -(-reps // sets) * sets)
+    return max(sets, -(-reps // sets) * sets), per_call
 
 
 def time_interleaved(
@@ -149,11 +160,20 @@ def time_interleaved(
     method = (
         "cuda-graph" if use_graph else ("cuda-events" if device.type == "cuda" else "wall-clock")
     )
-    reps = {}
+    reps, calibration_s = {}, {}
     for name in names:
         if on_start:
             on_start(name)
-        reps[name] = _calls_per_sample(calls[name], device, options.target_sample_s)
+        reps[name], calibration_s[name] = _calls_per_sample(
+            calls[name], device, options.target_sample_s
+        )
+    hopeless = _hopeless(calibration_s)
+    for name in hopeless:  # again: the first run may have paid a one-time cost (a compile)
+        if on_start:
+            on_start(name)
+        calibration_s[name] = _calls_per_sample(calls[name], device, options.target_sample_s)[1]
+    hopeless = _hopeless(calibration_s)
+    names = [n for n in names if n not in hopeless]
     if use_graph:
         try:
             for name in names:
@@ -172,15 +192,35 @@ def time_interleaved(
 
     samples: dict[str, list[float]] = {n: [] for n in names}
     deadline = time.perf_counter() + options.budget_s
+    active = list(names)
     for round_index in range(options.max_rounds):
-        order = names[round_index % len(names) :] + names[: round_index % len(names)]
-        for name in order:
+        shift = round_index % len(active)
+        for name in active[shift:] + active[:shift]:
             if on_start:
                 on_start(name)
             samples[name].append(samplers[name].sample())
-        if round_index + 1 >= options.min_rounds and time.perf_counter() > deadline:
-            break
-    return {n: summarize(samples[n], reps[n], method) for n in names}, method
+        if round_index + 1 >= options.min_rounds:
+            if time.perf_counter() > deadline:
+                break
+            active = _contenders(active, samples)
+            if len(active) == 1 and len(calls) > 1:  # rivals dropped: nothing left to rank
+                break
+    timings = {n: summarize(samples[n], reps[n], method) for n in names}
+    for name in hopeless:  # the calibration run: one synchronized wall-clock sample
+        timings[name] = summarize([calibration_s[name] * 1e6], len(calls[name]), "calibration")
+    return timings, method
+
+
+def _hopeless(calibration_s: Mapping[str, float]) -> list[str]:
+    fastest = min(calibration_s.values())
+    return [n for n, s in calibration_s.items() if s > HOPELESS_FACTOR * fastest]
+
+
+def _contenders(active: list[str], samples: Mapping[str, list[float]]) -> list[str]:
+    """The candidates still worth sampling: median within ``DROP_FACTOR`` of the fastest."""
+    medians = {n: statistics.median(samples[n]) for n in active}
+    fastest = min(medians.values())
+    return [n for n in active if medians[n] <= fastest * DROP_FACTOR]
 
 
 class _RankingCore(TypedDict):

@@ -79,7 +79,8 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     for name in ("hopper-gemv", "hopper-mma", "hopper-prefill"):
         for problem in (trtllm, Problem(n=256, k=256, m_bucket=1, use_nvfp4=False, block_size=32)):
             assert backends[name].rejects(problem, H200), (name, problem)
-    assert "M <= 8" in backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=16), H200)
+    assert "M <= 4" in backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=8), H200)
+    assert backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=4), H200) is None
     assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=256), H200) is None
     assert "M <= 256" in backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=512), H200)
     assert "M >= 64" in backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=32), H200)

@@ -106,3 +106,24 @@ def test_only_tritons_out_of_resources_counts_as_a_tile_that_does_not_fit():
     assert not ht._out_of_resources(RuntimeError("out of resources"))
     fake = type("OutOfResources", (Exception,), {})  # same name, not Triton's
     assert not ht._out_of_resources(fake())
+
+
+def test_the_candidates_first_calls_run_at_once_and_their_errors_wait_for_the_loop():
+    import threading
+
+    together = threading.Barrier(3, timeout=30)  # breaks unless all three calls are in at once
+    ran = []
+
+    def run(*args, cfg):
+        ran.append((cfg, threading.current_thread().name))
+        together.wait()
+        if cfg == "bad":
+            raise RuntimeError("left for the timed loop")
+
+    ht.compile_ahead(run, ("a",), ("x", "y", "bad"), torch.device("cpu"))
+    assert sorted(c for c, _ in ran) == ["bad", "x", "y"]
+    assert all(name.startswith("fp4select-compile") for _, name in ran)
+    assert not together.broken
+    ran.clear()
+    ht.compile_ahead(run, ("a",), ("x",), torch.device("cpu"))  # one: nothing to overlap
+    assert ran == []

@@ -130,3 +130,93 @@ def test_the_winner_is_never_slower_than_the_cap_allows(candidates):
     assert timings[ranking.winner].median_us <= (1 + MAX_TIE_TOLERANCE) * fastest
     assert MIN_TIE_TOLERANCE <= ranking.tie_window <= MAX_TIE_TOLERANCE
     assert ranking.order[0] == ranking.winner and sorted(ranking.order) == sorted(timings)
+
+
+def test_a_candidate_far_behind_sits_out_the_rounds_after_the_minimum(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+
+    def cost(seconds: float):
+        def call() -> None:
+            clock.now += seconds
+
+        return call
+
+    calls = {
+        "fast": [cost(2.0**-10)],
+        "close": [cost(2.0**-10 * 1.25)],  # inside DROP_FACTOR: sampled to the end
+        "slow": [cost(2.0**-10 * 1.75)],  # beyond it: only the minimum
+    }
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=12, target_sample_s=0)
+    timings, _ = time_interleaved(calls, CPU, options)
+    assert timings["fast"].samples == timings["close"].samples == 12
+    assert timings["slow"].samples == 3
+    assert rank(timings, {}).order == ["fast", "close", "slow"]
+
+
+def test_no_candidate_sits_out_before_the_minimum_rounds(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+
+    def cost(seconds: float):
+        def call() -> None:
+            clock.now += seconds
+
+        return call
+
+    calls = {"fast": [cost(2.0**-10)], "slow": [cost(2.0**-8)]}  # 4x: dropped, not hopeless
+    options = TimingOptions(budget_s=1.0, min_rounds=5, max_rounds=5, target_sample_s=0)
+    timings, _ = time_interleaved(calls, CPU, options)
+    assert timings["slow"].samples == timings["fast"].samples == 5
+
+
+def test_a_candidate_hopeless_in_calibration_keeps_that_run_as_its_one_sample(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+    runs = {"fast": 0, "fallback": 0, "compiles": 0}
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            runs[name] += 1
+            clock.now += seconds
+
+        return run
+
+    first = []
+
+    def compiles_once() -> None:  # its first run pays a one-time cost, 100x its real time
+        runs["compiles"] += 1
+        clock.now += 2.0**-10 * (100 if not first else 1)
+        first.append(1)
+
+    calls = {
+        "fast": [call("fast", 2.0**-10)],
+        "fallback": [call("fallback", 2.0**-10 * 32)],  # 32x behind, every run
+        "compiles": [compiles_once],
+    }
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=6, target_sample_s=0)
+    timings, method = time_interleaved(calls, CPU, options)
+    assert runs["fallback"] == 2  # calibrated twice, never sampled
+    assert timings["fallback"].samples == 1 and timings["fallback"].method == "calibration"
+    assert timings["fallback"].median_us == 1e6 * 2.0**-10 * 32
+    assert timings["compiles"].samples >= 3 and timings["compiles"].method == method
+    assert rank(timings, {}).winner in ("fast", "compiles")
+
+
+def test_rounds_end_when_the_rivals_of_the_fastest_are_all_out(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+
+    def cost(seconds: float):
+        def call() -> None:
+            clock.now += seconds
+
+        return call
+
+    calls = {"fast": [cost(2.0**-10)], "fallback": [cost(2.0**-5)], "slow": [cost(2.0**-8)]}
+    options = TimingOptions(budget_s=100.0, min_rounds=4, max_rounds=1000, target_sample_s=0)
+    timings, _ = time_interleaved(calls, CPU, options)
+    assert timings["fast"].samples == timings["slow"].samples == 4
+    assert timings["fallback"].samples == 1
+    alone, _ = time_interleaved({"fast": calls["fast"]}, CPU, options)
+    assert alone["fast"].samples == 1000  # no rival to begin with: the budget decides

@@ -751,7 +751,7 @@ def gemv_dp4a(
         _gemv_store(acc7, 7, *args)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # see mma_planes
 def decode_planes(
     a_ptr,  # int32 view of a: (M, K/8)
     sa_ptr,
@@ -825,7 +825,9 @@ def plane_major(w0, w1, w2, w3, w4, w5, w6, w7, BN: tl.constexpr, BKW: tl.conste
     return tl.reshape(tl.permute(tl.reshape(w, (BN, BKW, 8)), (0, 2, 1)), (BN, 8 * BKW))
 
 
-@triton.jit
+# Not specialized on M or the K steps per split: they only bound masks and the loop, and each
+# distinct divisibility was a compile of its own (47 compiles for Llama-3.1-8B's warm-up).
+@triton.jit(do_not_specialize=["M", "iters_per_split"])
 def mma_planes(
     x_ptr,  # float16 (XK, MP) from decode_planes (same BKW)
     w_ptr,  # int32 view of the weight: (N, K/8)

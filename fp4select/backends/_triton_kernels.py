@@ -308,7 +308,7 @@ def fp4_gemv(
         tl.store(ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M only bounds the tiles: one compile for every M
 def mm_tma_alpha(
     x_desc,  # (M, K) bfloat16, blocks [BM, BK]
     w_desc,  # (N, K) bfloat16, blocks [BN, BK]

@@ -17,15 +17,21 @@ Design rules:
   not timed.
 * A candidate Triton refuses to load on this GPU (``OutOfResources``: the tiles were chosen
   on an H200) is skipped and named in the record; any other error is the backend's.
+* The candidates' first calls run together, one thread each (``compile_ahead``): a first call
+  is mostly Triton compiling, which holds the GIL for only part of its time, and compiles were
+  a third of a model's warm-up on the H200. Their outputs are discarded (they may share a
+  workspace); what they raise is met again, one at a time, in the timed loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple
 from typing import Any
 
@@ -116,6 +122,7 @@ def tune(
         return record | {"reason": f"no candidates to time at M = {m}"}
     sets = _input_copies(args, a.device)
     started = time.perf_counter()
+    compile_ahead(run, sets[0], hopper_configs.candidates(kind, m), a.device)
     timed: dict[str, float] = {}
     skipped: dict[str, str] = {}
     best, best_us = default, math.inf
@@ -143,6 +150,29 @@ def tune(
     if skipped:
         record["skipped"] = skipped
     return record | {"tactic": list(astuple(best)), "timed_us": timed}
+
+
+def compile_ahead(
+    run: Callable[..., Any], args: Sequence[Any], cfgs: Sequence[Any], device: torch.device
+) -> None:
+    """Each configuration's first call, all at once (see the module rules); waits for all."""
+    if len(cfgs) < 2:
+        return
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def first(cfg: Any) -> None:
+        with contextlib.ExitStack() as on:
+            if stream is not None:  # a new thread starts on device 0 and its default stream
+                on.enter_context(torch.cuda.device(device))
+                on.enter_context(torch.cuda.stream(stream))
+            run(*args, cfg=cfg)
+
+    with ThreadPoolExecutor(len(cfgs), thread_name_prefix="fp4select-compile") as pool:
+        done = [pool.submit(first, cfg) for cfg in cfgs]
+    for future in done:
+        future.exception()  # left for the timed loop, which runs each again alone
+    if stream is not None:
+        torch.cuda.synchronize(device)
 
 
 def _out_of_resources(exc: BaseException) -> bool:

@@ -3,8 +3,10 @@
 Three candidates, each for its own range of M, all on the layout ``mm_fp4`` receives (a: 128x4
 or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 scales):
 
-* ``hopper-gemv`` (M <= 8): CUDA cores. Each block of 16 values is one exact integer dot
-  product (byte-permute table decode, ``dp4a``), scaled once by both block scales.
+* ``hopper-gemv`` (buckets to M = 4; the kernel takes M <= 8): CUDA cores. Each block of 16
+  values is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once
+  by both block scales. At M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so the
+  selector does not spend warm-up time on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle.
@@ -285,6 +287,9 @@ def _rows(args: tuple[Any, ...]) -> int:
     return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
 
 
+GEMV_MAX_M = 4  # buckets it competes in (see the module rules)
+
+
 def _caps(max_m: int | None, min_m: int | None = None) -> Capabilities:
     return Capabilities(
         formats=frozenset({"nvfp4"}),
@@ -303,10 +308,10 @@ BACKENDS: tuple[Backend, ...] = (
         name="hopper-gemv",
         checked_runner=run_gemv,
         why_unavailable=why_unavailable,
-        caps=_caps(8),
+        caps=_caps(GEMV_MAX_M),
         preference=180,
         family=FAMILY,
-        description="NVFP4 GEMV for M <= 8: table decode of whole words, exact dp4a dot products",
+        description="NVFP4 GEMV for M <= 4: table decode of whole words, exact dp4a dot products",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
