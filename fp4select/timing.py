@@ -21,9 +21,9 @@ Design rules:
 * On the CPU the same statistics come from ``time.perf_counter``.
 * A time budget bounds each key: rounds stop once it is spent and the minimum is met.
 * Hopeless candidates stop costing time (on the H200 they took most of a model's warm-up).
-  Once the minimum is met, a candidate whose median is over ``DROP_FACTOR`` (1.25) times the
-  fastest's sits out the later rounds: no noise the tie window allows (at most 5%) could make
-  it win. Its timing keeps the samples it has, and rounds end when one candidate is left
+  Once the minimum is met, a candidate sits out the later rounds when its median is over
+  ``DROP_FACTOR`` (1.25) times the fastest's, or when even its fastest tenth (p10) is over
+  twice the widest tie window behind the fastest's median: it could neither win nor tie. Its timing keeps the samples it has, and rounds end when one candidate is left
   (a candidate timed alone, with no rival, still gets the budget: repetition is the point).
   One whose calibration call took over ``HOPELESS_FACTOR`` (10) times the fastest's is not
   sampled at all (a slow fallback such as emulation, 20-100x behind on a GPU): its timing
@@ -168,10 +168,10 @@ def time_interleaved(
             calls[name], device, options.target_sample_s
         )
     hopeless = _hopeless(calibration_s)
-    for name in hopeless:  # again: the first run may have paid a one-time cost (a compile)
+    for name in hopeless:  # again, one call: the first run may have paid for a compile
         if on_start:
             on_start(name)
-        calibration_s[name] = _calls_per_sample(calls[name], device, options.target_sample_s)[1]
+        calibration_s[name] = _calls_per_sample(calls[name][:1], device, 0.0)[1]
     hopeless = _hopeless(calibration_s)
     names = [n for n in names if n not in hopeless]
     if use_graph:
@@ -217,10 +217,15 @@ def _hopeless(calibration_s: Mapping[str, float]) -> list[str]:
 
 
 def _contenders(active: list[str], samples: Mapping[str, list[float]]) -> list[str]:
-    """The candidates still worth sampling: median within ``DROP_FACTOR`` of the fastest."""
-    medians = {n: statistics.median(samples[n]) for n in active}
-    fastest = min(medians.values())
-    return [n for n in active if medians[n] <= fastest * DROP_FACTOR]
+    """The candidates still worth sampling (see the module rules)."""
+    stats = {n: summarize(samples[n], 1, "") for n in active}
+    fastest = min(t.median_us for t in stats.values())
+    separated = fastest * (1 + 2 * MAX_TIE_TOLERANCE)
+    return [
+        n
+        for n, t in stats.items()
+        if t.median_us <= fastest * DROP_FACTOR and t.p10_us <= separated
+    ]
 
 
 class _RankingCore(TypedDict):

@@ -85,6 +85,9 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     assert "M <= 256" in backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=512), H200)
     assert "M >= 64" in backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=32), H200)
     assert backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=64), H200) is None
+    assert backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=2048), H200) is None
+    prefill = backends["hopper-prefill"]
+    assert "above M = 2048" in prefill.rejects(Problem(n=256, k=256, m_bucket=2560), H200)
     dequant = backends["hopper-dequant"]
     assert "M >= 512" in dequant.rejects(Problem(n=256, k=256, m_bucket=256), H200)
     assert dequant.rejects(Problem(n=256, k=256, m_bucket=512), H200) is None

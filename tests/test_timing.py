@@ -144,14 +144,34 @@ def test_a_candidate_far_behind_sits_out_the_rounds_after_the_minimum(monkeypatc
 
     calls = {
         "fast": [cost(2.0**-10)],
-        "close": [cost(2.0**-10 * 1.25)],  # inside DROP_FACTOR: sampled to the end
-        "slow": [cost(2.0**-10 * 1.75)],  # beyond it: only the minimum
+        "close": [cost(2.0**-10 * 1.04)],  # could tie with the fastest: sampled to the end
+        "separated": [cost(2.0**-10 * 1.15)],  # every sample over 1.10x: only the minimum
+        "slow": [cost(2.0**-10 * 1.75)],  # beyond DROP_FACTOR: only the minimum
     }
     options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=12, target_sample_s=0)
     timings, _ = time_interleaved(calls, CPU, options)
     assert timings["fast"].samples == timings["close"].samples == 12
-    assert timings["slow"].samples == 3
-    assert rank(timings, {}).order == ["fast", "close", "slow"]
+    assert timings["separated"].samples == timings["slow"].samples == 3
+    assert rank(timings, {}).order == ["fast", "close", "separated", "slow"]
+
+
+def test_a_noisy_candidate_whose_fast_samples_could_tie_keeps_being_sampled(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+    noisy = iter([1.0, 1.6, 1.6, 1.0, 1.6, 1.6] * 10)  # median 1.6x, but often as fast
+
+    def fast() -> None:
+        clock.now += 2.0**-10
+
+    def jumpy() -> None:
+        clock.now += 2.0**-10 * next(noisy)
+
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=6, target_sample_s=0)
+    timings, _ = time_interleaved({"fast": [fast], "jumpy": [jumpy]}, CPU, options)
+    assert timings["jumpy"].samples == 3  # median over DROP_FACTOR: out, however fast its best
+    noisy = iter([1.0, 1.2, 1.2] * 10)  # median 1.2x (within DROP_FACTOR), p10 at 1.04x
+    timings, _ = time_interleaved({"fast": [fast], "jumpy": [jumpy]}, CPU, options)
+    assert timings["jumpy"].samples == 6
 
 
 def test_no_candidate_sits_out_before_the_minimum_rounds(monkeypatch):

@@ -10,7 +10,7 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle.
-* ``hopper-prefill`` (any M, built for M >= 256): the same kernel with large tiles and no
+* ``hopper-prefill`` (buckets from M = 64 to 2048): the same kernel with large tiles and no
   split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
   and the weight inside the main loop, so no decoded copy of the weight exists in memory.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
@@ -47,12 +47,15 @@ from fp4select.backends.hopper_configs import (
     MmaConfig,
     for_m,
 )
-from fp4select.keys import ALPHA_KINDS, OUT_DTYPES
+from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
 # hopper-prefill declines buckets ending below this: it won no point under M = 64 in any
 # sweep or record on the H200 (hopper-mma serves them).
 PREFILL_MIN_M = 64
+# ... and buckets starting above this: from M = 2048 the dequant candidates beat it at every
+# H200 point, by 1.1-1.3x (benchmarks/results/gpu_h200.json); timing it there only cost warm-up.
+PREFILL_MAX_M = 2048
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
 
 _kernels: Any = None
@@ -290,6 +293,12 @@ def _rows(args: tuple[Any, ...]) -> int:
 GEMV_MAX_M = 4  # buckets it competes in (see the module rules)
 
 
+def prefill_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
+    if problem.m_range[0] > PREFILL_MAX_M:
+        return f"above M = {PREFILL_MAX_M} the dequant candidates serve (faster at every point)"
+    return None
+
+
 def _caps(max_m: int | None, min_m: int | None = None) -> Capabilities:
     return Capabilities(
         formats=frozenset({"nvfp4"}),
@@ -331,6 +340,7 @@ BACKENDS: tuple[Backend, ...] = (
         checked_runner=run_prefill,
         why_unavailable=why_unavailable,
         caps=_caps(None, min_m=PREFILL_MIN_M),
+        declines=prefill_declines,
         preference=188,
         family=FAMILY,
         description="NVFP4 GEMM for large M: a decoded once, the weight decoded in the main loop",

@@ -74,6 +74,7 @@ def warm_devices(args: argparse.Namespace) -> list[torch.device] | None:
 
 def cmd_warm(args: argparse.Namespace) -> int:
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     from fp4select.api import selector
     from fp4select.multi_gpu import DeviceError, warm_parallel
@@ -90,8 +91,10 @@ def cmd_warm(args: argparse.Namespace) -> int:
     if not problems:
         return failed("warm: no FP4 problem keys to tune (see --dry-run for why)")
     sel = selector()
-    native = warm_native_key(sel.settings, quiet=args.quiet or args.json)
     started = time.perf_counter()
+    # The C++ key compiles on one CPU core while the GPU tunes: the two do not wait on each other.
+    builder = ThreadPoolExecutor(1, thread_name_prefix="fp4select-native")
+    native_built = builder.submit(warm_native_key, sel.settings, args.quiet or args.json)
     if devices is not None:
         show = not (args.quiet or args.json)
 
@@ -134,6 +137,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
         counters = sel.counters.as_dict()
+    native = native_built.result()
+    builder.shutdown()
     wall = time.perf_counter() - started
     failures = sum(1 for r in results if r["winner"] is None)
     # Warming at deploy time is for the processes that come after: a decision kept only in this
