@@ -231,6 +231,97 @@ def dequant_bf16(
 
 
 @triton.jit
+def _e2m1_f16x2(x, CODE: tl.constexpr):
+    """Codes CODE and CODE + 4 of each packed word (int32) -> ``_e2m1_f16``'s bits, in the low and
+    high half of an int32.
+
+    The two codes lie 16 bits apart, so one shift moves both: bits 0-2 of a code to bits 9-11
+    of its half (float16's low exponent bits and first mantissa bit), bit 3 to bit 15 (sign).
+    Two shifts and two masks for two values, where ``_e2m1_f16`` takes five ops for one.
+    """
+    mag = x >> 3 if CODE == 3 else x << (9 - 4 * CODE)
+    sign = x << (12 - 4 * CODE)
+    return (mag & 0x0E000E00) | (sign & -2147450880)  # -2147450880: 0x80008000 as int32
+
+
+@triton.jit
+def _bf16(c, s, HIGH: tl.constexpr):
+    """The float16 bits in half HIGH of ``c`` -> their value times ``s``, as bfloat16 bits
+    (int16): the top half of the exact float32 product."""
+    if HIGH:
+        c = c >> 16
+    v = c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
+    return (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+
+
+@triton.jit
+def dequant_bf16_words(
+    x_ptr,
+    s_ptr,
+    out_ptr,
+    R,
+    KW,
+    stride_w,
+    cp,
+    NVFP4: tl.constexpr,
+    SF_8X4: tl.constexpr,
+    BR: tl.constexpr,
+    BW: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    """``dequant_bf16``'s output, bit for bit, from the packed data viewed as int32 words.
+
+    ``x_ptr``: (R, KW) words of 8 codes (row stride ``stride_w`` words); ``out_ptr``: the
+    bfloat16 (R, 8 * KW) workspace, row-major. Why: the byte kernel ran at 2.6-3.0 TB/s on
+    the H200, where a copy reaches 4.2, bound by per-byte work (byte loads in a 3-D tile,
+    8-9 ops per value, a store per byte). Here a 32-bit load brings 8 values, two shifts and
+    two masks decode two codes (``_e2m1_f16x2``), a word's 8 values leave as one 16-byte store,
+    and each scale is loaded once per block (2 words NVFP4, 4 MXFP4), broadcast in registers.
+
+    WIDE: each thread loads 4 consecutive words (16-byte loads), and Triton reorders the
+    output through shared memory for its 16-byte stores. Otherwise each thread loads single
+    words 32 apart (a warp still reads 128 contiguous bytes) and stores with no reorder.
+    benchmarks/decode_sweep.py measures both.
+    """
+    WPB: tl.constexpr = 2 if NVFP4 else 4  # words per scale block
+    NB: tl.constexpr = BW // WPB
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    words = tl.program_id(1) * BW + tl.arange(0, BW)
+    row_ok = rows < R
+    safe_rows = tl.where(row_ok, rows, 0)  # clamped: loads need no row mask
+    x_rows = x_ptr + safe_rows[:, None].to(tl.int64) * stride_w
+    if not WIDE:
+        words = tl.max_contiguous(words, 1)  # declared contiguity 1: one word per load
+    x = tl.load(x_rows + words[None, :], mask=(words < KW)[None, :], other=0)
+    col = tl.minimum(tl.program_id(1) * NB + tl.arange(0, NB), cp - 1)
+    s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], col[None, :], cp, SF_8X4))
+    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * 16384.0
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BR, NB, WPB)), (BR, BW))
+    # The same float16 bits and float32 products as ``dequant_bf16``: the same output bits.
+    c04 = _e2m1_f16x2(x, 0)  # codes 0 and 4 of each word
+    c15 = _e2m1_f16x2(x, 1)
+    c26 = _e2m1_f16x2(x, 2)
+    c37 = _e2m1_f16x2(x, 3)
+    v0 = _bf16(c04, s, False)
+    v4 = _bf16(c04, s, True)
+    v1 = _bf16(c15, s, False)
+    v5 = _bf16(c15, s, True)
+    v2 = _bf16(c26, s, False)
+    v6 = _bf16(c26, s, True)
+    v3 = _bf16(c37, s, False)
+    v7 = _bf16(c37, s, True)
+    # join(...)[r, w, i, j, k] is value 4i + 2j + k of word w: reshaped row-major, word w's
+    # 8 values land at 8w..8w+7, adjacent in each thread.
+    out = tl.join(
+        tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    )
+    out = tl.reshape(out, (BR, 8 * BW)).to(tl.bfloat16, bitcast=True)
+    cols = tl.program_id(1) * (8 * BW) + tl.arange(0, 8 * BW)
+    ptrs = out_ptr + rows[:, None].to(tl.int64) * (8 * KW) + cols[None, :]
+    tl.store(ptrs, out, mask=row_ok[:, None] & (cols < 8 * KW)[None, :])
+
+
+@triton.jit
 def fp4_gemv(
     a_ptr,
     b_ptr,

@@ -88,27 +88,46 @@ def growing(
     return ws[:rows]
 
 
+# The word kernel's tile (rows, words per program, warps), from the instructions per value of
+# its code compiled for sm_90; benchmarks/decode_sweep.py measures the candidates on a GPU.
+WORDS_TILE = (4, 256, 4)
+
+
+def _words(data: torch.Tensor) -> torch.Tensor | None:
+    """``data`` (uint8) viewed as int32 words, or None where its rows are not whole 4-byte
+    words at 4-byte aligned addresses (what the word kernel reads)."""
+    aligned = data.data_ptr() % 4 == 0 and data.storage_offset() % 4 == 0
+    if not aligned or data.shape[1] % 4 or data.stride(1) != 1 or data.stride(0) % 4:
+        return None
+    return data.view(torch.int32)
+
+
 def _decode_into(
     ws: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, use_nvfp4: bool, layout: str
 ) -> None:
+    """Decode ``data`` (R, K/2 packed bytes) and its scales into the bfloat16 (R, K) ``ws``.
+
+    The word kernel does the same in fewer instructions per value and with wider accesses;
+    the byte kernel takes the views it cannot read (see ``_words``).
+    """
     rows, kh = data.shape
     cp = formats.padded_sf_shape(rows, 2 * kh // (16 if use_nvfp4 else 32), layout)[1]
     if triton_fp4.triton_installed():
         k = triton_fp4.kernels()
-        k.dequant_bf16[(k.cdiv(rows, 32), k.cdiv(kh, 64))](
-            data if data.dtype == torch.uint8 else data.view(torch.uint8),
-            scales,
-            ws.view(torch.int32),
-            rows,
-            kh,
-            data.stride(0),
-            cp,
-            NVFP4=use_nvfp4,
-            SF_8X4=layout == "8x4",
-            BR=32,
-            BKH=64,
-            num_warps=4,
-        )
+        raw = data if data.dtype == torch.uint8 else data.view(torch.uint8)
+        meta = {"NVFP4": use_nvfp4, "SF_8X4": layout == "8x4"}
+        words = _words(raw)
+        if words is not None:
+            br, bw, warps = WORDS_TILE
+            k.dequant_bf16_words[(k.cdiv(rows, br), k.cdiv(kh // 4, bw))](
+                words, scales, ws, rows, kh // 4, words.stride(0), cp,
+                **meta, BR=br, BW=bw, WIDE=False, num_warps=warps,
+            )  # fmt: skip
+        else:
+            k.dequant_bf16[(k.cdiv(rows, 32), k.cdiv(kh, 64))](
+                raw, scales, ws.view(torch.int32), rows, kh, raw.stride(0), cp,
+                **meta, BR=32, BKH=64, num_warps=4,
+            )  # fmt: skip
         return
     ws.copy_(
         formats._dequantize(data, scales, 2 * kh, use_nvfp4, layout, False, None, torch.bfloat16)
