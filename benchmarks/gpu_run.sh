@@ -17,9 +17,10 @@
 #          timed, about 30-40 s); not part of all (its tests marked gpu run in tests)
 #   floor  benchmarks/hopper_sweep.py --families mma,floor at M = 1 and 16: each small-M
 #          tiling beside itself without its decode (about 1-2 min); not part of all
-#   deploy benchmarks/bench_cold.py: Llama-3.1-8B's keys at fp4select's default settings
-#          (sandboxed), from an empty Triton cache and again with the kernels compiled (the
-#          JIT share); it may need most of a 600 s call; not part of all
+#   deploy benchmarks/bench_deploy.py: `fp4select warm` of Llama-3.1-8B's shapes as a user
+#          runs it, from nothing and again with the kernels compiled (the JIT share); then
+#          benchmarks/bench_cold.py, where that time goes (seconds per backend and phase,
+#          kernels compiled); about 4 minutes; not part of all
 #
 # Results and the log (gpu_run_<mode>_log.txt) go to $OUT (default benchmarks/results).
 # Exit status: non-zero if any step failed (the log says which).
@@ -81,8 +82,9 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
       --families mma,floor --ms 1,16 --name hopper_sweep_floor --out "$OUT" --time-limit-s 240
   fi
   if [ "$MODE" = deploy ]; then
-    step "bench_cold.py at default settings" timeout 560 python3 benchmarks/bench_cold.py \
-      --device cuda --preset llama3-8b --max-m 8192 --defaults --jit-share
+    step "fp4select warm, from nothing" timeout 300 python3 benchmarks/bench_deploy.py --out "$OUT"
+    step "where warm-up time goes" timeout 250 python3 benchmarks/bench_cold.py \
+      --device cuda --preset llama3-8b --max-m 8192 --defaults --jit-share --time-limit-s 200
     cp benchmarks/results/cold_llama3-8b_cuda.json "$OUT/" 2>/dev/null
   fi
   echo "== $(date -u +%FT%TZ) done; failed: ${failed[*]:-none}"

@@ -77,9 +77,7 @@ def _bytes_kernel(k: Any, data, scales, cp: int, nvfp4: bool, layout: str) -> to
     return out
 
 
-# e8m0 bytes from 241 overflow float32 in both kernels (scale * 2**14), as numpy says.
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # e8m0 254: 6 * 2**127
 @pytest.mark.parametrize(("nvfp4", "layout"), FORMATS, ids=FORMAT_IDS)
 def test_the_word_kernel_writes_the_byte_kernels_bits(kernels, nvfp4, layout):
     for seed, (rows, kh, br, bw, wide) in enumerate(NVFP4_CASES if nvfp4 else MXFP4_CASES):
@@ -117,9 +115,7 @@ def _decode(monkeypatch, kernels, data, scales, nvfp4: bool, layout: str):
 
 @pytest.mark.parametrize(("nvfp4", "layout"), [FORMATS[0], FORMATS[3]], ids=FORMAT_IDS[::3])
 def test_decode_into_takes_the_word_kernel_for_aligned_rows(monkeypatch, kernels, nvfp4, layout):
-    # e8m0 up to 240: from 241 both kernels overflow (scale * 2**14 is inf in float32) where
-    # the reference is finite; the comparison above covers those bytes.
-    data, scales, _ = _inputs(37, 80 if nvfp4 else 96, nvfp4, layout, seed=7, max_e8m0=240)
+    data, scales, _ = _inputs(37, 80 if nvfp4 else 96, nvfp4, layout, seed=7)
     ws, taken = _decode(monkeypatch, kernels, data, scales, nvfp4, layout)
     assert taken == ["dequant_bf16_words"]
     reference = formats._dequantize(
@@ -146,3 +142,19 @@ def test_decode_into_falls_back_to_the_byte_kernel_for_unaligned_views(
         data, scales, 2 * kh, True, "128x4", False, None, torch.bfloat16
     )
     assert torch.equal(ws.view(torch.int16), reference.view(torch.int16))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2**127
+@pytest.mark.parametrize("scale_byte", [240, 241, 254])
+def test_mxfp4_scales_up_to_2_to_the_127_decode_as_the_reference(monkeypatch, kernels, scale_byte):
+    """Scale times 2**14 overflows float32 from e8m0 byte 241 (the kernels once wrote NaN for
+    zeros and infinity for the rest there): the 2**14 goes on the value instead."""
+    data, scales, _ = _inputs(4, 32, False, "128x4", seed=3)
+    scales.fill_(scale_byte)
+    for view in (data, torch.zeros(4, 34, dtype=torch.uint8)[:, :32].copy_(data)):  # both kernels
+        ws, _ = _decode(monkeypatch, kernels, view, scales, False, "128x4")
+        reference = formats._dequantize(
+            data, scales, 64, False, "128x4", False, None, torch.bfloat16
+        )
+        assert scale_byte == 254 or torch.isfinite(reference).all()  # 254: 6 * 2**127 is inf
+        assert torch.equal(ws.view(torch.int16), reference.view(torch.int16))

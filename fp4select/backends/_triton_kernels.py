@@ -222,10 +222,13 @@ def dequant_bf16(
     x = x.to(tl.int32)
     col = tl.minimum(blocks, cp - 1)
     s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], col[None, :], cp, SF_8X4))
-    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * 16384.0
+    # The codes' float16 carries 2**-14: NVFP4 folds the 2**14 back into the scale; MXFP4 puts
+    # it on the value, as its scale (up to 2**127) times 2**14 overflows float32.
+    UNIT: tl.constexpr = 1.0 if NVFP4 else 16384.0
+    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * (16384.0 / UNIT)
     s = s[:, :, None]
-    lo = (_e2m1_f16(x).to(tl.float32) * s).to(tl.int32, bitcast=True)
-    hi = (_e2m1_f16(x >> 4).to(tl.float32) * s).to(tl.int32, bitcast=True)
+    lo = (_e2m1_f16(x).to(tl.float32) * UNIT * s).to(tl.int32, bitcast=True)
+    hi = (_e2m1_f16(x >> 4).to(tl.float32) * UNIT * s).to(tl.int32, bitcast=True)
     word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
     tl.store(out_ptr + rows[:, None, None] * KH + ks[None, :, :], word, mask=mask)
 
@@ -245,12 +248,12 @@ def _e2m1_f16x2(x, CODE: tl.constexpr):
 
 
 @triton.jit
-def _bf16(c, s, HIGH: tl.constexpr):
-    """The float16 bits in half HIGH of ``c`` -> their value times ``s``, as bfloat16 bits
-    (int16): the top half of the exact float32 product."""
+def _bf16(c, s, HIGH: tl.constexpr, UNIT: tl.constexpr):
+    """The float16 bits in half HIGH of ``c`` -> their value times ``UNIT * s``, as bfloat16
+    bits (int16): the top half of the exact float32 product."""
     if HIGH:
         c = c >> 16
-    v = c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
+    v = c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * UNIT * s
     return (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
 
 
@@ -295,21 +298,22 @@ def dequant_bf16_words(
     x = tl.load(x_rows + words[None, :], mask=(words < KW)[None, :], other=0)
     col = tl.minimum(tl.program_id(1) * NB + tl.arange(0, NB), cp - 1)
     s = tl.load(s_ptr + _sf_offset(safe_rows[:, None], col[None, :], cp, SF_8X4))
-    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * 16384.0
+    UNIT: tl.constexpr = 1.0 if NVFP4 else 16384.0  # as in dequant_bf16
+    s = _scale(s.to(tl.uint8, bitcast=True).to(tl.int32), NVFP4).to(tl.float32) * (16384.0 / UNIT)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BR, NB, WPB)), (BR, BW))
     # The same float16 bits and float32 products as ``dequant_bf16``: the same output bits.
     c04 = _e2m1_f16x2(x, 0)  # codes 0 and 4 of each word
     c15 = _e2m1_f16x2(x, 1)
     c26 = _e2m1_f16x2(x, 2)
     c37 = _e2m1_f16x2(x, 3)
-    v0 = _bf16(c04, s, False)
-    v4 = _bf16(c04, s, True)
-    v1 = _bf16(c15, s, False)
-    v5 = _bf16(c15, s, True)
-    v2 = _bf16(c26, s, False)
-    v6 = _bf16(c26, s, True)
-    v3 = _bf16(c37, s, False)
-    v7 = _bf16(c37, s, True)
+    v0 = _bf16(c04, s, False, UNIT)
+    v4 = _bf16(c04, s, True, UNIT)
+    v1 = _bf16(c15, s, False, UNIT)
+    v5 = _bf16(c15, s, True, UNIT)
+    v2 = _bf16(c26, s, False, UNIT)
+    v6 = _bf16(c26, s, True, UNIT)
+    v3 = _bf16(c37, s, False, UNIT)
+    v7 = _bf16(c37, s, True, UNIT)
     # join(...)[r, w, i, j, k] is value 4i + 2j + k of word w: reshaped row-major, word w's
     # 8 values land at 8w..8w+7, adjacent in each thread.
     out = tl.join(

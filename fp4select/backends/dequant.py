@@ -88,9 +88,9 @@ def growing(
     return ws[:rows]
 
 
-# The word kernel's tile (rows, words per program, warps), from the instructions per value of
-# its code compiled for sm_90; benchmarks/decode_sweep.py measures the candidates on a GPU.
-WORDS_TILE = (4, 256, 4)
+# The word kernel's tile (rows, words per program, warps): the fastest over five weight shapes
+# on the H200 (benchmarks/results/decode_sweep_cuda.json), within 2% of the best at each.
+WORDS_TILE = (8, 128, 4)
 
 
 def _words(data: torch.Tensor) -> torch.Tensor | None:
