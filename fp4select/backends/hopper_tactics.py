@@ -57,20 +57,44 @@ def _kind(runner: Callable[..., Any]) -> tuple[Callable[..., Any], str]:
 
 
 def _time_us(calls: Sequence[Callable[[], Any]], device: torch.device, budget_s: float) -> float:
-    """Median of a few CUDA-event samples, each call taking the next input set in turn."""
-    calls[0]()  # compile, and the first launch's cost, out of the samples
+    """Median of a few CUDA-event samples, each call taking the next input set in turn.
+
+    The calls are replayed from a CUDA graph, as serving replays them: timed eagerly, a round
+    of small kernels measured the host's launches (on the H200 every GEMV tactic at M = 1 read
+    50-100 us, where the kernels take 16-26, so the pick among them was noise).
+    """
+    for call in calls:  # compiles, first-launch costs and workspaces: out of the samples
+        call()
     torch.cuda.synchronize(device)
+    replay = _graphed(calls, device)
     samples: list[float] = []
     deadline = time.perf_counter() + budget_s
     while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 50):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for call in calls:
-            call()
+        replay()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / len(calls))  # ms per round -> us per call
     return statistics.median(samples)
+
+
+def _graphed(calls: Sequence[Callable[[], Any]], device: torch.device) -> Callable[[], Any]:
+    """One replay of all ``calls`` captured in a CUDA graph; the calls themselves, eagerly, if
+    the capture fails."""
+
+    def eager() -> None:
+        for call in calls:
+            call()
+
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            eager()
+    except Exception:  # not capturable: eager launches are still right, only less exact
+        torch.cuda.synchronize(device)
+        return eager
+    return graph.replay
 
 
 def _input_copies(args: Sequence[Any], device: torch.device) -> list[tuple[Any, ...]]:
