@@ -46,6 +46,14 @@ class _FakeClock:
     def perf_counter(self) -> float:
         return self.now
 
+    def cost(self, seconds: float):
+        """A call that takes ``seconds`` on this clock."""
+
+        def call() -> None:
+            self.now += seconds
+
+        return call
+
 
 def test_the_budget_stops_rounds_once_the_minimum_is_met(monkeypatch):
     clock = _FakeClock()
@@ -136,12 +144,7 @@ def test_a_candidate_far_behind_sits_out_the_rounds_after_the_minimum(monkeypatc
     clock = _FakeClock()
     monkeypatch.setattr(timing_module, "time", clock)
 
-    def cost(seconds: float):
-        def call() -> None:
-            clock.now += seconds
-
-        return call
-
+    cost = clock.cost
     calls = {
         "fast": [cost(2.0**-10)],
         "close": [cost(2.0**-10 * 1.04)],  # could tie with the fastest: sampled to the end
@@ -178,12 +181,7 @@ def test_no_candidate_sits_out_before_the_minimum_rounds(monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(timing_module, "time", clock)
 
-    def cost(seconds: float):
-        def call() -> None:
-            clock.now += seconds
-
-        return call
-
+    cost = clock.cost
     calls = {"fast": [cost(2.0**-10)], "slow": [cost(2.0**-8)]}  # 4x: dropped, not hopeless
     options = TimingOptions(budget_s=1.0, min_rounds=5, max_rounds=5, target_sample_s=0)
     timings, _ = time_interleaved(calls, CPU, options)
@@ -227,12 +225,7 @@ def test_rounds_end_when_the_rivals_of_the_fastest_are_all_out(monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(timing_module, "time", clock)
 
-    def cost(seconds: float):
-        def call() -> None:
-            clock.now += seconds
-
-        return call
-
+    cost = clock.cost
     calls = {"fast": [cost(2.0**-10)], "fallback": [cost(2.0**-5)], "slow": [cost(2.0**-8)]}
     options = TimingOptions(budget_s=100.0, min_rounds=4, max_rounds=1000, target_sample_s=0)
     timings, _ = time_interleaved(calls, CPU, options)
