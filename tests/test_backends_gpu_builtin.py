@@ -24,6 +24,7 @@ from fp4select.validate import make_inputs
 CPU = {"device": "cpu", "cc": None}
 H200 = {"device": "cuda", "cc": 90}
 B200 = {"device": "cuda", "cc": 100}
+A100 = {"device": "cuda", "cc": 80}
 
 
 def test_the_gpu_built_ins_are_registered_after_emulation_with_their_families():
@@ -79,8 +80,11 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     for name in ("hopper-gemv", "hopper-mma", "hopper-prefill"):
         for problem in (trtllm, Problem(n=256, k=256, m_bucket=1, use_nvfp4=False, block_size=32)):
             assert backends[name].rejects(problem, H200), (name, problem)
-    assert "M <= 4" in backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=8), H200)
-    assert backends["hopper-gemv"].rejects(Problem(n=256, k=256, m_bucket=4), H200) is None
+    gemv = backends["hopper-gemv"]
+    assert "M <= 8" in gemv.rejects(Problem(n=256, k=256, m_bucket=16), H200)
+    assert "above M = 4" in gemv.rejects(Problem(n=256, k=256, m_bucket=8), H200)
+    assert gemv.rejects(Problem(n=256, k=256, m_bucket=4), H200) is None
+    assert gemv.rejects(Problem(n=256, k=256, m_bucket=8), A100) is None  # not measured there
     assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=256), H200) is None
     assert "M <= 256" in backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=512), H200)
     assert "M >= 64" in backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=32), H200)
@@ -88,6 +92,7 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     assert backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=2048), H200) is None
     prefill = backends["hopper-prefill"]
     assert "above M = 2048" in prefill.rejects(Problem(n=256, k=256, m_bucket=2560), H200)
+    assert prefill.rejects(Problem(n=256, k=256, m_bucket=2560), A100) is None
     dequant = backends["hopper-dequant"]
     assert "M >= 512" in dequant.rejects(Problem(n=256, k=256, m_bucket=256), H200)
     assert dequant.rejects(Problem(n=256, k=256, m_bucket=512), H200) is None
@@ -294,3 +299,13 @@ def test_older_kernels_leave_nvfp4_to_the_hopper_kernels_from_sm90():
     data = backends["triton-m16"].to_json()
     assert data["declines"] == "fp4select.backends.triton_fp4:declines"
     assert Backend.from_json(data).declines is triton_fp4.declines
+
+
+def test_declines_narrow_the_field_only_on_cuda_gpus_from_the_measured_one():
+    from fp4select.backends.base import cuda_from
+
+    assert cuda_from(H200, 90) and cuda_from(B200, 90)
+    assert not cuda_from(A100, 90)
+    assert not cuda_from({"device": "cpu"}, 90)
+    assert not cuda_from({"device": "cuda", "cc": None}, 90)  # unknown: left alone
+    assert not cuda_from({"device": "cuda", "cc": "90"}, 90)  # not a number: left alone

@@ -237,6 +237,13 @@ _FUNCTIONS = (
 )
 
 
+def cuda_from(env: Mapping[str, Any], min_cc: int) -> bool:
+    """Whether ``env`` is a CUDA GPU of compute capability ``min_cc`` or newer: ``declines``
+    hooks narrow the field only on GPUs where it was measured, and leave the rest alone."""
+    cc = env.get("cc")
+    return env.get("device") == "cuda" and isinstance(cc, int) and cc >= min_cc
+
+
 class UnsupportedProblem(Exception):
     """Raised by a runner to say it cannot take this problem: recorded, never blacklisted."""
 

@@ -44,7 +44,7 @@ import torch
 
 from fp4select import formats
 from fp4select.backends import triton_fp4
-from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities
+from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, cuda_from
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 MIN_CC = 90
@@ -158,9 +158,7 @@ _has_mm_out_dtype: bool | None = None
 def torch_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
     """From SM90, NVFP4 buckets below ``MIN_M`` go to the kernels that decode in registers:
     on the H200 they beat this at every such point (benchmarks/results/gpu_h200.json)."""
-    cc = env.get("cc")
-    hopper = env.get("device") == "cuda" and cc and cc >= MIN_CC
-    if hopper and problem.use_nvfp4 and problem.m_range[1] < MIN_M:
+    if cuda_from(env, MIN_CC) and problem.use_nvfp4 and problem.m_range[1] < MIN_M:
         return f"below M = {MIN_M}, NVFP4 from SM90 is left to the hopper-* kernels"
     return None
 

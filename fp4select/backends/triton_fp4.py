@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from fp4select import formats
-from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner
+from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, Runner, cuda_from
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
@@ -358,8 +358,7 @@ def declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
     """NVFP4 from SM90 is left to the ``hopper-*`` kernels: on the H200 these kernels were
     never the fastest at any shape or M (benchmarks/results/gpu_h200.json). MXFP4, which the
     ``hopper-*`` tensor-core kernels decline, stays theirs."""
-    cc = env.get("cc")
-    if problem.use_nvfp4 and env.get("device") == "cuda" and cc and cc >= SUPERSEDED_FROM_CC:
+    if problem.use_nvfp4 and cuda_from(env, SUPERSEDED_FROM_CC):
         return "NVFP4 from SM90 is left to the hopper-* kernels, which won every point measured"
     return None
 

@@ -3,14 +3,14 @@
 Three candidates, each for its own range of M, all on the layout ``mm_fp4`` receives (a: 128x4
 or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 scales):
 
-* ``hopper-gemv`` (buckets to M = 4; the kernel takes M <= 8): CUDA cores. Each block of 16
-  values is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once
-  by both block scales. At M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so the
-  selector does not spend warm-up time on it there.
+* ``hopper-gemv`` (M <= 8; from SM90 buckets to M = 4): CUDA cores. Each block of 16 values
+  is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once by both
+  block scales. At M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so from SM90
+  the selector does not spend warm-up time on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle.
-* ``hopper-prefill`` (buckets from M = 64 to 2048): the same kernel with large tiles and no
+* ``hopper-prefill`` (buckets from M = 64; from SM90 to 2048): the same kernel with large tiles and no
   split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
   and the weight inside the main loop, so no decoded copy of the weight exists in memory.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from fp4select.backends import hopper_tactics, triton_fp4
-from fp4select.backends.base import Backend, Capabilities
+from fp4select.backends.base import Backend, Capabilities, cuda_from
 from fp4select.backends.hopper_configs import (
     _SHIFTS,
     GEMV_BY_M,
@@ -290,12 +290,19 @@ def _rows(args: tuple[Any, ...]) -> int:
     return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
 
 
-GEMV_MAX_M = 4  # buckets it competes in (see the module rules)
+GEMV_MAX_M = 4  # from SM90, the buckets it competes in (see the module rules)
+MEASURED_FROM_CC = 90  # the H200's measurements narrow the field from here on only
+
+
+def gemv_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
+    if cuda_from(env, MEASURED_FROM_CC) and problem.m_range[0] > GEMV_MAX_M:
+        return f"from SM90, above M = {GEMV_MAX_M} hopper-mma serves (faster at every point)"
+    return None
 
 
 def prefill_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
-    if problem.m_range[0] > PREFILL_MAX_M:
-        return f"above M = {PREFILL_MAX_M} the dequant candidates serve (faster at every point)"
+    if cuda_from(env, MEASURED_FROM_CC) and problem.m_range[0] > PREFILL_MAX_M:
+        return f"from SM90, above M = {PREFILL_MAX_M} the dequant candidates serve (faster at every point)"
     return None
 
 
@@ -317,10 +324,11 @@ BACKENDS: tuple[Backend, ...] = (
         name="hopper-gemv",
         checked_runner=run_gemv,
         why_unavailable=why_unavailable,
-        caps=_caps(GEMV_MAX_M),
+        caps=_caps(8),
+        declines=gemv_declines,
         preference=180,
         family=FAMILY,
-        description="NVFP4 GEMV for M <= 4: table decode of whole words, exact dp4a dot products",
+        description="NVFP4 GEMV for M <= 8: table decode of whole words, exact dp4a dot products",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
