@@ -15,13 +15,14 @@ Writes ``benchmarks/results/dequant_breakdown_cuda.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import torch
 from _common import table, write
 
 from fp4select import timing, validate
-from fp4select.backends import dequant, triton_fp4
+from fp4select.backends import dequant, hopper_configs, triton_fp4
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
 
@@ -35,7 +36,7 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor, out: torch.T
 
     m, n = out.shape
     sms = triton_fp4._sms(x.device)
-    bm, bn, bk, warps, stages = dequant.tile_for(m, n, sms)
+    bm, bn, bk, warps, stages = dataclasses.astuple(hopper_configs.dequant_tile(m, n, sms))
     grid = min(sms, -(-m // bm) * -(-n // bn))
     triton_fp4.kernels().mm_tma_alpha[(grid,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),

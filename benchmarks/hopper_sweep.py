@@ -22,10 +22,12 @@ its MMA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import functools
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,7 +36,7 @@ import triton.language as tl
 from _common import dumps, machine
 
 from fp4select import formats, timing, validate
-from fp4select.backends import dequant, triton_fp4, triton_hopper
+from fp4select.backends import dequant, hopper_configs, triton_fp4, triton_hopper
 from fp4select.backends._hopper_kernels import plane_major, weight_step
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
@@ -104,7 +106,49 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-FAMILIES = ("gemv", "mma", "prefill", "old")  # and "floor", on request
+FAMILIES = (
+    "gemv",
+    "mma",
+    "prefill",
+    "old",
+)  # and "floor", "tactics", "nopdl", "wide", "dq", "gemv2"
+# One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
+# 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
+WIDE = [
+    triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
+    for bn, bt, bkw, w, st, sp in [
+        (64, 256, 16, 4, 3, 1),
+        (64, 256, 8, 4, 4, 1),
+        (64, 256, 16, 4, 2, 1),
+        (64, 256, 16, 4, 3, 0),
+        (64, 128, 16, 4, 3, 1),
+        (64, 128, 16, 4, 4, 1),
+        (64, 128, 8, 4, 5, 1),
+        (64, 128, 16, 4, 3, 0),
+        (64, 64, 16, 4, 4, 1),
+        (128, 256, 8, 8, 4, 1),
+        (128, 128, 16, 4, 3, 1),
+        (128, 128, 16, 4, 3, 0),
+        (128, 256, 16, 8, 3, 1),
+    ]
+]
+# hopper-dequant's GEMM tiles (BM, BN, BK, warps, stages); the first two are today's.
+DQ = [
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (256, 128, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 128, 8, 3),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+]
+# hopper-gemv with the next step's weight loaded before this step's math, beside without.
+GEMV2 = [
+    triton_hopper.GemvConfig(r, bk, w, pf)
+    for r, bk, w in [(8, 128, 2), (4, 128, 2), (4, 256, 4), (8, 64, 1), (2, 256, 2), (4, 64, 1)]
+    for pf in (0, 1)
+] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
 
 
 @triton.jit
@@ -187,15 +231,61 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     out[f"floor-{'mma' if mma else 'loads'} {tiling}"] = functools.partial(
                         run_floor, cfg=c, mma=mma
                     )
+    if m <= 8 and "gemv2" in families:
+        for c in GEMV2:
+            out[
+                f"gemv2 r{c.rows_per_program} bk{c.blocks_per_step} w{c.num_warps} pf{c.prefetch}"
+            ] = functools.partial(triton_hopper.run_gemv, cfg=c)
+    if m >= 64 and "wide" in families:
+        for c in WIDE:
+            if c.block_t <= 2 * m:
+                name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
+                out[name] = functools.partial(triton_hopper.run_prefill, cfg=c)
+    if m >= 512 and "dq" in families:
+        for t in DQ:
+            cfg = hopper_configs.GemmTile(*t)
+            out["dq " + "x".join(map(str, t))] = functools.partial(dequant.run_hopper, cfg=cfg)
     old = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None} if "old" in families else {}
     for name, limit in old.items():
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
+    if "tactics" in families:  # the product's own tactic candidates at this M
+        kinds = [("gemv", triton_hopper.run_gemv)] if m <= 4 else []
+        kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
+        kinds += [("prefill", triton_hopper.run_prefill)] if 64 <= m <= 2048 else []
+        for kind, run in kinds:
+            for c in hopper_configs.candidates(kind, m):
+                name = f"{kind} " + " ".join(map(str, dataclasses.astuple(c)))
+                out[name] = functools.partial(run, cfg=c)
+                if "nopdl" in families:  # the same, launched without PDL
+                    out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
     if m >= 64 or "old" in families:
         out["torch-dequant"] = dequant.run_torch
-    if m >= 256:
+    if m >= 256 and "dq" not in families:
         out["hopper-dequant"] = dequant.run_hopper
     return out
+
+
+def _without_pdl(run, *args, cfg):
+    """``run`` as mm_fp4 with enable_pdl=False."""
+    return run(*args[:10], False, cfg=cfg)
+
+
+def compile_ahead(runs: dict[str, functools.partial], args: tuple) -> None:
+    """Every variant's first call at once, one thread each (their compiles overlap); outputs
+    and errors are left for the checked calls that follow."""
+    device = args[0].device
+    stream = torch.cuda.current_stream(device)
+
+    def first(fn: functools.partial) -> None:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            fn(*args)
+
+    with ThreadPoolExecutor(max(1, len(runs))) as pool:
+        done = [pool.submit(first, fn) for fn in runs.values()]
+    for future in done:
+        future.exception()
+    torch.cuda.synchronize(device)
 
 
 def family(name: str) -> str:
@@ -206,6 +296,7 @@ def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...
     problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
     first = validate.make_inputs(problem, m, device, seed=11, with_reference=m * n * k <= 2**34)
     runs = variants(m, families)
+    compile_ahead(runs, first.args(problem))
     verdicts = {}
     passed = {}
     for name, fn in runs.items():
@@ -277,7 +368,8 @@ def main() -> None:
                 (
                     t
                     for nm, t in us.items()
-                    if family(nm) in ("gemv", "mma", "prefill", "hopper-dequant")
+                    if family(nm)
+                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2")
                 ),
                 default=float("nan"),
             )

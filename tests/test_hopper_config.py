@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fp4select import settings, validate
+from fp4select.backends import dequant
 from fp4select.backends import hopper_configs as hc
 from fp4select.backends import hopper_tactics as ht
 from fp4select.backends import triton_hopper as th
@@ -51,10 +52,11 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
         (th.run_gemv, hc.GEMV_TACTICS[2]),
         (th.run_mma, hc.MMA_TACTICS[1][1][1]),
         (th.run_prefill, hc.PREFILL_TACTICS[1]),
+        (dequant.run_hopper, hc.DEQUANT_TACTICS[1]),
     ]:
         pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
-    known = list(dataclasses.astuple(hc.GEMV_TACTICS[3]))  # (8, 64, 1)
+    known = list(dataclasses.astuple(hc.GEMV_TACTICS[3]))  # (8, 64, 1, 1)
     for bad in (
         {"tactic": [8, 128, 3]},  # not a candidate: the record cannot invent a kernel
         {"tactic": [*known[:2], True]},  # equal to 1, but a bool read from disk is not an int
@@ -68,6 +70,16 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     # Each backend pins only its own kind's candidates.
     assert ht.pin(th.run_prefill, _record(hc.MMA_TACTICS[-1][1][0])) is th.run_prefill
     assert ht.pin(th.run_mma, _record(hc.PREFILL_TACTICS[0])) is th.run_mma
+    assert ht.pin(dequant.run_hopper, _record(hc.GEMV_TACTICS[0])) is dequant.run_hopper
+    assert ht.pin(dequant.run_torch, _record(hc.DEQUANT_TACTICS[0])) is dequant.run_torch
+
+
+def test_the_dequant_tile_is_the_large_one_unless_it_leaves_sms_idle():
+    # 128 x 256 tiles: M = 2048 at N = 2560 makes 16 x 10 = 160 of them, N = 1280 only 80.
+    assert hc.default("dequant", 2048, 2560, 132) == hc.DEQUANT_LARGE
+    assert hc.default("dequant", 2048, 1280, 132) == hc.DEQUANT_SMALL
+    assert hc.default("dequant", 2048, 1280, 80) == hc.DEQUANT_LARGE
+    assert hc.candidates("dequant", 4096) == hc.DEQUANT_TACTICS
 
 
 def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():

@@ -125,6 +125,7 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
         for cfg in hopper_configs.PREFILL_TACTICS
         for m in (1, 300)
     ]
+    cases += [(dequant.run_hopper, cfg, 515) for cfg in hopper_configs.DEQUANT_TACTICS]
     for run, cfg, m in cases:
         problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")
         inputs = validate.make_inputs(problem, m, "cuda", seed=m + k)
@@ -135,10 +136,12 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
 def test_tuning_times_every_candidate_and_its_choice_is_exact():
     kinds = {triton_hopper.run_gemv: "gemv", triton_hopper.run_mma: "mma"}
     kinds[triton_hopper.run_prefill] = "prefill"
+    kinds[dequant.run_hopper] = "dequant"
     for run, m in (
         (triton_hopper.run_gemv, 1),
         (triton_hopper.run_mma, 16),
         (triton_hopper.run_prefill, 512),
+        (dequant.run_hopper, 1024),
     ):
         problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m))
         inputs = validate.make_inputs(problem, m, "cuda", seed=3)
@@ -162,3 +165,22 @@ def test_a_candidate_too_large_for_the_gpu_is_skipped_and_named(monkeypatch):
     key = " ".join(map(str, dataclasses.astuple(too_big)))
     assert key in record["skipped"] and "shared memory" in record["skipped"][key], record
     assert record["tactic"] == list(dataclasses.astuple(fits))
+
+
+def test_programmatic_dependent_launch_changes_no_bit():
+    """enable_pdl=True (the default, PDL on SM90) and False give the same output, eagerly and
+    replayed from a graph, where the kernels of a call follow each other without a gap."""
+    for run, m in ((triton_hopper.run_gemv, 1), (triton_hopper.run_mma, 9)):
+        problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m), alpha_kind="per_token")
+        inputs = validate.make_inputs(problem, m, "cuda", seed=7)
+        args = inputs.args(problem)
+        plain = run(*args[:10], False)
+        assert validate.check(plain, inputs, problem.torch_out_dtype).ok
+        out = torch.full_like(plain, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(3):  # back to back, each launch overlapping the one before
+                run(*inputs.args(problem, out))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(run(*args), plain) and torch.equal(out, plain), run.__name__

@@ -39,6 +39,7 @@ import triton.language as tl
 # The byte-wise kernels' helpers, shared: the swizzled scale index, and one code to float16.
 from fp4select.backends._triton_kernels import _e2m1_f16 as _code_f16
 from fp4select.backends._triton_kernels import _sf_offset as sf_offset
+from fp4select.backends._triton_kernels import pdl_start
 
 cdiv = triton.cdiv
 
@@ -491,6 +492,15 @@ def _gemv_store(
 
 
 @triton.jit
+def _gemv_weight(w_rows, sw_rows, k, KW):
+    """A step's weight words and their scale bytes (zeros and block 0's scales past K)."""
+    k_ok = k < KW
+    w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
+    sw = tl.load(sw_rows + sf_col_part(tl.where(k_ok, k, 0), False)[None, :])
+    return w, sw
+
+
+@triton.jit
 def gemv_dp4a(
     a_ptr,  # int64 view of a: (M, K/16), one word per block
     w_ptr,  # int64 view of the weight: (N, K/16)
@@ -513,6 +523,8 @@ def gemv_dp4a(
     R: tl.constexpr,  # weight rows per program
     BK: tl.constexpr,  # blocks per step
     ASM: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # load the next step's weight before this step's math
+    PDL: tl.constexpr = False,
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -521,6 +533,7 @@ def gemv_dp4a(
     has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
     cores, no shared memory, no split-K.
     """
+    pdl_start(PDL, True)
     pid = tl.program_id(0)
     rows = pid * R + tl.arange(0, R)
     rows_c = tl.where(rows < N, rows, N - 1)
@@ -535,13 +548,17 @@ def gemv_dp4a(
     acc5 = tl.zeros((R, BK), dtype=tl.float32)
     acc6 = tl.zeros((R, BK), dtype=tl.float32)
     acc7 = tl.zeros((R, BK), dtype=tl.float32)
+    if PREFETCH:
+        w, sw = _gemv_weight(w_rows, sw_rows, kk, KW)
     for k0 in range(0, KW, BK):
         k = k0 + kk
         k_ok = k < KW
         kc = tl.where(k_ok, k, 0)
-        w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
-        sw = tl.load(sw_rows + sf_col_part(kc, False)[None, :])
-        sw = e4m3_bytes_f32(sw.to(tl.uint8, bitcast=True))
+        if PREFETCH:
+            w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW)
+        else:
+            w, sw = _gemv_weight(w_rows, sw_rows, k, KW)
+        swf = e4m3_bytes_f32(sw.to(tl.uint8, bitcast=True))
         # One row of a: split magnitudes (fewer integer ops, twice the dp4a). Several rows
         # share the weight's decode, so each dp4a counts more: signed values.
         if BM == 1:
@@ -559,7 +576,7 @@ def gemv_dp4a(
             n1,
             n2,
             n3,
-            sw,
+            swf,
             a_ptr,
             sa_ptr,
             0,
@@ -583,7 +600,7 @@ def gemv_dp4a(
                 n1,
                 n2,
                 n3,
-                sw,
+                swf,
                 a_ptr,
                 sa_ptr,
                 1,
@@ -607,7 +624,7 @@ def gemv_dp4a(
                 n1,
                 n2,
                 n3,
-                sw,
+                swf,
                 a_ptr,
                 sa_ptr,
                 2,
@@ -630,7 +647,7 @@ def gemv_dp4a(
                 n1,
                 n2,
                 n3,
-                sw,
+                swf,
                 a_ptr,
                 sa_ptr,
                 3,
@@ -654,7 +671,7 @@ def gemv_dp4a(
                 n1,
                 n2,
                 n3,
-                sw,
+                swf,
                 a_ptr,
                 sa_ptr,
                 4,
@@ -677,7 +694,7 @@ def gemv_dp4a(
                 n1,
                 n2,
                 n3,
-                sw,
+                swf,
                 a_ptr,
                 sa_ptr,
                 5,
@@ -700,7 +717,7 @@ def gemv_dp4a(
                 n1,
                 n2,
                 n3,
-                sw,
+                swf,
                 a_ptr,
                 sa_ptr,
                 6,
@@ -723,7 +740,7 @@ def gemv_dp4a(
                 n1,
                 n2,
                 n3,
-                sw,
+                swf,
                 a_ptr,
                 sa_ptr,
                 7,
@@ -737,6 +754,8 @@ def gemv_dp4a(
                 ASM,
                 BM == 1,
             )
+        if PREFETCH:
+            w, sw = w_next, sw_next
     args = (M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA)
     _gemv_store(acc0, 0, *args)
     if BM > 1:
@@ -765,12 +784,14 @@ def decode_planes(
     BR: tl.constexpr,
     BKW: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """a -> float16 (value * 2**-14 * scale) in the order ``mma_planes`` reads.
 
     Every element of the workspace is written, zeros past M and past K, so that the main loop
     reads whole tiles without masks (masks would stop its loads from being pipelined).
     """
+    pdl_start(PDL, True)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     k = tl.program_id(1) * BKW + tl.arange(0, BKW)
     ok = (rows < M)[:, None] & (k < KW)[None, :]
@@ -853,6 +874,7 @@ def mma_planes(
     BKW: tl.constexpr,  # words per step (8 * BKW values of K)
     GROUP: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -863,6 +885,7 @@ def mma_planes(
     tiles are visited in groups of GROUP weight tiles so that consecutive programs share
     activation tiles in L2.
     """
+    pdl_start(PDL, True)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BN)

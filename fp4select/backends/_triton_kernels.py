@@ -10,7 +10,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (Triton 3.4+): what programmatic dependent launch needs
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: nothing is ever launched with PDL (see ``pdl_start``)
+    gdc_launch_dependents = gdc_wait = None
+
 cdiv = triton.cdiv
+PDL_SUPPORTED = gdc_wait is not None
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    """Under programmatic dependent launch (PDL, SM90+), the first thing a kernel does.
+
+    Launched with PDL, a kernel may start while the one before it on the stream is still
+    running: ``gdc_wait`` holds it until that kernel has finished and its writes are visible,
+    so it must come before the first read of anything an earlier kernel wrote. ``TRIGGER`` lets
+    the next kernel launch now (it waits in its own ``pdl_start``), which hides the launch gap
+    between a chain's kernels; a consumer outside the chain waits for our completion the same way.
+    """
+    if PDL:
+        gdc_wait()
+        if TRIGGER:
+            gdc_launch_dependents()
 
 
 @triton.jit
@@ -173,7 +195,9 @@ def reduce_split(
     ALPHA: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL, False)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_m = offs_m < M

@@ -28,9 +28,10 @@ Design rules:
   does (decode, then multiply), slower in bfloat16, so it would add a candidate and no speed.
 * ``hopper-dequant`` writes with masked stores, so any ``out`` the checks accept (strided
   too) is written in place. Its workspaces' rows are K bfloat16 values, a multiple of 16
-  bytes for every K the checks accept, as TMA requires. Its tiles: 128 x 256 x 64 (8 warps,
-  3 stages), which matched cuBLAS; 128 x 128 x 64 (4 stages) where the large tiles would be
-  fewer than the SMs. It declines buckets ending below ``MIN_M`` (``Capabilities.min_m``):
+  bytes for every K the checks accept, as TMA requires. Its tile is a tactic
+  (``hopper_configs.DEQUANT_TACTICS``): 128 x 256 x 64 (8 warps), which matched cuBLAS, or
+  128 x 128 x 64 (4 warps), timed per shape; untuned, the small one where the large tiles
+  would be fewer than the SMs. It declines buckets ending below ``MIN_M`` (``Capabilities.min_m``):
   there its decode passes alone cost more than the kernels that decode in registers take.
 * Importing this module never imports triton.
 """
@@ -38,18 +39,18 @@ Design rules:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import astuple
 from typing import Any
 
 import torch
 
 from fp4select import formats
-from fp4select.backends import triton_fp4
+from fp4select.backends import hopper_tactics, triton_fp4
 from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, cuda_from
+from fp4select.backends.hopper_configs import GemmTile, dequant_tile
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 MIN_CC = 90
-LARGE = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages
-SMALL = (128, 128, 64, 8, 4)
 MIN_M = 512
 
 
@@ -259,13 +260,6 @@ def why_hopper_unavailable(env: Mapping[str, Any]) -> str | None:
     return None
 
 
-def tile_for(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
-    """The large tile, or the small one where the large tiles would leave SMs idle."""
-    bm, bn = LARGE[0], LARGE[1]
-    tiles = -(-m // bm) * -(-n // bn)
-    return LARGE if tiles >= sms else SMALL
-
-
 def run_hopper(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -278,8 +272,11 @@ def run_hopper(
     use_8x4_sf_layout: bool,
     use_nvfp4: bool,
     enable_pdl: bool,
+    *,
+    cfg: GemmTile | None = None,
 ) -> torch.Tensor:
-    """mm_fp4's positional order (without backend); enable_pdl means nothing here."""
+    """mm_fp4's positional order (without backend); enable_pdl means nothing here. ``cfg``:
+    the GEMM's tile (a tactic), else ``dequant_tile``'s."""
     c = triton_fp4.check_call(
         a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
     )
@@ -288,7 +285,7 @@ def run_hopper(
     x, w = decoded(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4)
     descriptor = _descriptor_class()
     sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
-    bm, bn, bk, warps, stages = tile_for(c.m, c.n, sms)
+    bm, bn, bk, warps, stages = astuple(cfg or dequant_tile(c.m, c.n, sms))
     grid = min(sms, -(-c.m // bm) * -(-c.n // bn))
     triton_fp4.kernels().mm_tma_alpha[(grid,)](
         descriptor.from_tensor(x, [bm, bk]),
@@ -329,6 +326,8 @@ HOPPER_DEQUANT = Backend(
     preference=290,
     family="native",  # Triton kernels: unproven code runs in the sandbox
     description="decode a and b to bfloat16 workspaces, persistent TMA GEMM with alpha in it",
+    tune=hopper_tactics.tune,
+    pin=hopper_tactics.pin,
 )
 
 BACKENDS = (HOPPER_DEQUANT, TORCH_DEQUANT)

@@ -28,6 +28,7 @@ class GemvConfig:
     rows_per_program: int
     blocks_per_step: int
     num_warps: int
+    prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,18 @@ class MmaConfig:
         _check_step(self.words_per_step)
 
 
-GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1)))
+@dataclass(frozen=True)
+class GemmTile:
+    """``hopper-dequant``'s GEMM tile (its decode passes have no choices)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1, 1)))
 MMA_BY_M = (
     (16, MmaConfig(128, 16, 32, 4, 3)),
     (32, MmaConfig(128, 32, 16, 4, 3)),
@@ -65,7 +77,8 @@ GEMV_TACTICS = (
     GemvConfig(8, 128, 2),
     GemvConfig(4, 128, 2),
     GemvConfig(4, 256, 4),
-    GemvConfig(8, 64, 1),
+    GemvConfig(8, 64, 1, 1),
+    GemvConfig(4, 64, 1, 1),
 )
 MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
     (
@@ -91,6 +104,7 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
             MmaConfig(128, 128, 16, 4, 3),
             MmaConfig(128, 128, 16, 8, 3),
             MmaConfig(128, 64, 16, 4, 3),
+            MmaConfig(64, 128, 16, 4, 4, split=1),
         ),
     ),
 )
@@ -98,16 +112,33 @@ PREFILL_TACTICS = (
     PREFILL,
     MmaConfig(128, 128, 16, 4, 3, split=1),
     MmaConfig(256, 128, 16, 8, 3, split=1),
+    MmaConfig(128, 256, 8, 8, 4, split=1),
 )
+# hopper-dequant: 128 x 256 tiles, or 128 x 128 where the large ones leave SMs idle
+# (``dequant_tile``); which is faster also depends on how the last wave fills, so both are
+# timed (results/s6_dq.json: up to 1.24x between them on the narrow shapes).
+DEQUANT_LARGE = GemmTile(128, 256, 64, 8, 4)
+DEQUANT_SMALL = GemmTile(128, 128, 64, 4, 4)
+DEQUANT_TACTICS = (DEQUANT_LARGE, DEQUANT_SMALL)
+
+
+def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
+    """The large tile, or the small one where the large tiles would be fewer than the SMs."""
+    tiles = -(-m // DEQUANT_LARGE.block_m) * -(-n // DEQUANT_LARGE.block_n)
+    return DEQUANT_LARGE if tiles >= sms else DEQUANT_SMALL
+
+
 # Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
 PREFILL_TUNED_FROM = 128
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
-    """The tactic candidates of ``kind`` ("gemv", "mma" or "prefill") at M = m; every one when
-    m is None."""
+    """The tactic candidates of ``kind`` ("gemv", "mma", "prefill" or "dequant") at M = m;
+    every one when m is None."""
     if kind == "gemv":
         return GEMV_TACTICS
+    if kind == "dequant":
+        return DEQUANT_TACTICS
     if kind == "prefill":
         return PREFILL_TACTICS if m is None or m >= PREFILL_TUNED_FROM else ()
     if kind != "mma":
@@ -120,8 +151,10 @@ def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
     return MMA_TACTICS[-1][1]
 
 
-def default(kind: str, m: int) -> Any:
-    """The table's configuration of ``kind`` at M = m."""
+def default(kind: str, m: int, n: int = 0, sms: int = 1) -> Any:
+    """The table's configuration of ``kind`` at M = m (``dequant``'s depends on N and the SMs)."""
     if kind == "prefill":
         return PREFILL
+    if kind == "dequant":
+        return dequant_tile(m, n, sms)
     return for_m(GEMV_BY_M if kind == "gemv" else MMA_BY_M, m)

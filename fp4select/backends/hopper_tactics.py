@@ -1,4 +1,5 @@
-"""Tactics for the ``hopper-*`` backends: a few configurations timed per shape.
+"""Tactics for the ``hopper-*`` backends (``hopper-dequant``'s GEMM tile too): a few
+configurations timed per shape.
 
 The tables in ``hopper_configs`` hold one configuration per range of M, chosen at three shapes;
 the best one differs by shape (the H200 sweeps: up to a fifth). Like flashinfer's autotuner,
@@ -42,10 +43,11 @@ from fp4select.backends import hopper_configs
 
 OP = "hopper"
 _KINDS = {
-    "run_gemv": "gemv",
-    "run_mma": "mma",
-    "run_prefill": "prefill",
-}  # the runners of triton_hopper that take cfg=
+    ("fp4select.backends.triton_hopper", "run_gemv"): "gemv",
+    ("fp4select.backends.triton_hopper", "run_mma"): "mma",
+    ("fp4select.backends.triton_hopper", "run_prefill"): "prefill",
+    ("fp4select.backends.dequant", "run_hopper"): "dequant",
+}  # the runners that take cfg=
 _TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call
 
 
@@ -53,7 +55,7 @@ def _kind(runner: Callable[..., Any]) -> tuple[Callable[..., Any], str]:
     run = getattr(runner, "func", runner)
     name = getattr(run, "__name__", "")
     module = getattr(run, "__module__", "")
-    return run, _KINDS.get(name, "") if module == "fp4select.backends.triton_hopper" else ""
+    return run, _KINDS.get((module, name), "")
 
 
 def _time_us(calls: Sequence[Callable[[], Any]], device: torch.device, budget_s: float) -> float:
@@ -126,7 +128,8 @@ def tune(
     a = args[0]
     m = int(a.shape[0])
     run, kind = _kind(runner)
-    default = hopper_configs.default(kind, m)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 1
+    default = hopper_configs.default(kind, m, int(args[1].shape[-1]), sms)
     record: dict[str, Any] = {
         "op": OP,
         "tactic": list(astuple(default)),
