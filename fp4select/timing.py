@@ -40,6 +40,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from fp4select import cuda_graphs
 from fp4select.records import Timing, TimingOptions
 
 MIN_TIE_TOLERANCE = 0.02
@@ -88,15 +89,13 @@ class _Sampler:
         self.device = device
         self.graph: Any = None
         if graph:
-            self.graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for fn in calls:  # warm-up on the capture stream, as torch recommends
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
-            with torch.cuda.graph(self.graph):
-                self._loop()
+            self.graph = cuda_graphs.capture(self._loop, device)
 
     def _loop(self) -> None:
         calls, n = self.calls, len(self.calls)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from fp4select import cuda_graphs
 from fp4select import settings as settings_mod
 from fp4select.backends import hopper_configs
 
@@ -89,10 +90,8 @@ def _graphed(calls: Sequence[Callable[[], Any]], device: torch.device) -> Callab
         for call in calls:
             call()
 
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            eager()
+        graph = cuda_graphs.capture(eager, device)
     except Exception:  # not capturable: eager launches are still right, only less exact
         torch.cuda.synchronize(device)
         return eager
