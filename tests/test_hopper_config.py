@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from fp4select import settings, validate
-from fp4select.backends import dequant
 from fp4select.backends import hopper_configs as hc
 from fp4select.backends import hopper_tactics as ht
 from fp4select.backends import triton_hopper as th
@@ -52,7 +51,6 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
         (th.run_gemv, hc.GEMV_TACTICS[2]),
         (th.run_mma, hc.MMA_TACTICS[1][1][1]),
         (th.run_prefill, hc.PREFILL_TACTICS[1]),
-        (dequant.run_hopper, hc.DEQUANT_TACTICS[1]),
     ]:
         pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
@@ -70,16 +68,26 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     # Each backend pins only its own kind's candidates.
     assert ht.pin(th.run_prefill, _record(hc.MMA_TACTICS[-1][1][0])) is th.run_prefill
     assert ht.pin(th.run_mma, _record(hc.PREFILL_TACTICS[0])) is th.run_mma
-    assert ht.pin(dequant.run_hopper, _record(hc.GEMV_TACTICS[0])) is dequant.run_hopper
-    assert ht.pin(dequant.run_torch, _record(hc.DEQUANT_TACTICS[0])) is dequant.run_torch
 
 
-def test_the_dequant_tile_is_the_large_one_unless_it_leaves_sms_idle():
-    # 128 x 256 tiles: M = 2048 at N = 2560 makes 16 x 10 = 160 of them, N = 1280 only 80.
-    assert hc.default("dequant", 2048, 2560, 132) == hc.DEQUANT_LARGE
-    assert hc.default("dequant", 2048, 1280, 132) == hc.DEQUANT_SMALL
-    assert hc.default("dequant", 2048, 1280, 80) == hc.DEQUANT_LARGE
-    assert hc.candidates("dequant", 4096) == hc.DEQUANT_TACTICS
+@pytest.mark.parametrize(
+    "n,m,small",  # the H200 sweep's faster tile at each point (results/s6_dq.json, 132 SMs)
+    [
+        (2560, 512, True),  # 40 large tiles: a third of one wave
+        (2560, 2048, True),  # 160 large: 1.2 waves; 320 small: 2.4
+        (2560, 8192, False),  # 640 large tiles: 4.8 waves, both fill well
+        (8192, 512, False),  # 128 large: one wave, as 256 small
+        (4608, 512, False),  # 72 large, 144 small: equally idle; the large tile is faster
+        (4608, 2048, True),
+        (1280, 2048, False),  # 80 large, 160 small: equally idle
+        (1280, 4096, True),
+        (7168, 4096, False),
+    ],
+)
+def test_the_dequant_tile_is_the_one_that_fills_the_sms(n, m, small):
+    tile = hc.dequant_tile(m, n, 132)
+    assert tile == (hc.DEQUANT_SMALL if small else hc.DEQUANT_LARGE), (n, m)
+    assert hc.dequant_tile(m, n, 0) in (hc.DEQUANT_SMALL, hc.DEQUANT_LARGE)  # no SM count
 
 
 def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():

@@ -28,11 +28,11 @@ Design rules:
   does (decode, then multiply), slower in bfloat16, so it would add a candidate and no speed.
 * ``hopper-dequant`` writes with masked stores, so any ``out`` the checks accept (strided
   too) is written in place. Its workspaces' rows are K bfloat16 values, a multiple of 16
-  bytes for every K the checks accept, as TMA requires. Its tile is a tactic
-  (``hopper_configs.DEQUANT_TACTICS``): 128 x 256 x 64 (8 warps), which matched cuBLAS, or
-  128 x 128 x 64 (4 warps), timed per shape; untuned, the small one where the large tiles
-  would be fewer than the SMs. It declines buckets ending below ``MIN_M`` (``Capabilities.min_m``):
-  there its decode passes alone cost more than the kernels that decode in registers take.
+  bytes for every K the checks accept, as TMA requires. Its tile: 128 x 256 x 64 (8 warps),
+  which matched cuBLAS, or 128 x 128 x 64 (4 warps) where that fills the SMs' waves clearly
+  better (``hopper_configs.dequant_tile``). It declines buckets ending below ``MIN_M``
+  (``Capabilities.min_m``): there its decode passes alone cost more than the kernels that
+  decode in registers take.
 * Importing this module never imports triton.
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from fp4select import formats
-from fp4select.backends import hopper_tactics, triton_fp4
+from fp4select.backends import triton_fp4
 from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, cuda_from
 from fp4select.backends.hopper_configs import GemmTile, dequant_tile
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
@@ -276,7 +276,7 @@ def run_hopper(
     cfg: GemmTile | None = None,
 ) -> torch.Tensor:
     """mm_fp4's positional order (without backend); enable_pdl means nothing here. ``cfg``:
-    the GEMM's tile (a tactic), else ``dequant_tile``'s."""
+    the GEMM's tile (the sweeps name one), else ``dequant_tile``'s."""
     c = triton_fp4.check_call(
         a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
     )
@@ -326,8 +326,6 @@ HOPPER_DEQUANT = Backend(
     preference=290,
     family="native",  # Triton kernels: unproven code runs in the sandbox
     description="decode a and b to bfloat16 workspaces, persistent TMA GEMM with alpha in it",
-    tune=hopper_tactics.tune,
-    pin=hopper_tactics.pin,
 )
 
 BACKENDS = (HOPPER_DEQUANT, TORCH_DEQUANT)

@@ -63,7 +63,7 @@ MMA_BY_M = (
     (64, MmaConfig(128, 64, 16, 4, 4)),
     (None, MmaConfig(128, 128, 16, 4, 3)),
 )
-PREFILL = MmaConfig(128, 256, 16, 8, 3, split=1)
+PREFILL = MmaConfig(128, 256, 8, 8, 4, split=1)
 
 
 def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
@@ -78,7 +78,6 @@ GEMV_TACTICS = (
     GemvConfig(4, 128, 2),
     GemvConfig(4, 256, 4),
     GemvConfig(8, 64, 1, 1),
-    GemvConfig(4, 64, 1, 1),
 )
 MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
     (
@@ -102,7 +101,6 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
         256,
         (
             MmaConfig(128, 128, 16, 4, 3),
-            MmaConfig(128, 128, 16, 8, 3),
             MmaConfig(128, 64, 16, 4, 3),
             MmaConfig(64, 128, 16, 4, 4, split=1),
         ),
@@ -112,20 +110,32 @@ PREFILL_TACTICS = (
     PREFILL,
     MmaConfig(128, 128, 16, 4, 3, split=1),
     MmaConfig(256, 128, 16, 8, 3, split=1),
-    MmaConfig(128, 256, 8, 8, 4, split=1),
 )
-# hopper-dequant: 128 x 256 tiles, or 128 x 128 where the large ones leave SMs idle
-# (``dequant_tile``); which is faster also depends on how the last wave fills, so both are
-# timed (results/s6_dq.json: up to 1.24x between them on the narrow shapes).
+# hopper-dequant's persistent GEMM: 128 x 256 tiles, or 128 x 128 where those fill the last
+# wave of SMs so much better that it outweighs the large tile's own speed (``dequant_tile``).
 DEQUANT_LARGE = GemmTile(128, 256, 64, 8, 4)
 DEQUANT_SMALL = GemmTile(128, 128, 64, 4, 4)
-DEQUANT_TACTICS = (DEQUANT_LARGE, DEQUANT_SMALL)
+# The small tile must fill the SMs' waves this much better: on the H200 it won every point
+# where it did by at least this, and lost where it did not (results/s6_dq.json, 6 shapes,
+# M = 512-8192).
+SMALL_TILE_FILL_GAIN = 1.08
+
+
+def _wave_fill(tiles: int, sms: int) -> float:
+    """The share of the SMs' time a persistent grid of ``tiles`` equal tiles keeps busy."""
+    return tiles / (-(-tiles // sms) * sms)
 
 
 def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
-    """The large tile, or the small one where the large tiles would be fewer than the SMs."""
-    tiles = -(-m // DEQUANT_LARGE.block_m) * -(-n // DEQUANT_LARGE.block_n)
-    return DEQUANT_LARGE if tiles >= sms else DEQUANT_SMALL
+    """The tile whose waves fill the SMs best, the large one unless the small one fills them
+    ``SMALL_TILE_FILL_GAIN`` better (a heuristic, not a tactic: timing both at every key cost
+    more warm-up than the few percent it found)."""
+
+    def fill(tile: GemmTile) -> float:
+        return _wave_fill(-(-m // tile.block_m) * -(-n // tile.block_n), max(sms, 1))
+
+    small_wins = fill(DEQUANT_SMALL) > fill(DEQUANT_LARGE) * SMALL_TILE_FILL_GAIN
+    return DEQUANT_SMALL if small_wins else DEQUANT_LARGE
 
 
 # Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
@@ -133,12 +143,10 @@ PREFILL_TUNED_FROM = 128
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
-    """The tactic candidates of ``kind`` ("gemv", "mma", "prefill" or "dequant") at M = m;
-    every one when m is None."""
+    """The tactic candidates of ``kind`` ("gemv", "mma" or "prefill") at M = m; every one when
+    m is None."""
     if kind == "gemv":
         return GEMV_TACTICS
-    if kind == "dequant":
-        return DEQUANT_TACTICS
     if kind == "prefill":
         return PREFILL_TACTICS if m is None or m >= PREFILL_TUNED_FROM else ()
     if kind != "mma":
@@ -151,10 +159,8 @@ def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
     return MMA_TACTICS[-1][1]
 
 
-def default(kind: str, m: int, n: int = 0, sms: int = 1) -> Any:
-    """The table's configuration of ``kind`` at M = m (``dequant``'s depends on N and the SMs)."""
+def default(kind: str, m: int) -> Any:
+    """The table's configuration of ``kind`` at M = m."""
     if kind == "prefill":
         return PREFILL
-    if kind == "dequant":
-        return dequant_tile(m, n, sms)
     return for_m(GEMV_BY_M if kind == "gemv" else MMA_BY_M, m)

@@ -1,5 +1,4 @@
-"""Tactics for the ``hopper-*`` backends (``hopper-dequant``'s GEMM tile too): a few
-configurations timed per shape.
+"""Tactics for the ``hopper-*`` backends: a few configurations timed per shape.
 
 The tables in ``hopper_configs`` hold one configuration per range of M, chosen at three shapes;
 the best one differs by shape (the H200 sweeps: up to a fifth). Like flashinfer's autotuner,
@@ -47,7 +46,6 @@ _KINDS = {
     ("fp4select.backends.triton_hopper", "run_gemv"): "gemv",
     ("fp4select.backends.triton_hopper", "run_mma"): "mma",
     ("fp4select.backends.triton_hopper", "run_prefill"): "prefill",
-    ("fp4select.backends.dequant", "run_hopper"): "dequant",
 }  # the runners that take cfg=
 _TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call
 
@@ -127,8 +125,7 @@ def tune(
     a = args[0]
     m = int(a.shape[0])
     run, kind = _kind(runner)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 1
-    default = hopper_configs.default(kind, m, int(args[1].shape[-1]), sms)
+    default = hopper_configs.default(kind, m)
     record: dict[str, Any] = {
         "op": OP,
         "tactic": list(astuple(default)),

@@ -217,9 +217,12 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     if a32 is None or w32 is None or sw32 is None or shifts is None:
         return _fallback(args)
     k = kernels()
-    # PDL only for the narrowest token tiles: on the H200 it saved 2-12% at M <= 16 and cost
-    # up to 1.3x with 32- and 64-token tiles (results/s6_pdl.json).
-    pdl = _pdl(args, c.out.device) and cfg.block_t <= 16
+    pdl = _pdl(args, c.out.device)
+    # The main loop joins PDL with the narrowest token tiles only: on the H200 it saved 2-12%
+    # at M <= 16 and cost up to 1.3x with 32- and 64-token tiles (results/s6_pdl.json). The
+    # a decode and the split-K reduction take it always (one compile each, not two): next to
+    # a main loop launched without it, it changes nothing.
+    pdl_main = pdl and cfg.block_t <= 16
     kw = c.kh // 4
     bkw = cfg.words_per_step
     sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
@@ -279,8 +282,8 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
         BKW=bkw,
         GROUP=cfg.group,
         ASM=ASM,
-        PDL=pdl,
-        launch_pdl=pdl,
+        PDL=pdl_main,
+        launch_pdl=pdl_main,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
