@@ -296,8 +296,7 @@ def _note_fallback(runner: Any, tactic: Any, inputs: Sequence[Any], why: str) ->
     with _fallbacks_lock:
         entry = _fallbacks.get(key)
         if entry is None:
-            entry = {"runner": cls, "tactic": tactic_json, "n": n, "k": k, "m": m}
-            entry.update(reason=why, calls=0)
+            entry = dict(runner=cls, tactic=tactic_json, n=n, k=k, m=m, reason=why, calls=0)
             _fallbacks[key] = entry
             log.warning(
                 "flashinfer tactic %s of %s cannot serve N=%d K=%d M=%d (%s): those calls run at "
@@ -670,15 +669,15 @@ def tune(
         if first_time(f"flashinfer tactics: {bad}"):
             log.error(bad)
         return {"op": OP, "tactic": None, "reason": bad}
+    api, why = None, None
     if settings_mod.untuned_by_setting(mode, name):
-        return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}={mode}"}
-    if getattr(problem, "batch_invariant", False):
-        return {"op": OP, "tactic": None, "reason": "batch-invariant problems are not tuned here"}
-    api, why = tuner_api()
-    if api is None:
-        return {"op": OP, "tactic": None, "reason": why}
-    why = install() or bucket_mapping_disagreement()
-    if why is not None:
+        why = f"{TACTICS_ENV}={mode}"
+    elif getattr(problem, "batch_invariant", False):
+        why = "batch-invariant problems are not tuned here"
+    else:
+        api, why = tuner_api()
+        why = why or install() or bucket_mapping_disagreement()
+    if api is None or why is not None:
         return {"op": OP, "tactic": None, "reason": why}
     record: dict[str, Any] = {
         "op": OP,
