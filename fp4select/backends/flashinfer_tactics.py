@@ -89,7 +89,7 @@ from typing import Any
 import torch
 
 from fp4select import settings as settings_mod
-from fp4select.backends.base import Runner
+from fp4select.backends.base import Runner, is_cuda_error
 from fp4select.keys import Problem, installed_version
 from fp4select.store._warn import first_time
 
@@ -526,19 +526,6 @@ def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
 
 
 # -- tuning ----------------------------------------------------------------------------------
-_FATAL_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "cudaError")
-
-
-def _fatal(exc: BaseException) -> bool:
-    """Failures the probe must see (and classify) rather than note: OOM, a broken context."""
-    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return any(marker in str(exc) for marker in _FATAL_MARKERS)
-
-
 class _TuneTimeout(RuntimeError):
     """Raised into flashinfer's profiling loop past the tuning time limit (a failed tactic)."""
 
@@ -697,8 +684,8 @@ def tune(
         with watch, api.autotune(True, tuning_buckets=(problem.m_bucket,)):
             runner(*args)
     except Exception as exc:
-        if _fatal(exc):
-            raise
+        if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or is_cuda_error(exc):
+            raise  # the probe classifies these: OOM, a broken context
         record["reason"] = (
             f"flashinfer's autotuner failed ({type(exc).__name__}: {exc}); "
             "timed at the default tactic"
