@@ -1,10 +1,7 @@
 """Probing in a child process: a candidate that crashes, hangs or breaks CUDA takes only the child.
 
-The package's modules, one job each: this one decides (what each candidate's verdict is, whom
-to blame); ``attempt.py`` reads one request's events and checks them; ``process.py`` starts,
-reuses and ends the worker processes. The child's own code is ``worker.py``.
-
-Design rules:
+This module decides what each candidate's verdict is and whom to blame (the package's
+docstring says what its other modules do). Design rules:
 
 * A CUDA fault is sticky: the process that saw it can never use the GPU again. So every
   unproven candidate runs in a worker child; the caller's process runs a backend only after it

@@ -1,8 +1,5 @@
 """Sandbox worker processes, parent side: start them, talk to them, end them, decode deaths.
 
-The child's own code is ``worker.py``; what its events may say is checked in ``attempt.py``;
-what is probed in it and who is blamed is ``prober.py``.
-
 Design rules:
 
 * One persistent worker per device (a ``WorkerPool`` key), started on first use and reused
