@@ -224,10 +224,6 @@ def _dist() -> Any:
     return dist
 
 
-def _src(dist: Any, group: Any) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)
-
-
 def _receive(
     data: Any, wanted: Iterable[Problem], env: Mapping[str, Any], sel: Selector
 ) -> list[Decision]:
@@ -419,7 +415,8 @@ def sync(
             decided = {"error": f"{type(exc).__name__}: {exc}"}
     adopted = 0
     try:
-        received = _broadcast_json(decided, _src(dist, group), dist, group)
+        src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's rank 0
+        received = _broadcast_json(decided, src, dist, group)
         if error is None:
             checked = _receive(received, union, env, sel)
             if rank != 0:

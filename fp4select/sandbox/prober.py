@@ -75,10 +75,6 @@ ALONE_LINGER_S = 1.0
 PROTOCOL_STRIKES = 2
 
 
-def _is_builtin(backend: Backend) -> bool:
-    return backend.family == "builtin" or backend.name == EMULATION
-
-
 class SandboxProber:
     """Runs the probe in a worker child per device; see the module docstring for the rules."""
 
@@ -148,7 +144,9 @@ class SandboxProber:
             device=device,
             options=options,
             specs=self._specs(self.registry(), backends, verdicts, report),
-            builtin=frozenset(b.name for b in backends if _is_builtin(b)),
+            builtin=frozenset(
+                b.name for b in backends if b.family == "builtin" or b.name == EMULATION
+            ),
             report=report,
             timeout_s=self.timeout_s,
             linger_s=self.linger_s,
