@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from fp4select.keys import env_difference
 from fp4select.store import digest
 from fp4select.store.archive import read_archive
 
@@ -23,8 +24,7 @@ __all__ = ["applicability", "difference"]
 
 def difference(archive_env: Mapping[str, Any], here: Mapping[str, Any]) -> str:
     """The fields that differ, as ``field: archive value -> value here``; "" when equal."""
-    fields = sorted(k for k in set(archive_env) | set(here) if archive_env.get(k) != here.get(k))
-    return "; ".join(f"{k}: {archive_env.get(k)!r} -> {here.get(k)!r}" for k in fields)
+    return env_difference(archive_env, here)
 
 
 def applicability(path: str | os.PathLike[str], here: Mapping[str, Any]) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from fp4select._version import __version__
-from fp4select.keys import Problem, environment_for, resolve_device
+from fp4select.keys import Problem, env_difference, environment_for, resolve_device
 from fp4select.records import Decision
 from fp4select.selector import Selector
 from fp4select.store import MAX_DEPTH, digest, too_deep
@@ -89,10 +89,6 @@ def _selector(sel: Selector | None) -> Selector:
     return selector()
 
 
-def _decisions(sel: Selector, env: Mapping[str, Any]) -> list[Decision]:
-    return sel.decisions(env)
-
-
 def adopt(decision: Decision, sel: Selector | None = None) -> None:
     """Install ``decision`` in this process's memory, as a disk read would."""
     _selector(sel).adopt(decision)
@@ -100,7 +96,7 @@ def adopt(decision: Decision, sel: Selector | None = None) -> None:
 
 def held_problems(env: Mapping[str, Any], sel: Selector | None = None) -> list[Problem]:
     """The problem keys this process holds decisions for in ``env``."""
-    return [d.problem for d in _decisions(_selector(sel), env)]
+    return [d.problem for d in _selector(sel).decisions(env)]
 
 
 def decision_table(env: Mapping[str, Any], sel: Selector | None = None) -> dict[str, Any]:
@@ -108,7 +104,7 @@ def decision_table(env: Mapping[str, Any], sel: Selector | None = None) -> dict[
     ``env`` (the tactic a record or None: the runner serves the winner at it)."""
     return {
         d.problem.digest(): [d.problem.describe(), d.winner, d.tactic(d.winner)]
-        for d in _decisions(_selector(sel), env)
+        for d in _selector(sel).decisions(env)
     }
 
 
@@ -228,15 +224,6 @@ def _dist() -> Any:
     return dist
 
 
-def _src(dist: Any, group: Any) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)
-
-
-def _env_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
-    fields = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-    return "; ".join(f"{k}: {theirs.get(k)!r} on rank 0, {mine.get(k)!r} here" for k in fields)
-
-
 def _receive(
     data: Any, wanted: Iterable[Problem], env: Mapping[str, Any], sel: Selector
 ) -> list[Decision]:
@@ -261,9 +248,8 @@ def _receive(
         if decision.problem not in wanted:
             raise ValueError(f"rank 0 sent a decision for {what}, which no rank asked for")
         if digest(decision.env) != digest(env):
-            raise ValueError(
-                f"rank 0 decided {what} in another environment ({_env_difference(env, decision.env)})"
-            )
+            diff = env_difference(decision.env, env, ("on rank 0", "here"))
+            raise ValueError(f"rank 0 decided {what} in another environment ({diff})")
         if decision.winner is not None:
             runnable, excluded = sel.candidates(decision.problem, env, registry)
             if decision.winner not in {b.name for b in runnable}:
@@ -429,7 +415,8 @@ def sync(
             decided = {"error": f"{type(exc).__name__}: {exc}"}
     adopted = 0
     try:
-        received = _broadcast_json(decided, _src(dist, group), dist, group)
+        src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's rank 0
+        received = _broadcast_json(decided, src, dist, group)
         if error is None:
             checked = _receive(received, union, env, sel)
             if rank != 0:

@@ -330,14 +330,6 @@ def trtllm_row_permutation(rows: int, device=None) -> torch.Tensor:
     return new - j + (j % 8) * 4 + j // 8
 
 
-def _trtllm_inverse_permutation(rows: int, device=None) -> torch.Tensor:
-    """``inv[old_row] = new_row``: the forward map, so unshuffling is a gather, not a scatter."""
-    _check_shuffle_rows(rows, TRTLLM_SHUFFLE_BLOCK, "rows")
-    old = torch.arange(rows, dtype=torch.int64, device=device)
-    i = old % 32
-    return old - i + (i % 4) * 8 + i // 4
-
-
 def shuffle_rows_trtllm(x: torch.Tensor) -> torch.Tensor:
     """Apply the trtllm row shuffle along dim 0 (``out[new] = x[perm[new]]``)."""
     if x.dim() == 0:
@@ -346,10 +338,14 @@ def shuffle_rows_trtllm(x: torch.Tensor) -> torch.Tensor:
 
 
 def unshuffle_rows_trtllm(x: torch.Tensor) -> torch.Tensor:
-    """Undo :func:`shuffle_rows_trtllm` along dim 0."""
+    """Undo :func:`shuffle_rows_trtllm` along dim 0: a gather at the forward map
+    ``inv[old_row] = new_row``, not a scatter."""
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension")
-    return x.index_select(0, _trtllm_inverse_permutation(x.shape[0], x.device))
+    _check_shuffle_rows(x.shape[0], TRTLLM_SHUFFLE_BLOCK, "rows")
+    old = torch.arange(x.shape[0], dtype=torch.int64, device=x.device)
+    i = old % 32
+    return x.index_select(0, old - i + (i % 4) * 8 + i // 4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 import importlib.metadata
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -244,6 +244,17 @@ def environment(device_index: int | None = None) -> dict[str, Any]:
     except Exception:  # cuDNN missing from this torch build: recorded as None
         env["cudnn"] = None
     return env
+
+
+def env_difference(
+    a: Mapping[str, Any], b: Mapping[str, Any], where: tuple[str, str] | None = None
+) -> str:
+    """The fields two environments differ in: ``field: a -> b``, or with ``where`` (the two
+    places) ``field: a on A, b on B``; "" when equal."""
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if where is None:
+        return "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys)
+    return "; ".join(f"{k}: {a.get(k)!r} {where[0]}, {b.get(k)!r} {where[1]}" for k in keys)
 
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:

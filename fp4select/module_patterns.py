@@ -214,11 +214,8 @@ def _closure(states: list[list[Any]], todo: list[int], at: int, end: int) -> set
         kind = state[0]
         if kind == "split":
             todo.extend((state[1], state[2]))
-        elif kind == "begin":
-            if at == 0:
-                todo.append(state[1])
-        elif kind == "end":
-            if at == end:
+        elif kind in ("begin", "end"):
+            if at == (0 if kind == "begin" else end):
                 todo.append(state[1])
         else:
             result.add(j)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fp4select import settings
-from fp4select.keys import Problem, environment_for
+from fp4select.keys import Problem, env_difference, environment_for
 from fp4select.selector import Selector
 from fp4select.settings import Settings
 from fp4select.store import digest
@@ -79,10 +79,7 @@ def check_same_environment(
     first = envs[0]
     for device, env in zip(devices[1:], envs[1:]):
         if digest(env) != digest(first):
-            fields = sorted(k for k in set(first) | set(env) if first.get(k) != env.get(k))
-            diff = "; ".join(
-                f"{k}: {first.get(k)!r} on {devices[0]}, {env.get(k)!r} on {device}" for k in fields
-            )
+            diff = env_difference(first, env, (f"on {devices[0]}", f"on {device}"))
             raise DeviceError(
                 f"--devices mixes GPU kinds ({diff}); their decisions differ, so run warm "
                 "once per kind with --devices naming GPUs of one kind"

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from fp4select import timing, validate
-from fp4select.backends.base import Backend
+from fp4select.backends.base import Backend, is_cuda_error
 from fp4select.keys import Problem, resolve_device
 from fp4select.records import (  # noqa: F401  (re-exported: the names plugins and tests know)
     FATAL_STATUSES,
@@ -54,15 +54,6 @@ from fp4select.records import (  # noqa: F401  (re-exported: the names plugins a
 DEFAULT_SUFFIX = "@default"
 
 
-def _is_cuda_error(exc: BaseException) -> bool:
-    text = str(exc)
-    accelerator_error = getattr(torch, "AcceleratorError", ())
-    return (accelerator_error and isinstance(exc, accelerator_error)) or any(
-        marker in text
-        for marker in ("CUDA error", "illegal memory access", "device-side assert", "cudaError")
-    )
-
-
 def classify(backend: Backend, exc: BaseException, m: int | None) -> Verdict:
     message = f"{type(exc).__name__}: {exc}".strip()[:2000]
     if backend.is_unsupported(exc):
@@ -73,7 +64,7 @@ def classify(backend: Backend, exc: BaseException, m: int | None) -> Verdict:
         for marker in ("out of memory", "can't allocate memory", "cannot allocate memory")
     ):
         return Verdict(backend.name, Status.OOM, message, m)
-    if _is_cuda_error(exc):
+    if is_cuda_error(exc):
         return Verdict(backend.name, Status.CUDA_ERROR, message, m)
     tail = "".join(traceback.format_exception(exc)[-6:])[-2000:]
     return Verdict(backend.name, Status.ERROR, message, m, detail={"traceback": tail})
@@ -283,7 +274,7 @@ def probe(
             # Timing broke: we cannot tell which candidate did it from here, so no one wins on
             # speed; the selector falls back to preference order among the validated.
             result.method = f"timing failed: {type(exc).__name__}: {exc}"[:300]
-            if _is_cuda_error(exc):
+            if is_cuda_error(exc):
                 result.aborted = True
     validate.clear_cache()
     result.seconds = time.perf_counter() - started
@@ -321,16 +312,7 @@ class InProcessProber:
     """Runs the probe in the caller's process: fast, and only as safe as the candidates."""
 
     isolation = "inprocess"
-
-    def probe(
-        self,
-        problem: Problem,
-        backends: Sequence[Backend],
-        device: torch.device | str,
-        options: ProbeOptions,
-        report: Report | None = None,
-    ) -> ProbeResult:
-        return probe(problem, backends, device, options, report)
+    probe = staticmethod(probe)
 
     def close(self) -> None:
         pass

@@ -21,7 +21,7 @@ import datetime as _dt
 import enum
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from fp4select._version import __version__
@@ -167,9 +167,7 @@ class Verdict:
         return cls(**data)
 
 
-_VERDICT_FIELDS = frozenset(
-    {"backend", "status", "reason", "m", "worst_ratio", "deterministic", "detail", "cause"}
-)
+_VERDICT_FIELDS = frozenset(f.name for f in fields(Verdict))
 _STATUS_VALUES = frozenset(s.value for s in Status)
 
 

@@ -120,35 +120,30 @@ class Selector:
         self._memory: dict[str, Decision] = {}
         self._prober: Prober | None = None
         self._lock = threading.RLock()
-        self._registry: registry_mod.Registry | None = None
-        self._registry_generation = -1
-        self._light: registry_mod.Registry | None = None
-        self._light_generation = -1
+        # include_flashinfer -> (the registry generation it was discovered in, the registry)
+        self._registries: dict[bool, tuple[int, registry_mod.Registry]] = {}
 
     # -- parts -----------------------------------------------------------------------------
-    def registry(self, refresh: bool = False) -> registry_mod.Registry:
+    def registry(
+        self, refresh: bool = False, include_flashinfer: bool = True
+    ) -> registry_mod.Registry:
+        """The registered backends, discovered again when the registry changed since."""
         with self._lock:
             generation = registry_mod.generation()
-            if self._registry is None or refresh or generation != self._registry_generation:
-                self._registry = registry_mod.discover()
-                self._registry_generation = generation
-            return self._registry
+            held = self._registries.get(include_flashinfer)
+            if held is None or refresh or held[0] != generation:
+                held = (generation, registry_mod.discover(include_flashinfer=include_flashinfer))
+                self._registries[include_flashinfer] = held
+            return held[1]
 
     def light_registry(self) -> registry_mod.Registry:
         """Every backend but flashinfer's: what a disk hit can be checked against cheaply."""
-        with self._lock:
-            generation = registry_mod.generation()
-            if self._light is None or generation != self._light_generation:
-                self._light = registry_mod.discover(include_flashinfer=False)
-                self._light_generation = generation
-            return self._light
+        return self.registry(include_flashinfer=False)
 
     def _full_registry_current(self) -> bool:
         with self._lock:
-            return (
-                self._registry is not None
-                and self._registry_generation == registry_mod.generation()
-            )
+            held = self._registries.get(True)
+            return held is not None and held[0] == registry_mod.generation()
 
     def backend(self, name: str) -> Backend | None:
         """The backend called ``name``, importing flashinfer only when it may be flashinfer's.
@@ -413,7 +408,12 @@ class Selector:
         )
         self.counters.add("tunings")
         started = time.perf_counter()
-        result = self._probe(problem, runnable, device)
+        result = ProbeResult()
+        if runnable:
+            # Batch invariance, not speed, decides a batch-invariant problem: its backends are
+            # validated (invariance included) and the preference order picks among them.
+            options = ProbeOptions(timing=self.timing, validate_only=problem.batch_invariant)
+            result = self.prober().probe(problem, runnable, device, options)
         verdicts = {**excluded, **result.verdicts}
         self._record_fatal(env, problem, result)
         decision = Decision(
@@ -447,16 +447,6 @@ class Selector:
         if decision.winner is not None:
             self.store.write_entry(env, problem.to_json(), decision.to_json())
         return decision
-
-    def _probe(
-        self, problem: Problem, runnable: list[Backend], device: torch.device
-    ) -> ProbeResult:
-        if not runnable:
-            return ProbeResult()
-        # Batch invariance, not speed, decides a batch-invariant problem: its backends are
-        # validated (invariance included) and the preference order picks among them.
-        options = ProbeOptions(timing=self.timing, validate_only=problem.batch_invariant)
-        return self.prober().probe(problem, runnable, device, options)
 
     def _record_fatal(self, env: Mapping[str, Any], problem: Problem, result: ProbeResult) -> None:
         scope = self.settings.blacklist_scope

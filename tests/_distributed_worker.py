@@ -78,9 +78,9 @@ def main() -> None:
             result["table"] = distributed.decision_table(env)
             result["records"] = {
                 d.problem.digest(): {k: v for k, v in d.to_json().items() if k != "source"}
-                for d in distributed._decisions(sel, env)
+                for d in sel.decisions(env)
             }
-            result["sources"] = sorted({d.source for d in distributed._decisions(sel, env)})
+            result["sources"] = sorted({d.source for d in sel.decisions(env)})
             gemm(64 * (rank + 1), 3, device)  # the adopted decision serves: no tuning here
             result["tunings_after_call"] = sel.counters.tunings
             result["entries_on_disk"] = len(list(sel.store.iter_entries(None)))

@@ -244,6 +244,15 @@ def cuda_from(env: Mapping[str, Any], min_cc: int) -> bool:
     return env.get("device") == "cuda" and isinstance(cc, int) and cc >= min_cc
 
 
+def is_cuda_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the CUDA context broke: that process cannot use the GPU again."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    markers = ("CUDA error", "illegal memory access", "device-side assert", "cudaError")
+    return any(marker in str(exc) for marker in markers)
+
+
 class UnsupportedProblem(Exception):
     """Raised by a runner to say it cannot take this problem: recorded, never blacklisted."""
 

@@ -89,7 +89,7 @@ from typing import Any
 import torch
 
 from fp4select import settings as settings_mod
-from fp4select.backends.base import Runner
+from fp4select.backends.base import Runner, is_cuda_error
 from fp4select.keys import Problem, installed_version
 from fp4select.store._warn import first_time
 
@@ -296,8 +296,7 @@ def _note_fallback(runner: Any, tactic: Any, inputs: Sequence[Any], why: str) ->
     with _fallbacks_lock:
         entry = _fallbacks.get(key)
         if entry is None:
-            entry = {"runner": cls, "tactic": tactic_json, "n": n, "k": k, "m": m}
-            entry.update(reason=why, calls=0)
+            entry = dict(runner=cls, tactic=tactic_json, n=n, k=k, m=m, reason=why, calls=0)
             _fallbacks[key] = entry
             log.warning(
                 "flashinfer tactic %s of %s cannot serve N=%d K=%d M=%d (%s): those calls run at "
@@ -527,19 +526,6 @@ def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:
 
 
 # -- tuning ----------------------------------------------------------------------------------
-_FATAL_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "cudaError")
-
-
-def _fatal(exc: BaseException) -> bool:
-    """Failures the probe must see (and classify) rather than note: OOM, a broken context."""
-    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return any(marker in str(exc) for marker in _FATAL_MARKERS)
-
-
 class _TuneTimeout(RuntimeError):
     """Raised into flashinfer's profiling loop past the tuning time limit (a failed tactic)."""
 
@@ -670,15 +656,15 @@ def tune(
         if first_time(f"flashinfer tactics: {bad}"):
             log.error(bad)
         return {"op": OP, "tactic": None, "reason": bad}
+    api, why = None, None
     if settings_mod.untuned_by_setting(mode, name):
-        return {"op": OP, "tactic": None, "reason": f"{TACTICS_ENV}={mode}"}
-    if getattr(problem, "batch_invariant", False):
-        return {"op": OP, "tactic": None, "reason": "batch-invariant problems are not tuned here"}
-    api, why = tuner_api()
-    if api is None:
-        return {"op": OP, "tactic": None, "reason": why}
-    why = install() or bucket_mapping_disagreement()
-    if why is not None:
+        why = f"{TACTICS_ENV}={mode}"
+    elif getattr(problem, "batch_invariant", False):
+        why = "batch-invariant problems are not tuned here"
+    else:
+        api, why = tuner_api()
+        why = why or install() or bucket_mapping_disagreement()
+    if api is None or why is not None:
         return {"op": OP, "tactic": None, "reason": why}
     record: dict[str, Any] = {
         "op": OP,
@@ -698,8 +684,8 @@ def tune(
         with watch, api.autotune(True, tuning_buckets=(problem.m_bucket,)):
             runner(*args)
     except Exception as exc:
-        if _fatal(exc):
-            raise
+        if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or is_cuda_error(exc):
+            raise  # the probe classifies these: OOM, a broken context
         record["reason"] = (
             f"flashinfer's autotuner failed ({type(exc).__name__}: {exc}); "
             "timed at the default tactic"

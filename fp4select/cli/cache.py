@@ -18,9 +18,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     store = selector().store
     env = None if args.all else environment_for(parse_device(args.device))
-    items = []
-    for env_, key, record in store.iter_entries(env):
-        items.append({"env": env_, "key": key, "record": record})
+    items = [{"env": e, "key": k, "record": r} for e, k, r in store.iter_entries(env)]
     if args.json:
         print_json(items)
         return 0

@@ -75,6 +75,30 @@ def plugin_enabled(allow_list_env: str) -> bool:
     return PLUGIN_NAME in {x.strip() for x in allowed.split(",")}
 
 
+def run_plugin(engine: str, allow_list_env: str, patch: Callable[[], Any]) -> None:
+    """An engine's plugin entry point: ``patch()`` when the switch says so; never raises."""
+    if not plugin_enabled(allow_list_env):
+        log.debug(
+            "fp4select: %s plugin installed but off (set %s=fp4select or %s=1)",
+            engine,
+            allow_list_env,
+            ENABLE_ENV,
+        )
+        return
+    try:
+        patch()
+    except Exception:
+        log.exception("fp4select: could not patch %s; it runs unchanged", engine)
+
+
+def unpatch(engine: str, patches: PatchSet) -> list[str]:
+    """Put back every object ``patches`` replaced; returns their names."""
+    restored = patches.restore()
+    if restored:
+        log.info("fp4select: %s unpatched: %s", engine, ", ".join(restored))
+    return restored
+
+
 _warned_untested: set[str] = set()
 
 
@@ -322,6 +346,30 @@ class LinearShape:
     small_m_8x4: bool = False  # vLLM sends 8x4 activation scales to trtllm at M <= 32
 
 
+def linear_shapes(
+    model: torch.nn.Module,
+    layout_of: Callable[[torch.nn.Module], str | None],
+    out_dtype: str,
+    small_m_8x4: bool = False,
+) -> tuple[list[LinearShape], torch.device | None]:
+    """(N, K) and layout of every layer of ``model`` that ``layout_of`` gives a layout, as the
+    engine's GEMM passes them, and their device. A layer's weight is the packed (N, K/2) uint8;
+    an empty one was moved into a fused kernel that does not call mm_fp4."""
+    shapes: set[LinearShape] = set()
+    device = None
+    for module in model.modules():
+        layout = layout_of(module)
+        weight = getattr(module, "weight", None)
+        if layout is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        if weight.dtype != torch.uint8 or weight.numel() == 0:
+            continue
+        n, k = int(weight.shape[0]), 2 * int(weight.shape[1])
+        shapes.add(LinearShape(n, k, out_dtype, layout, small_m_8x4 and layout == "trtllm"))
+        device = device or weight.device
+    return sorted(shapes, key=lambda s: (s.n, s.k, s.b_layout)), device
+
+
 def then_tune(original: Callable[..., Any], tune: Callable[[Any], Any]) -> Callable[..., Any]:
     """``original`` (an engine's load step), then ``tune(self)``; a failure to tune is logged,
     never raised: the server starts, and the shapes are tuned on first use instead."""
@@ -336,6 +384,12 @@ def then_tune(original: Callable[..., Any], tune: Callable[[Any], Any]) -> Calla
         return result
 
     return run_then_tune
+
+
+def out_dtype_of(holder: Any) -> str:
+    """The GEMM output dtype of an engine object's ``model_config.dtype``: float16 or bfloat16."""
+    dtype = getattr(getattr(holder, "model_config", None), "dtype", None)
+    return "float16" if dtype == torch.float16 else "bfloat16"
 
 
 def warm_enabled() -> bool:

@@ -73,23 +73,17 @@ def engine_version() -> str | None:
 
 def plugin() -> None:
     """Entry point in SGLang's ``sglang.srt.plugins`` group; never raises into SGLang."""
-    if not _common.plugin_enabled(ALLOW_LIST_ENV):
-        log.debug(
-            "fp4select: SGLang plugin installed but off (set %s=fp4select or %s=1)",
-            ALLOW_LIST_ENV,
-            _common.ENABLE_ENV,
-        )
-        return
+    _common.run_plugin(ENGINE, ALLOW_LIST_ENV, _patch_if_scheduler)
+
+
+def _patch_if_scheduler() -> None:
     if TARGET_MODULE not in sys.modules:
         # SGLang's scheduler process (the one that runs the GEMMs) has imported the call site
         # before it loads plugins; the other processes (the HTTP server, the detokenizer) have
         # not, and patching there would only import the model code for nothing.
         log.debug("fp4select: %s not imported in this process; not patching here", TARGET_MODULE)
         return
-    try:
-        patch()
-    except Exception:
-        log.exception("fp4select: could not patch SGLang; it runs unchanged")
+    patch()
 
 
 def is_patched() -> bool:
@@ -126,7 +120,8 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
         _patch_below_sm100(module)
         if tuning:
             runner_cls = importlib.import_module(RUNNER_MODULE).ModelRunner
-            _patches.set(runner_cls, "initialize", _tuning_initialize(runner_cls.initialize))
+            tuned = _common.then_tune(runner_cls.initialize, lambda self: tune_model_runner(self))
+            _patches.set(runner_cls, "initialize", tuned)
     except Exception:
         _patches.restore()
         raise
@@ -283,17 +278,10 @@ def _quantize_below_sm100(original: Any) -> Any:
 
 def unpatch() -> list[str]:
     """Put back every object ``patch()`` replaced; returns their names."""
-    restored = _patches.restore()
-    if restored:
-        log.info("fp4select: SGLang unpatched: %s", ", ".join(restored))
-    return restored
+    return _common.unpatch(ENGINE, _patches)
 
 
 # -- tuning at load --------------------------------------------------------------------------
-def _tuning_initialize(original: Any) -> Any:
-    return _common.then_tune(original, lambda self: tune_model_runner(self))
-
-
 def current_layout() -> str | None:
     """The layout family SGLang prepared its FP4 weights in, or None where mm_fp4 is not used."""
     from sglang.srt.layers.quantization import fp4_utils
@@ -323,20 +311,9 @@ def model_shapes(
     model: torch.nn.Module, layout: str, out_dtype: str
 ) -> tuple[list[LinearShape], torch.device | None]:
     """(N, K) of every W4A4 FP4 linear layer as fp4_gemm will pass it, and their device."""
-    shapes: set[LinearShape] = set()
-    device = None
-    for module in model.modules():
-        if not _is_w4a4_fp4_layer(module):
-            continue
-        weight = getattr(module, "weight", None)
-        # An empty weight was moved into a fused swiglu kernel that does not call mm_fp4.
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0:
-            continue
-        if weight.dtype != torch.uint8:
-            continue
-        shapes.add(LinearShape(int(weight.shape[0]), 2 * int(weight.shape[1]), out_dtype, layout))
-        device = device or weight.device
-    return sorted(shapes, key=lambda s: (s.n, s.k)), device
+    return _common.linear_shapes(
+        model, lambda module: layout if _is_w4a4_fp4_layer(module) else None, out_dtype
+    )
 
 
 def server_max_m(server_args: Any) -> int:
@@ -360,8 +337,7 @@ def tune_model_runner(runner: Any) -> dict[str, Any]:
     if layout is None:
         log.info("fp4select: SGLang's FP4 backend does not call mm_fp4 here; nothing to tune")
         return {"engine": ENGINE, "problems": 0}
-    dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
-    out_dtype = "float16" if dtype == torch.float16 else "bfloat16"
+    out_dtype = _common.out_dtype_of(runner)
     shapes, device = model_shapes(runner.model, layout, out_dtype)
     max_m = _common.warm_max_m(server_max_m(getattr(runner, "server_args", None)))
     return _common.tune_at_load(ENGINE, shapes, max_m, device or torch.device("cpu"))

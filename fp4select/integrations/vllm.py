@@ -73,17 +73,7 @@ def engine_version() -> str | None:
 
 def plugin() -> None:
     """Entry point in vLLM's ``vllm.general_plugins`` group; never raises into vLLM."""
-    if not _common.plugin_enabled(ALLOW_LIST_ENV):
-        log.debug(
-            "fp4select: vLLM plugin installed but off (set %s=fp4select or %s=1)",
-            ALLOW_LIST_ENV,
-            _common.ENABLE_ENV,
-        )
-        return
-    try:
-        patch()
-    except Exception:
-        log.exception("fp4select: could not patch vLLM; it runs unchanged")
+    _common.run_plugin(ENGINE, ALLOW_LIST_ENV, patch)
 
 
 def is_patched() -> bool:
@@ -112,7 +102,8 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
         _register_kernel()
         if tuning:
             worker_cls = importlib.import_module(WORKER_MODULE).Worker
-            _patches.set(worker_cls, "load_model", _tuning_load_model(worker_cls.load_model))
+            tuned = _common.then_tune(worker_cls.load_model, lambda self: tune_worker(self))
+            _patches.set(worker_cls, "load_model", tuned)
     except Exception:
         _patches.restore()
         raise
@@ -185,10 +176,9 @@ def _forget_cli_choices() -> None:
 
 def unpatch() -> list[str]:
     """Put back every object ``patch()`` replaced; returns their names."""
-    restored = _patches.restore()
+    restored = _common.unpatch(ENGINE, _patches)
     if restored:
         _forget_cli_choices()
-        log.info("fp4select: vLLM unpatched: %s", ", ".join(restored))
     return restored
 
 
@@ -268,20 +258,17 @@ def kernel_class() -> type:
 
 
 # -- tuning at load --------------------------------------------------------------------------
-def _tuning_load_model(original: Any) -> Any:
-    return _common.then_tune(original, lambda self: tune_worker(self))
-
-
-def _kernel_backend(module: torch.nn.Module) -> str | None:
+def _layout(module: torch.nn.Module) -> str | None:
+    """The weight layout of the kernel that serves ``module``, if it calls mm_fp4."""
     for holder in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
         kernel = getattr(holder, "kernel", None)
         if kernel is None:
             continue
         cls = type(kernel)
         if _kernel_class is not None and cls is _kernel_class:
-            return "auto"  # fp4select's own kernel: the checkpoint's plain layout
+            return "plain"  # fp4select's own kernel: the checkpoint's layout
         if cls.__module__ == KERNEL_MODULE and cls.__name__ in KERNEL_BACKENDS:
-            return KERNEL_BACKENDS[cls.__name__]
+            return _common.LAYOUT_OF_BACKEND.get(KERNEL_BACKENDS[cls.__name__])
     return None
 
 
@@ -289,35 +276,13 @@ def model_shapes(
     model: torch.nn.Module, out_dtype: str
 ) -> tuple[list[LinearShape], torch.device | None]:
     """(N, K) and layout of every linear layer served by a FlashInfer NVFP4 kernel."""
-    shapes: set[LinearShape] = set()
-    device = None
-    for module in model.modules():
-        backend = _kernel_backend(module)
-        layout = _common.LAYOUT_OF_BACKEND.get(backend) if backend else None
-        weight = getattr(module, "weight", None)
-        if layout is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            continue
-        if weight.dtype != torch.uint8 or weight.numel() == 0:
-            continue
-        shapes.add(
-            LinearShape(
-                int(weight.shape[0]),
-                2 * int(weight.shape[1]),
-                out_dtype,
-                layout,
-                small_m_8x4=layout == "trtllm",
-            )
-        )
-        device = device or weight.device
-    return sorted(shapes, key=lambda s: (s.n, s.k, s.b_layout)), device
+    return _common.linear_shapes(model, _layout, out_dtype, small_m_8x4=True)
 
 
 def tune_worker(worker: Any) -> dict[str, Any]:
     """Tune the FP4 layers a vLLM ``Worker`` has loaded; returns the summary."""
     model = worker.model_runner.get_model()
-    dtype = getattr(getattr(worker, "model_config", None), "dtype", None)
-    out_dtype = "float16" if dtype == torch.float16 else "bfloat16"
-    shapes, device = model_shapes(model, out_dtype)
+    shapes, device = model_shapes(model, _common.out_dtype_of(worker))
     scheduler = getattr(getattr(worker, "vllm_config", None), "scheduler_config", None)
     engine_max_m = getattr(scheduler, "max_num_batched_tokens", None) or 8192
     max_m = _common.warm_max_m(engine_max_m)

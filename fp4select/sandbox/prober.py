@@ -1,10 +1,7 @@
 """Probing in a child process: a candidate that crashes, hangs or breaks CUDA takes only the child.
 
-The package's modules, one job each: this one decides (what each candidate's verdict is, whom
-to blame); ``attempt.py`` reads one request's events and checks them; ``process.py`` starts,
-reuses and ends the worker processes. The child's own code is ``worker.py``.
-
-Design rules:
+This module decides what each candidate's verdict is and whom to blame (the package's
+docstring says what its other modules do). Design rules:
 
 * A CUDA fault is sticky: the process that saw it can never use the GPU again. So every
   unproven candidate runs in a worker child; the caller's process runs a backend only after it
@@ -78,10 +75,6 @@ ALONE_LINGER_S = 1.0
 PROTOCOL_STRIKES = 2
 
 
-def _is_builtin(backend: Backend) -> bool:
-    return backend.family == "builtin" or backend.name == EMULATION
-
-
 class SandboxProber:
     """Runs the probe in a worker child per device; see the module docstring for the rules."""
 
@@ -151,7 +144,9 @@ class SandboxProber:
             device=device,
             options=options,
             specs=self._specs(self.registry(), backends, verdicts, report),
-            builtin=frozenset(b.name for b in backends if _is_builtin(b)),
+            builtin=frozenset(
+                b.name for b in backends if b.family == "builtin" or b.name == EMULATION
+            ),
             report=report,
             timeout_s=self.timeout_s,
             linger_s=self.linger_s,

@@ -1,8 +1,5 @@
 """Sandbox worker processes, parent side: start them, talk to them, end them, decode deaths.
 
-The child's own code is ``worker.py``; what its events may say is checked in ``attempt.py``;
-what is probed in it and who is blamed is ``prober.py``.
-
 Design rules:
 
 * One persistent worker per device (a ``WorkerPool`` key), started on first use and reused
@@ -217,18 +214,10 @@ class Worker:
         data = os.pread(self.stderr.fileno(), max(0, size - start), start)
         return data.decode("utf-8", "replace")
 
-    def _reap(self) -> int:
-        """End whatever is left of its process group, then collect the child's exit status."""
-        if self.proc.returncode is None:  # unreaped, so its pid still names the group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait()
-
     def wait(self, timeout: float) -> int:
         """The exit status, killing the process group if the child will not end by itself."""
-        if not self._wait_exit(timeout):
-            return self.kill()
-        return self._reap()
+        self._wait_exit(timeout)
+        return self.kill()
 
     def dump_and_kill(self) -> None:
         """Kill a hung child, first asking faulthandler for every thread's stack (into stderr)."""
@@ -238,10 +227,11 @@ class Worker:
         self.kill()
 
     def kill(self) -> int:
-        if self.proc.returncode is None:
+        """End whatever is left of its process group, then collect the child's exit status."""
+        if self.proc.returncode is None:  # unreaped, so its pid still names the group
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-        return self._reap()
+        return self.proc.wait()
 
     def close(self, grace: float = 5.0) -> None:
         if self.timer is not None:

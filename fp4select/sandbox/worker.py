@@ -52,17 +52,16 @@ PROTOCOL_FD_ENV = "FP4SELECT_SANDBOX_FD"
 OOM_SCORE_ADJ = 1000  # the most expendable process on the machine
 
 
-class _Channel:
+def _channel(fd: int) -> Callable[[Mapping[str, Any]], None]:
     """The child's private protocol pipe: one JSON object a line, written through at once."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __call__(self, event: Mapping[str, Any]) -> None:
+    def send(event: Mapping[str, Any]) -> None:
         # The leading newline ends whatever partial line a backend may have left on the pipe.
         data = memoryview(("\n" + json.dumps(event, default=str) + "\n").encode())
         while data:
-            data = data[os.write(self.fd, data) :]
+            data = data[os.write(fd, data) :]
+
+    return send
 
 
 class _ChildRegistry:
@@ -187,7 +186,7 @@ def main() -> None:
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    channel_send = _Channel(channel)
+    channel_send = _channel(channel)
     known = _ChildRegistry()
     channel_send({"event": "ready", "pid": os.getpid()})
     for line in requests:

@@ -184,14 +184,9 @@ def import_archive(
     entries, blacklist = read_archive(path)
     invalid: list[str] = []
     if check_entry is not None:
-        checked = []
-        for i, (env, key, record) in enumerate(entries):
-            problem = check_entry(key, record)
-            if problem is None:
-                checked.append((env, key, record))
-            else:
-                invalid.append(f"entries[{i}]: {problem}")
-        entries = checked
+        problems = [check_entry(key, record) for _, key, record in entries]
+        invalid = [f"entries[{i}]: {p}" for i, p in enumerate(problems) if p is not None]
+        entries = [entry for entry, p in zip(entries, problems) if p is None]
     counts = {f.name: 0 for f in fields(ImportResult) if f.default == 0}
     refused: list[str] = []
     for env, key, record in entries:
@@ -223,19 +218,14 @@ def read_archive(
     raises ``ValueError`` for one that is not an archive and ``OSError`` when it cannot be read.
     """
     path = Path(os.fsdecode(path))
-    try:
-        data = _read_named_file(path, _MAX_ARCHIVE_BYTES)
-    except Damage as exc:
-        raise ValueError(f"{path} is not a usable fp4select archive: {exc.strerror}") from None
-    return _parse_archive(path, data)
 
-
-def _parse_archive(
-    path: Path, data: bytes
-) -> tuple[list[tuple[dict, dict, dict]], list[tuple[dict, str, dict]]]:
     def bad(problem: str) -> ValueError:
         return ValueError(f"{path} is not a usable fp4select archive: {problem}")
 
+    try:
+        data = _read_named_file(path, _MAX_ARCHIVE_BYTES)
+    except Damage as exc:
+        raise bad(str(exc.strerror)) from None
     archive, problem = decode(data)
     if archive is None:
         raise bad(str(problem))
