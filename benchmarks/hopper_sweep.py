@@ -106,12 +106,8 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-FAMILIES = (
-    "gemv",
-    "mma",
-    "prefill",
-    "old",
-)  # and "floor", "tactics", "nopdl", "wide", "dq", "gemv2"
+# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2".
+FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
 WIDE = [
@@ -132,7 +128,8 @@ WIDE = [
         (128, 256, 16, 8, 3, 1),
     ]
 ]
-# hopper-dequant's GEMM tiles (BM, BN, BK, warps, stages); the first two are today's.
+# hopper-dequant's GEMM tiles (BM, BN, BK, warps, stages); `dequant_tile` chooses between the
+# third and the fifth (hopper_configs.DEQUANT_SMALL, DEQUANT_LARGE).
 DQ = [
     (128, 256, 64, 8, 3),
     (128, 128, 64, 8, 4),
