@@ -71,7 +71,7 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
 
 
 @pytest.mark.parametrize(
-    "n,m,small",  # the H200 sweep's faster tile at each point (results/s6_dq.json, 132 SMs)
+    "n,m,small",  # the H200 sweep's faster tile at each point (results/hopper_sweep_dq.json, 132 SMs)
     [
         (2560, 512, True),  # 40 large tiles: a third of one wave
         (2560, 2048, True),  # 160 large: 1.2 waves; 320 small: 2.4

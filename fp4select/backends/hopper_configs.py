@@ -116,7 +116,7 @@ PREFILL_TACTICS = (
 DEQUANT_LARGE = GemmTile(128, 256, 64, 8, 4)
 DEQUANT_SMALL = GemmTile(128, 128, 64, 4, 4)
 # The small tile must fill the SMs' waves this much better: on the H200 it won every point
-# where it did by at least this, and lost where it did not (results/s6_dq.json, 6 shapes,
+# where it did by at least this, and lost where it did not (results/hopper_sweep_dq.json, 6 shapes,
 # M = 512-8192).
 SMALL_TILE_FILL_GAIN = 1.08
 

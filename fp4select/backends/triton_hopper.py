@@ -219,7 +219,7 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     k = kernels()
     pdl = _pdl(args, c.out.device)
     # The main loop joins PDL with the narrowest token tiles only: on the H200 it saved 2-12%
-    # at M <= 16 and cost up to 1.3x with 32- and 64-token tiles (results/s6_pdl.json). The
+    # at M <= 16 and cost up to 1.3x with 32- and 64-token tiles (results/hopper_sweep_pdl.json). The
     # a decode and the split-K reduction take it always (one compile each, not two): next to
     # a main loop launched without it, it changes nothing.
     pdl_main = pdl and cfg.block_t <= 16
