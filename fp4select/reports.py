@@ -112,6 +112,7 @@ class DoctorReport(TypedDict):
     cache: DoctorCache
     blacklist: dict[str, dict[str, Any]]  # backend -> the record of its blacklisting
     native_key: DoctorNativeKey
+    hopper_launch: str  # how the hopper-* kernels launch here: with PDL or without, and why
 
 
 def doctor_report(
@@ -124,7 +125,7 @@ def doctor_report(
     is whose cache and isolation are reported; by default one made from the process-wide
     settings, which has the process-wide selector's (``configure()`` sets both).
     """
-    from fp4select.backends import discover
+    from fp4select.backends import discover, triton_hopper
     from fp4select.backends import flashinfer as fi
     from fp4select.selector import Selector
 
@@ -169,6 +170,7 @@ def doctor_report(
         ),
         blacklist=blacklist,
         native_key=native_key_report(sel.settings),
+        hopper_launch=triton_hopper.launch_path(env),
     )
 
 

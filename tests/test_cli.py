@@ -73,6 +73,24 @@ def test_doctor_what_if_reports_flashinfers_own_support_matrix(tmp_path, cc):
 def test_doctor_prints_a_table(tmp_path):
     text = run(tmp_path, "doctor")
     assert "emulation" in text and "flashinfer.mm_fp4 lists" in text and "cache:" in text
+    assert "\nhopper kernels: " in text
+
+
+@pytest.mark.flashinfer
+def test_doctor_says_how_the_hopper_kernels_launch_with_this_triton(tmp_path):
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        expected = "without PDL: this Triton has no grid dependency control"
+    else:
+        expected = "with PDL where mm_fp4's enable_pdl is True"
+    said = json.loads(run(tmp_path, "doctor", "--json", "--cc", "90"))["hopper_launch"]
+    assert said.startswith(expected), (triton.__version__, said)
+    said = json.loads(run(tmp_path, "doctor", "--json", "--cc", "89"))["hopper_launch"]
+    assert said == "without PDL: it needs SM90 or newer (this is SM89)"
+    said = json.loads(run(tmp_path, "doctor", "--json", "--device", "cpu"))["hopper_launch"]
+    assert said.startswith("not run here: needs a CUDA GPU")
 
 
 def test_warm_then_show_explain_export_import_clear(tmp_path):

@@ -147,3 +147,12 @@ def test_the_candidates_first_calls_run_at_once_and_their_errors_wait_for_the_lo
     ran.clear()
     ht.compile_ahead(run, ("a",), ("x",), torch.device("cpu"))  # one: nothing to overlap
     assert ran == []
+
+
+def test_pdl_is_asked_for_by_enable_pdl_and_only_on_cuda():
+    problem = Problem(n=64, k=128, m_bucket=m_bucket(3))
+    args = validate.make_inputs(problem, 3, "cpu", seed=1, with_reference=False).args(problem)
+    assert args[10] is True  # mm_fp4's default
+    assert not th._pdl(args, torch.device("cpu"))
+    no_pdl = (*args[:10], False)
+    assert not th._pdl(no_pdl, torch.device("cuda"))  # decided before any CUDA call

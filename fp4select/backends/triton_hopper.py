@@ -147,6 +147,23 @@ def _pdl(args: tuple[Any, ...], device: torch.device) -> bool:
     return able
 
 
+def launch_path(env: Mapping[str, Any]) -> str:
+    """How the ``hopper-*`` kernels launch in ``env``, with PDL or without and why (for doctor:
+    grid dependency control is a Triton 3.4+ feature, so which path runs depends on the
+    installed Triton as well as the GPU)."""
+    why = why_unavailable(env)
+    if why:
+        return f"not run here: {why}"
+    if not cuda_from(env, 90):
+        return f"without PDL: it needs SM90 or newer (this is SM{env.get('cc')})"
+    if not triton_fp4.kernels().PDL_SUPPORTED:
+        return "without PDL: this Triton has no grid dependency control (Triton 3.4+ has)"
+    return (
+        "with PDL where mm_fp4's enable_pdl is True (the default): the GEMV, the a decode and "
+        "the split-K reduction always, the tensor-core main loop at M <= 16"
+    )
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -219,9 +236,9 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     k = kernels()
     pdl = _pdl(args, c.out.device)
     # The main loop joins PDL with the narrowest token tiles only: on the H200 it saved 2-12%
-    # at M <= 16 and cost up to 1.3x with 32- and 64-token tiles (results/hopper_sweep_pdl.json). The
-    # a decode and the split-K reduction take it always (one compile each, not two): next to
-    # a main loop launched without it, it changes nothing.
+    # at M <= 16 and cost up to 1.3x with 32- and 64-token tiles (hopper_sweep_pdl.json).
+    # The a decode and the split-K reduction take it always (one compile each, not two):
+    # next to a main loop launched without it, it changes nothing.
     pdl_main = pdl and cfg.block_t <= 16
     kw = c.kh // 4
     bkw = cfg.words_per_step

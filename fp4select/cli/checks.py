@@ -84,6 +84,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print("blacklist: empty")
     print(native_key_line(report["native_key"]))
+    print(f"hopper kernels: {report['hopper_launch']}")
     return 0
 
 
