@@ -156,3 +156,6 @@ def test_pdl_is_asked_for_by_enable_pdl_and_only_on_cuda():
     assert not th._pdl(args, torch.device("cpu"))
     no_pdl = (*args[:10], False)
     assert not th._pdl(no_pdl, torch.device("cuda"))  # decided before any CUDA call
+    # Without PDL a launch names nothing of it: a Triton before 3.4 refuses launch_pdl.
+    assert th._with_pdl(False) == {}
+    assert th._with_pdl(True) == {"PDL": True, "launch_pdl": True}

@@ -147,6 +147,12 @@ def _pdl(args: tuple[Any, ...], device: torch.device) -> bool:
     return able
 
 
+def _with_pdl(pdl: bool) -> dict[str, bool]:
+    """A launch's PDL arguments: none at all without PDL, because a Triton older than 3.4
+    refuses ``launch_pdl`` as an unknown keyword (and ``PDL`` defaults to False)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 def launch_path(env: Mapping[str, Any]) -> str:
     """How the ``hopper-*`` kernels launch in ``env``, with PDL or without and why (for doctor:
     grid dependency control is a Triton 3.4+ feature, so which path runs depends on the
@@ -204,8 +210,7 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         BK=cfg.blocks_per_step,
         ASM=ASM,
         PREFETCH=bool(cfg.prefetch),
-        PDL=pdl,
-        launch_pdl=pdl,
+        **_with_pdl(pdl),
         num_warps=cfg.num_warps,
     )
     return c.out
@@ -269,8 +274,7 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
         BR=32,
         BKW=bkw,
         ASM=ASM,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **_with_pdl(pdl),
         num_warps=4,
     )
     grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t), split)
@@ -299,8 +303,7 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
         BKW=bkw,
         GROUP=cfg.group,
         ASM=ASM,
-        PDL=pdl_main,
-        launch_pdl=pdl_main,
+        **_with_pdl(pdl_main),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -318,8 +321,7 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
             ALPHA=c.alpha_kind,
             BM=16,
             BN=128,
-            PDL=pdl,
-            launch_pdl=pdl,
+            **_with_pdl(pdl),
             num_warps=4,
         )
     return c.out
