@@ -27,7 +27,6 @@ import datetime as dt
 import functools
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ import triton.language as tl
 from _common import dumps, machine
 
 from fp4select import formats, timing, validate
-from fp4select.backends import dequant, hopper_configs, triton_fp4, triton_hopper
+from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_fp4, triton_hopper
 from fp4select.backends._hopper_kernels import plane_major, weight_step
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
@@ -269,20 +268,13 @@ def _without_pdl(run, *args, cfg):
 
 
 def compile_ahead(runs: dict[str, functools.partial], args: tuple) -> None:
-    """Every variant's first call at once, one thread each (their compiles overlap); outputs
-    and errors are left for the checked calls that follow."""
-    device = args[0].device
-    stream = torch.cuda.current_stream(device)
+    """Every variant's first call at once, one thread each, as tactic tuning does (their
+    compiles overlap); outputs and errors are left for the checked calls that follow."""
+    hopper_tactics.compile_ahead(_call, args, list(runs.values()), args[0].device)
 
-    def first(fn: functools.partial) -> None:
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            fn(*args)
 
-    with ThreadPoolExecutor(max(1, len(runs))) as pool:
-        done = [pool.submit(first, fn) for fn in runs.values()]
-    for future in done:
-        future.exception()
-    torch.cuda.synchronize(device)
+def _call(*args, cfg: functools.partial):
+    return cfg(*args)  # compile_ahead passes each variant as its "configuration"
 
 
 def family(name: str) -> str:

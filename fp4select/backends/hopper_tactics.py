@@ -43,10 +43,10 @@ from fp4select.backends import hopper_configs
 
 OP = "hopper"
 _KINDS = {
-    ("fp4select.backends.triton_hopper", "run_gemv"): "gemv",
-    ("fp4select.backends.triton_hopper", "run_mma"): "mma",
-    ("fp4select.backends.triton_hopper", "run_prefill"): "prefill",
-}  # the runners that take cfg=
+    "run_gemv": "gemv",
+    "run_mma": "mma",
+    "run_prefill": "prefill",
+}  # the runners of triton_hopper that take cfg=
 _TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call
 
 
@@ -54,7 +54,7 @@ def _kind(runner: Callable[..., Any]) -> tuple[Callable[..., Any], str]:
     run = getattr(runner, "func", runner)
     name = getattr(run, "__name__", "")
     module = getattr(run, "__module__", "")
-    return run, _KINDS.get((module, name), "")
+    return run, _KINDS.get(name, "") if module == "fp4select.backends.triton_hopper" else ""
 
 
 def _time_us(calls: Sequence[Callable[[], Any]], device: torch.device, budget_s: float) -> float:
