@@ -339,9 +339,14 @@ def _no_tuner(a, b, a_descale, b_descale, alpha, out_dtype, out, *rest):  # like
 
 
 # -- the probe ---------------------------------------------------------------------------------
-def test_the_probe_validates_and_times_the_tuned_tactic_and_the_default_beside_it():
+def test_the_probe_validates_and_times_the_tuned_tactic_and_the_default_beside_it(monkeypatch):
+    from fp4select import timing
     from fp4select.backends import emulation
 
+    # The default tactic runs as fast as the tuned one here; on a loaded machine one slow
+    # calibration call could still rule it hopeless (a single sample), which is timing's rule
+    # (tests/test_timing.py), not what this test is about. It failed so once under load.
+    monkeypatch.setattr(timing, "HOPELESS_FACTOR", float("inf"))
     result = probe(PROBLEM, [tb.BACKEND, emulation.BACKEND], "cpu", ProbeOptions(timing=FAST))
     verdict = result.verdicts[tb.NAME]
     assert verdict.passed, verdict.reason
