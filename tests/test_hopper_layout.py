@@ -195,3 +195,45 @@ def test_a_planted_loop_that_may_not_run_is_caught(tmp_path):
         3,
     )
     assert "C7515" in _serialization_report(kernel.asm["ptx"], tmp_path)
+
+
+GEMV_SIGNATURE = {
+    "a_ptr": "*i64",
+    "w_ptr": "*i64",
+    "sa_ptr": "*u8",
+    "sw_ptr": "*u8",
+    "alpha_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "M": "i32",
+    "N": "i32",
+    "KW": "i32",
+    "stride_am": "i32",
+    "stride_wn": "i32",
+    "stride_om": "i32",
+    "stride_on": "i32",
+    "cp": "i32",
+    "alpha_value": "fp32",
+} | {name: "constexpr" for name in ("A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL")}
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_pdl_puts_the_grid_dependency_wait_first_and_nothing_without_it(pdl):
+    """With PDL the kernels wait for the kernel before them (griddepcontrol.wait) before they
+    read anything and let the next launch (launch_dependents); without it, neither is there
+    (it would fail to assemble below SM90, where nothing asks for PDL)."""
+    cfg = hopper_configs.MMA_TACTICS[0][1][0]
+    constexprs = {"ALPHA": 2, "PARTIALS": True, "GROUP": cfg.group, "ASM": True, "PDL": pdl}
+    constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
+    mma = _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)
+    gemv_constexprs = {"A_8X4": False, "ALPHA": 2, "BM": 4, "R": 8, "BK": 64, "ASM": True}
+    gemv_constexprs |= {"PREFETCH": True, "PDL": pdl}
+    gemv = _compile(hk.gemv_dp4a, GEMV_SIGNATURE, gemv_constexprs, 1, 3)
+    for kernel in (mma, gemv):
+        ptx = kernel.asm["ptx"]
+        body = ptx[ptx.index("{", ptx.index(".entry")) :]
+        if pdl:
+            wait = body.index("griddepcontrol.wait")
+            assert "griddepcontrol.launch_dependents" in body
+            assert "ld.global" not in body[:wait] and "cp.async" not in body[:wait]
+        else:
+            assert "griddepcontrol" not in body
