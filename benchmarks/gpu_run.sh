@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|bench|all|record|quant|floor|deploy]      (default: all)
+#   bash benchmarks/gpu_run.sh [tests|bench|all|record|quant|floor|deploy|final]  (default: all)
 #
 #   tests  the tests marked gpu, then the warm path's, the guard's, the C++ key's, batch
 #          invariance's and start-up's tests, which take CUDA tensors where there is a GPU
@@ -21,11 +21,20 @@
 #          runs it, from nothing and again with the kernels compiled (the JIT share); then
 #          benchmarks/bench_cold.py, where that time goes (seconds per backend and phase,
 #          kernels compiled); about 4 minutes; not part of all
+#   final  what a release's figures need from one tree, in one 600 s call: the record (as
+#          record, about 130 s), bench_deploy.py (about 130 s), then the tests marked gpu in
+#          the time left (about 270 s on the H200; each step's limit shrinks to fit 560 s);
+#          not part of all
 #
 # Results and the log (gpu_run_<mode>_log.txt) go to $OUT (default benchmarks/results).
 # Exit status: non-zero if any step failed (the log says which).
 set -u
 MODE=${1:-all}
+case "$MODE" in
+  tests|bench|all|record|quant|floor|deploy|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|bench|all|record|quant|floor|deploy|final)" >&2
+     exit 2 ;;
+esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -86,6 +95,15 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
     step "where warm-up time goes" timeout 250 python3 benchmarks/bench_cold.py \
       --device cuda --preset llama3-8b --max-m 8192 --defaults --jit-share --time-limit-s 200
     cp benchmarks/results/cold_llama3-8b_cuda.json "$OUT/" 2>/dev/null
+  fi
+  if [ "$MODE" = final ]; then
+    start=$(date +%s)
+    left() { echo $((560 - $(date +%s) + start)); }  # seconds left of the call's 560
+    step "bench_gpu.py, every shape" timeout 230 python3 benchmarks/bench_gpu.py --out "$OUT" \
+      --skip-cold --time-limit-s 200
+    step "fp4select warm, from nothing" timeout "$(( $(left) < 180 ? $(left) : 180 ))" \
+      python3 benchmarks/bench_deploy.py --out "$OUT"
+    step "tests marked gpu" timeout "$(left)" python3 -m pytest -m gpu -p no:cacheprovider -q -rs
   fi
   echo "== $(date -u +%FT%TZ) done; failed: ${failed[*]:-none}"
 } 2>&1 | tee "$OUT/gpu_run_${MODE}_log.txt"
