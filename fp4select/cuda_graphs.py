@@ -2,12 +2,12 @@
 
 ``torch.cuda.graph`` synchronizes and empties the caching allocator (and the host allocator)
 before every capture, to give the capture as much free memory as it can. Timing captures one
-graph per candidate, hundreds in a model's warm-up (every backend and every tactic at every
-key): each flush handed every cached block back to the driver, so the allocations after it
-paid ``cudaMalloc`` again (``fp4select warm`` of Llama-3.1-8B: 74.9 s on the H200 with the
-flushes, at commit 522f7f6; docs/measurements.md has the figure without). The graphs here are
-small and short-lived, so they need no flush: a capture that runs out of memory fails like
-any other, and the caller falls back to eager launches or reports it.
+graph per candidate, hundreds in a model's warm-up, and tuning may run in the caller's own
+process (``FP4SELECT_ISOLATION=inprocess``): each flush would hand the caller's cached blocks
+back to the driver, a side effect on memory fp4select does not own. The graphs here are small
+and short-lived, so they need no flush: a capture that runs out of memory fails like any
+other, and the caller falls back to eager launches or reports it. (It was first written to
+shorten warm-up; on the H200 it did not, measurably: docs/hopper_kernels.md.)
 """
 
 from __future__ import annotations
