@@ -12,9 +12,9 @@ from the disk store in a fresh selector (the cost a restarted server pays).
 ``fp4select warm`` does out of the box. ``--jit-share`` starts from an empty Triton cache and
 tunes the whole set twice, the second time into a fresh store with the Triton cache the first
 pass filled: the difference bounds what compiling kernels cost (it also holds other one-time
-costs, such as the first imports). With a sandbox, the first pass also says where its time went:
+costs, such as the first imports). With a sandbox, each pass also says where its time went:
 seconds per (backend, phase) from the child's ``run`` events (the time until the next event),
-and with ``--jit-share`` the kernels it compiled, by name (the Triton cache's entries).
+and with ``--jit-share`` the kernels the first compiled, by name (the Triton cache's entries).
 ``--time-limit-s`` ends the first pass early (the JSON then says how many keys it tuned).
 """
 
@@ -106,8 +106,10 @@ def main() -> None:
 
     compiled = compiled_kernels(triton_cache.name) if triton_cache is not None else {}
     compiled_s = None
+    compiled_phases = PhaseTrace()
     # Again, kernels compiled: what is left is not JIT (not after a cut-short first pass).
     if triton_cache is not None and tuned == len(problems):
+        compiled_phases.install()
         with tempfile.TemporaryDirectory() as cache:
             sel = fp4select.configure(cache_dir=cache, isolation=args.isolation, timing=timing)
             sel.registry()
@@ -116,6 +118,7 @@ def main() -> None:
                 sel.decide(problem, device)
             compiled_s = time.perf_counter() - start
             sel.close()
+        compiled_phases.remove()
     if triton_cache is not None:
         triton_cache.cleanup()
 
@@ -139,10 +142,11 @@ def main() -> None:
         )
     print(table(rows, ["step", "seconds"]))
     print(f"winners: {', '.join(str(w) for w in winners)}; isolation: {args.isolation}")
-    by_phase = phases.by_phase()
-    if by_phase:
-        rows = [[b, ph, f"{sec:.1f}", n] for (b, ph), (sec, n) in by_phase.items()][:25]
-        print(table(rows, ["backend", "phase (first pass)", "seconds", "events"]))
+    by_phase, compiled_by_phase = phases.by_phase(), compiled_phases.by_phase()
+    for name, traced in (("first pass", by_phase), ("kernels compiled", compiled_by_phase)):
+        if traced:
+            rows = [[b, ph, f"{sec:.1f}", n] for (b, ph), (sec, n) in traced.items()][:25]
+            print(table(rows, ["backend", f"phase ({name})", "seconds", "events"]))
     if compiled:
         print(f"kernels compiled: {sum(compiled.values())} ({json.dumps(compiled)})")
     path = write(
@@ -177,6 +181,10 @@ def main() -> None:
             "first_pass_by_phase": [
                 {"backend": b, "phase": ph, "seconds": sec, "events": n}
                 for (b, ph), (sec, n) in by_phase.items()
+            ],
+            "compiled_pass_by_phase": [
+                {"backend": b, "phase": ph, "seconds": sec, "events": n}
+                for (b, ph), (sec, n) in compiled_by_phase.items()
             ],
             "kernels_compiled": compiled,
         },

@@ -28,6 +28,7 @@ Design rules:
   One whose calibration call took over ``HOPELESS_FACTOR`` (10) times the fastest's is not
   sampled at all (a slow fallback such as emulation, 20-100x behind on a GPU): its timing
   is that calibration run, one sample (wall clock, synchronized, so never less than the truth).
+  Calibration starts with one call per candidate, so such a one never runs once per input set.
 """
 
 from __future__ import annotations
@@ -159,19 +160,26 @@ def time_interleaved(
     method = (
         "cuda-graph" if use_graph else ("cuda-events" if device.type == "cuda" else "wall-clock")
     )
-    reps, calibration_s = {}, {}
-    for name in names:
+
+    def one_call_s(name: str) -> float:
+        if on_start:
+            on_start(name)
+        return _calls_per_sample(calls[name][:1], device, 0.0)[1]
+
+    # One call each first: a hopeless candidate (emulation on a GPU: tens of ms a call) is
+    # found before it runs once per input set, which at small M is up to 64 slow calls.
+    calibration_s = {name: one_call_s(name) for name in names}
+    for name in _hopeless(calibration_s):  # again: the first run may have paid for a compile
+        calibration_s[name] = one_call_s(name)
+    hopeless = _hopeless(calibration_s)
+    reps = {}
+    for name in [n for n in names if n not in hopeless]:
         if on_start:
             on_start(name)
         reps[name], calibration_s[name] = _calls_per_sample(
             calls[name], device, options.target_sample_s
         )
-    hopeless = _hopeless(calibration_s)
-    for name in hopeless:  # again, one call: the first run may have paid for a compile
-        if on_start:
-            on_start(name)
-        calibration_s[name] = _calls_per_sample(calls[name][:1], device, 0.0)[1]
-    hopeless = _hopeless(calibration_s)
+    hopeless = _hopeless(calibration_s)  # the full calibration may still show one
     names = [n for n in names if n not in hopeless]
     if use_graph:
         try:
@@ -206,7 +214,8 @@ def time_interleaved(
                 break
     timings = {n: summarize(samples[n], reps[n], method) for n in names}
     for name in hopeless:  # the calibration run: one synchronized wall-clock sample
-        timings[name] = summarize([calibration_s[name] * 1e6], len(calls[name]), "calibration")
+        per_sample = len(calls[name]) if name in reps else 1  # the whole rotation, or one call
+        timings[name] = summarize([calibration_s[name] * 1e6], per_sample, "calibration")
     return timings, method
 
 

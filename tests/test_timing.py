@@ -233,3 +233,32 @@ def test_rounds_end_when_the_rivals_of_the_fastest_are_all_out(monkeypatch):
     assert timings["fallback"].samples == 1
     alone, _ = time_interleaved({"fast": calls["fast"]}, CPU, options)
     assert alone["fast"].samples == 1000  # no rival to begin with: the budget decides
+
+
+def test_a_hopeless_candidate_never_runs_once_per_input_set(monkeypatch):
+    # At small M the cold-L2 rotation has up to 64 input sets; a fallback 30x behind ran each
+    # of them in calibration before it was found hopeless (on the H200: 5 s of a model's warm-up).
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+    runs = {"fast": 0, "fallback": 0}
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            runs[name] += 1
+            clock.now += seconds
+
+        return run
+
+    sets = 16
+    calls = {
+        "fast": [call("fast", 2.0**-10) for _ in range(sets)],
+        "fallback": [call("fallback", 2.0**-10 * 30) for _ in range(sets)],
+    }
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=3, target_sample_s=0)
+    timings, _ = time_interleaved(calls, CPU, options)
+    assert runs["fallback"] == 2  # one call, then one more to rule out a first-call cost
+    assert runs["fast"] >= 1 + sets  # one call, then the whole rotation, then the samples
+    assert timings["fallback"].method == "calibration"
+    assert timings["fallback"].calls_per_sample == 1
+    assert timings["fallback"].median_us == 1e6 * 2.0**-10 * 30
+    assert timings["fast"].samples == 3
