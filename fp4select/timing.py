@@ -41,7 +41,6 @@ from typing import Any, TypedDict
 
 import torch
 
-from fp4select import cuda_graphs
 from fp4select.records import Timing, TimingOptions
 
 MIN_TIE_TOLERANCE = 0.02
@@ -96,7 +95,12 @@ class _Sampler:
                 for fn in calls:  # warm-up on the capture stream, as torch recommends
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
-            self.graph = cuda_graphs.capture(self._loop, device)
+            # torch.cuda.graph empties the allocator's cache first: that is what frees the
+            # memory pools of the graphs captured before (each capture has its own). Captured
+            # without it, they piled up until a capture ran out of memory (an H200 record).
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._loop()
 
     def _loop(self) -> None:
         calls, n = self.calls, len(self.calls)

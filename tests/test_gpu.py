@@ -144,6 +144,32 @@ def test_timing_uses_graph_replay_with_cold_l2_and_ranks_a_slower_candidate_lowe
     assert timing.rank(timings, {"one": 50, "two": 10}).winner == "one"
 
 
+@pytest.mark.parametrize("timer", ["selector", "tactics"])
+def test_timing_graphs_give_their_memory_back(timer):
+    # Each capture takes a memory pool of its own. Captured without emptying the allocator's
+    # cache first, the pools of dead graphs piled up: an H200 record ran out of memory
+    # halfway through its shapes (139 GiB reserved) and timed the rest eagerly.
+    from fp4select.backends import hopper_tactics
+
+    device = torch.device("cuda")
+    x = torch.randn(4 << 20, device=device)  # each call allocates 16 MiB inside the capture
+
+    def session() -> None:
+        if timer == "selector":
+            options = timing.TimingOptions(budget_s=0.0, min_rounds=1, max_rounds=1)
+            timing.time_interleaved({"a": [lambda: x * 2], "b": [lambda: x + 1]}, device, options)
+        else:
+            hopper_tactics._time_us([lambda: x * 2], device, 0.0)
+        torch.cuda.synchronize(device)
+
+    session()
+    reserved = torch.cuda.memory_reserved(device)
+    for _ in range(40):
+        session()
+    grown_mib = (torch.cuda.memory_reserved(device) - reserved) / 2**20
+    assert grown_mib <= 64, f"40 more timing sessions kept {grown_mib:.0f} MiB more"
+
+
 def test_a_real_cuda_fault_kills_only_the_sandbox_child(tmp_path):
     """The culprit faults in the child; this process then runs a GPU GEMM and is fine."""
     sel = fp4select.configure(

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from fp4select import cuda_graphs
 from fp4select import settings as settings_mod
 from fp4select.backends import hopper_configs
 
@@ -88,8 +87,10 @@ def _graphed(calls: Sequence[Callable[[], Any]], device: torch.device) -> Callab
         for call in calls:
             call()
 
+    graph = torch.cuda.CUDAGraph()
     try:
-        graph = cuda_graphs.capture(eager, device)
+        with torch.cuda.graph(graph):  # frees the dead graphs' pools first (see timing._Sampler)
+            eager()
     except Exception:  # not capturable: eager launches are still right, only less exact
         torch.cuda.synchronize(device)
         return eager
