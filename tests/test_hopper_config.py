@@ -48,13 +48,13 @@ def _record(cfg) -> dict:
 
 def test_pin_runs_a_known_candidate_and_nothing_else():
     for run, cfg in [
-        (th.run_gemv, hc.GEMV_TACTICS[2]),
+        (th.run_gemv, hc.candidates("gemv", 1)[2]),
         (th.run_mma, hc.MMA_TACTICS[1][1][1]),
         (th.run_prefill, hc.PREFILL_TACTICS[1]),
     ]:
         pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
-    known = list(dataclasses.astuple(hc.GEMV_TACTICS[3]))  # (8, 64, 1, 1)
+    known = list(dataclasses.astuple(hc.candidates("gemv", 1)[3]))  # (8, 64, 1, 1)
     for bad in (
         {"tactic": [8, 128, 3]},  # not a candidate: the record cannot invent a kernel
         {"tactic": [*known[:2], True]},  # equal to 1, but a bool read from disk is not an int
@@ -91,7 +91,13 @@ def test_the_dequant_tile_is_the_one_that_fills_the_sms(n, m, small):
 
 
 def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
-    assert hc.for_m(hc.GEMV_BY_M, 1) in hc.GEMV_TACTICS
+    low = 1
+    for limit, cfgs in hc.GEMV_TACTICS:  # the table's configuration is always among them
+        assert all(hc.for_m(hc.GEMV_BY_M, m) in cfgs for m in range(low, limit + 1)), limit
+        assert hc.candidates("gemv", limit) == cfgs and len(set(cfgs)) == len(cfgs)
+        low = limit + 1
+    assert set(hc.candidates("gemv", None)) == {c for _, cs in hc.GEMV_TACTICS for c in cs}
+    assert len(hc.candidates("gemv", None)) == len(set(hc.candidates("gemv", None)))
     for limit, cfgs in hc.MMA_TACTICS:
         assert hc.for_m(hc.MMA_BY_M, limit) in cfgs
         assert all(c.block_t <= max(16, limit) for c in cfgs), limit

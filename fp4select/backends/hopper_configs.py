@@ -73,11 +73,28 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
     return table[-1][1]
 
 
-GEMV_TACTICS = (
-    GemvConfig(8, 128, 2),
-    GemvConfig(4, 128, 2),
-    GemvConfig(4, 256, 4),
-    GemvConfig(8, 64, 1, 1),
+# By M, as the tensor-core ones. At M = 4 the prefetching 64-block steps (8 or 4 rows) were the
+# fastest at 4 of the 6 sweep shapes and within 4% at a fifth (results/hopper_sweep_pdl.json);
+# at M = 1-2 the wider steps. Four each: each bucket compiles and times four.
+GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
+    (
+        2,
+        (
+            GemvConfig(8, 128, 2),
+            GemvConfig(4, 128, 2),
+            GemvConfig(4, 256, 4),
+            GemvConfig(8, 64, 1, 1),
+        ),
+    ),
+    (
+        8,
+        (
+            GemvConfig(8, 64, 1, 1),
+            GemvConfig(4, 64, 1, 1),
+            GemvConfig(4, 128, 2),
+            GemvConfig(8, 128, 2),
+        ),
+    ),
 )
 MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
     (
@@ -145,18 +162,17 @@ PREFILL_TUNED_FROM = 128
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
     """The tactic candidates of ``kind`` ("gemv", "mma" or "prefill") at M = m; every one when
     m is None."""
-    if kind == "gemv":
-        return GEMV_TACTICS
     if kind == "prefill":
         return PREFILL_TACTICS if m is None or m >= PREFILL_TUNED_FROM else ()
-    if kind != "mma":
+    if kind not in ("gemv", "mma"):
         return ()
+    table = GEMV_TACTICS if kind == "gemv" else MMA_TACTICS
     if m is None:
-        return tuple(c for _, cs in MMA_TACTICS for c in cs)
-    for limit, cfgs in MMA_TACTICS:
+        return tuple(dict.fromkeys(c for _, cs in table for c in cs))
+    for limit, cfgs in table:
         if m <= limit:
             return cfgs
-    return MMA_TACTICS[-1][1]
+    return table[-1][1]
 
 
 def default(kind: str, m: int) -> Any:
