@@ -90,10 +90,7 @@ class ModelShapes:
 
     def shapes(self) -> list[tuple[int, int]]:
         """Distinct (N, K) in table order: what ``warm`` tunes."""
-        seen: dict[tuple[int, int], None] = {}
-        for layer in self.layers:
-            seen.setdefault((layer.n, layer.k), None)
-        return list(seen)
+        return list(dict.fromkeys((layer.n, layer.k) for layer in self.layers))
 
     def problems(self, max_m: int = 8192, **fields: Any) -> list[Problem]:
         """The problem keys to tune: every shape at every M bucket up to ``max_m``.

@@ -57,9 +57,7 @@ def parse_devices(spec: str, count: int) -> list[int]:
     try:
         indices = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise DeviceError(
-            f"--devices must be 'all' or GPU indices like 0,1; got {spec!r}"
-        ) from None
+        indices = []
     if not indices:
         raise DeviceError(f"--devices must be 'all' or GPU indices like 0,1; got {spec!r}")
     for i in indices:
@@ -185,12 +183,9 @@ def warm_parallel(
                         break
                     lost = in_flight[name]
                     if lost is not None and lost not in rows:
-                        rows[lost] = {
-                            "winner": None,
-                            "source": "error",
-                            "error": f"worker on {name} died (exit code {w.exitcode})",
-                            "device": name,
-                        }
+                        rows[lost] = _failed(
+                            f"worker on {name} died (exit code {w.exitcode})", name
+                        )
                     reported.add(name)
                 continue
             if kind == "start":
@@ -211,13 +206,13 @@ def warm_parallel(
             if w.is_alive():
                 w.kill()
                 w.join()
-    out = []
-    for i, p in enumerate(problems):
-        row = rows.get(i) or {
-            "winner": None,
-            "source": "error",
-            "error": "not tuned: every worker died",
-            "device": None,
-        }
-        out.append({"problem": p.describe(), **row})
+    out = [
+        {"problem": p.describe(), **(rows.get(i) or _failed("not tuned: every worker died", None))}
+        for i, p in enumerate(problems)
+    ]
     return out, counters
+
+
+def _failed(error: str, device: str | None) -> dict[str, Any]:
+    """The row of a key no worker reported a decision for."""
+    return {"winner": None, "source": "error", "error": error, "device": device}
