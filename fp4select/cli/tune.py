@@ -91,15 +91,15 @@ def cmd_warm(args: argparse.Namespace) -> int:
     if not problems:
         return failed("warm: no FP4 problem keys to tune (see --dry-run for why)")
     sel = selector()
+    quiet = args.quiet or args.json
     started = time.perf_counter()
     # The C++ key compiles on one CPU core while the GPU tunes: the two do not wait on each other.
     builder = ThreadPoolExecutor(1, thread_name_prefix="fp4select-native")
-    native_built = builder.submit(warm_native_key, sel.settings, args.quiet or args.json)
+    native_built = builder.submit(warm_native_key, sel.settings, quiet)
     if devices is not None:
-        show = not (args.quiet or args.json)
 
         def progress(row: dict[str, Any]) -> None:
-            if show:
+            if not quiet:
                 print(f"{row['problem']}: {row['winner']} ({row['source']}) on {row['device']}")
 
         results, counters = warm_parallel(
@@ -113,7 +113,6 @@ def cmd_warm(args: argparse.Namespace) -> int:
         device = devices[0]
     else:
         device = parse_device(args.device)
-        quiet = args.quiet or args.json
         bar = progress_bar(len(problems), "fp4select warm", "key", off=quiet)
         results = []
         try:
