@@ -128,7 +128,6 @@ def note(problem: Problem) -> None:
         pid = os.getpid()
         if _state["pid"] != pid:  # first call, or a fork child: its own sightings
             _state.update(pid=pid, seen=set(), disabled=None)
-            why = None
             try:
                 why = _foreign(path)
             except OSError as exc:

@@ -147,10 +147,8 @@ def doctor_report(
             experimental=backend.experimental,
         )
         if backend.family == fi.FAMILY and mm_fp4 is not None:
-            ccs = fi.supported_ccs(mm_fp4, name)
-            row["flashinfer_supported_ccs"] = ccs
+            row["flashinfer_supported_ccs"] = fi.supported_ccs(mm_fp4, name)
         rows.append(row)
-    blacklist = sel.store.blacklist(env)
     machine = DoctorMachine(
         device=str(device), gpu=env.get("gpu"), cc=env.get("cc"), sm_count=env.get("sm_count")
     )
@@ -168,7 +166,7 @@ def doctor_report(
         cache=DoctorCache(
             root=str(sel.store.root), memory_only=sel.store.memory_only, isolation=sel.isolation
         ),
-        blacklist=blacklist,
+        blacklist=sel.store.blacklist(env),
         native_key=native_key_report(sel.settings),
         hopper_launch=triton_hopper.launch_path(env),
     )
@@ -203,10 +201,8 @@ def signature_report(mm_fp4: Any) -> SignatureReport:
 
     from fp4select.arguments import check_arguments
 
-    if mm_fp4 is None:
-        return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
     try:
-        theirs = inspect.signature(mm_fp4).parameters
+        theirs = inspect.signature(mm_fp4).parameters  # None (no flashinfer): a TypeError too
     except (TypeError, ValueError):
         return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
     ours = inspect.signature(check_arguments).parameters
