@@ -1,8 +1,8 @@
 """The dense FP4 GEMM shapes (N, K) one tensor-parallel rank of a model runs, from its config.
 
-Why one file of ~670 lines: most of it is the per-family layer rules and their notes, and one
+Why one file of ~630 lines: most of it is the per-family layer rules and their notes, and one
 family's rules are checked against the others' (fused QKV, MLA, replicated KV heads); split,
-the table would be read in pieces. Reading the quantization config is ``quant_config``'s job.
+the table would be read in pieces.
 
 A deployment thinks in models and tensor-parallel degrees, not in (N, K); this module turns a
 Hugging Face ``config.json`` (plus the checkpoint's quantization config) into the table of
@@ -30,8 +30,9 @@ Design rules:
   names the field when it refuses; anything else a malformed config trips on is still one
   ``ModelConfigError``, never a traceback. Nothing is allocated per decoder layer (a builder
   gives the GEMMs of layer i on demand and the table counts rows), so ``num_hidden_layers:
-  10**9`` is refused by its range, not by a MemoryError. Only regular files are read (a FIFO
-  named ``hf_quant_config.json`` is refused with a reason, never skipped or waited on).
+  10**9`` is refused by its range, not by a MemoryError. Only regular files are read: a FIFO
+  named ``hf_quant_config.json`` is refused with a reason, never waited on, and never skipped
+  (a skipped quantization config would tune every layer as FP4).
 """
 
 from __future__ import annotations
@@ -138,11 +139,8 @@ def _exists(path: Path) -> bool:
 
 
 def load_model_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(config.json, hf_quant_config.json or None) for a model folder or a config.json path.
-
-    Whatever is at either name must be a regular file: a FIFO or a device is refused with a
-    ``ModelConfigError`` saying so, never skipped (a skipped quantization config would tune
-    every layer as FP4) and never waited on."""
+    """(config.json, hf_quant_config.json or None) for a model folder or a config.json path;
+    whatever is at either name must be a regular file (see the module's rules)."""
     p = Path(os.fsdecode(path))
     if p.is_dir():
         config_path = p / CONFIG_FILE

@@ -20,8 +20,9 @@ Design rules:
   that says how many were skipped and the first line number; it never fails the warm.
 * Never write into a file fp4select did not make: a non-empty file whose first line is not a
   record line disables recording with one warning, and so does a symbolic link at the path
-  (``O_NOFOLLOW``: a dangling one would otherwise create its target wherever it points). Any error while recording (permissions, a
-  full disk) disables it with one warning: recording must never break a GEMM call.
+  (``O_NOFOLLOW``: a dangling one would otherwise create its target wherever it points). Any
+  error while recording (permissions, a full disk) disables it with one warning: recording
+  must never break a GEMM call.
 """
 
 from __future__ import annotations

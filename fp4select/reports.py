@@ -2,10 +2,9 @@
 
 Design rules: a report function returns data (a ``TypedDict``, or a dataclass whose ``to_json()``
 is the ``--json`` output), typed so the command line and scripts know every field, and prints
-nothing; the command line only formats it. A report reads the
-same store, registry and selector the library uses: nothing is re-implemented here. ``verify``
-tunes in its own selector over a scratch cache, so it never changes the caller's decisions or
-the process-wide selector.
+nothing; the command line only formats it. A report reads the same store, registry and selector
+the library uses: nothing is re-implemented here. ``verify`` tunes in its own selector over a
+scratch cache, so it never changes the caller's decisions or the process-wide selector.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ re-implemented here); every command takes ``--json`` for scripts, and a report i
 it could not, 2 a usage error. Every option has help text (a test walks the parser).
 
 This package holds the parser and ``main``; the commands live in ``checks`` (doctor, verify,
-native),
-``tune`` (warm, explain, with ``plan`` for the keys warm tunes) and ``cache`` (show,
+native), ``tune`` (warm, explain, with ``plan`` for the keys warm tunes) and ``cache`` (show,
 blacklist, export, import, clear); ``_common`` holds what they share.
 """
 
