@@ -71,9 +71,7 @@ def record_line(problem: Problem) -> bytes:
     return (json.dumps(line, sort_keys=True, separators=(",", ":")) + "\n").encode("ascii")
 
 
-def _open_regular(
-    path: str | os.PathLike[str], flags: int, mode: int = 0o644, follow: bool = True
-) -> int:
+def _open_regular(path: str | os.PathLike[str], flags: int, follow: bool = True) -> int:
     """A descriptor for ``path`` only if it is a regular file: a FIFO would block the caller's
     first GEMM (or the CLI) forever, and a device would be read or written without end.
     ``follow=False``: a symbolic link at ``path`` is refused (``O_NOFOLLOW``), dangling or not."""
@@ -81,7 +79,7 @@ def _open_regular(
     if not follow:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags, mode)
+        fd = os.open(path, flags, 0o644)
     except OSError as exc:
         if not follow and exc.errno == errno.ELOOP:
             why = "is a symbolic link (not followed)"

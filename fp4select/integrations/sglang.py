@@ -278,7 +278,7 @@ def _quantize_below_sm100(original: Any) -> Any:
 
 def unpatch() -> list[str]:
     """Put back every object ``patch()`` replaced; returns their names."""
-    return _common.unpatch(ENGINE, _patches)
+    return _common.unpatch(_patches)
 
 
 # -- tuning at load --------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def _forget_cli_choices() -> None:
 
 def unpatch() -> list[str]:
     """Put back every object ``patch()`` replaced; returns their names."""
-    restored = _common.unpatch(ENGINE, _patches)
+    restored = _common.unpatch(_patches)
     if restored:
         _forget_cli_choices()
     return restored
