@@ -320,10 +320,8 @@ class VerifyReport:
         from fp4select.backends import flashinfer_tactics
 
         tactic = record.get("tactic")
-        if flashinfer_tactics.is_tuned(record):
-            served = "tuned"
-        else:
-            served = "untuned" if tactic is None else "default"
+        tuned_here = flashinfer_tactics.is_tuned(record)
+        served = "tuned" if tuned_here else ("untuned" if tactic is None else "default")
         reason = None if served == "tuned" else str(record.get("reason") or "?")
         defaults = record.get("default_at") or []
         default_at = [d.get("m") for d in defaults if isinstance(d, Mapping)]
