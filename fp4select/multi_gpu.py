@@ -32,11 +32,13 @@ from fp4select.settings import Settings
 from fp4select.store import digest
 
 if TYPE_CHECKING:
+    from fp4select.records import Decision
     from fp4select.settings import Isolation
 
 __all__ = [
     "DeviceError",
     "check_same_environment",
+    "decision_row",
     "parse_devices",
     "tuning_order",
     "warm_parallel",
@@ -90,6 +92,16 @@ def tuning_order(problems: Sequence[Problem]) -> list[Problem]:
     return sorted(problems, key=lambda p: (-(p.m_bucket * p.n * p.k), p.n, p.k, p.m_bucket))
 
 
+def decision_row(decision: Decision, sel: Selector) -> dict[str, Any]:
+    """What warm reports of one decided key, tuned on one GPU or on several."""
+    return {
+        "winner": decision.winner,
+        "source": decision.source,
+        "seconds": round(decision.tuning_seconds, 3),
+        "stored": not sel.store.memory_only,
+    }
+
+
 def _worker(
     device: str, tasks: Any, results: Any, store_root: str, isolation: Isolation, timing: Any
 ) -> None:
@@ -114,13 +126,7 @@ def _worker(
             problem = Problem.from_json(key)
             started = time.perf_counter()
             try:
-                decision = sel.decide(problem, dev)
-                row = {
-                    "winner": decision.winner,
-                    "source": decision.source,
-                    "seconds": round(decision.tuning_seconds, 3),
-                    "stored": not sel.store.memory_only,
-                }
+                row = decision_row(sel.decide(problem, dev), sel)
             except Exception as exc:  # reported per key; the worker goes on with the next
                 row = {"winner": None, "source": "error", "error": f"{type(exc).__name__}: {exc}"}
             row["wall_seconds"] = round(time.perf_counter() - started, 3)

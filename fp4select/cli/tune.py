@@ -77,7 +77,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from fp4select.api import selector
-    from fp4select.multi_gpu import DeviceError, warm_parallel
+    from fp4select.multi_gpu import DeviceError, decision_row, warm_parallel
 
     plan = warm_plan(args)  # a bad input raises WarmUsageError: one line, exit 2
     try:
@@ -118,15 +118,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
         try:
             for problem in problems:
                 decision = sel.decide(problem, device)
+                why = "" if decision.winner else why_none(decision)
                 results.append(
-                    {
-                        "problem": problem.describe(),
-                        "winner": decision.winner,
-                        "source": decision.source,
-                        "seconds": round(decision.tuning_seconds, 3),
-                        "why_none": "" if decision.winner else why_none(decision),
-                        "stored": not sel.store.memory_only,
-                    }
+                    {"problem": problem.describe(), **decision_row(decision, sel), "why_none": why}
                 )
                 if bar is not None:
                     bar.update(1)
