@@ -244,16 +244,17 @@ def _kv_heads_per_rank(kv: int, tp: int) -> int:
 
 @dataclass
 class _Gemm:
-    """One GEMM as engines run it; ``parts`` are the checkpoint modules fused into it."""
+    """One GEMM as engines run it; ``parts`` are the checkpoint modules fused into it (none
+    given: the one module of its own name)."""
 
     name: str
-    parts: tuple[str | tuple[str, ...], ...]  # a part may have several spellings
     n: int
     k: int
     split: str
+    parts: tuple[str | tuple[str, ...], ...] = ()  # a part may have several spellings
 
     def spellings(self) -> list[tuple[str, ...]]:
-        return [p if isinstance(p, tuple) else (p,) for p in self.parts]
+        return [p if isinstance(p, tuple) else (p,) for p in self.parts or (self.name,)]
 
 
 class _Builder:
@@ -282,8 +283,8 @@ class _Builder:
         kv_rank = _kv_heads_per_rank(kv, tp)
         parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         return [
-            _Gemm("self_attn.qkv_proj", parts, q + 2 * kv_rank * head_dim, hidden, "N"),
-            _Gemm("self_attn.o_proj", ("self_attn.o_proj",), hidden, heads // tp * head_dim, "K"),
+            _Gemm("self_attn.qkv_proj", q + 2 * kv_rank * head_dim, hidden, "N", parts),
+            _Gemm("self_attn.o_proj", hidden, heads // tp * head_dim, "K"),
         ]
 
     def mlp(self, hidden: int, inter: int, prefix: str = "mlp"):
@@ -291,12 +292,12 @@ class _Builder:
         return [
             _Gemm(
                 f"{prefix}.gate_up_proj",
-                (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
                 2 * i,
                 hidden,
                 "N",
+                (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
             ),
-            _Gemm(f"{prefix}.down_proj", (f"{prefix}.down_proj",), hidden, i, "K"),
+            _Gemm(f"{prefix}.down_proj", hidden, i, "K"),
         ]
 
     def moe_layer_mlp(self, hidden: int, sparse: bool, shared: int) -> list[_Gemm]:
@@ -413,25 +414,25 @@ def _hybrid_decoder(b: _Builder) -> None:
     linear = [
         _Gemm(
             "linear_attn.in_proj_qkvz",
+            2 * k_dim + 2 * v_dim,
+            hidden,
+            "N",
             (
                 ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_qkv"),
                 ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_z"),
             ),
-            2 * k_dim + 2 * v_dim,
-            hidden,
-            "N",
         ),
         _Gemm(
             "linear_attn.in_proj_ba",
+            2 * v_heads,
+            hidden,
+            "N",
             (
                 ("linear_attn.in_proj_ba", "linear_attn.in_proj_b"),
                 ("linear_attn.in_proj_ba", "linear_attn.in_proj_a"),
             ),
-            2 * v_heads,
-            hidden,
-            "N",
         ),
-        _Gemm("linear_attn.out_proj", ("linear_attn.out_proj",), hidden, v_dim, "K"),
+        _Gemm("linear_attn.out_proj", hidden, v_dim, "K"),
     ]
     experts = cfg.integer("num_experts", default=0, lo=0, hi=_MAX_EXPERTS)
     shared = cfg.integer("shared_expert_intermediate_size", default=0, lo=0)
@@ -465,31 +466,21 @@ def _mla_decoder(b: _Builder) -> None:
         attn = [
             _Gemm(
                 "self_attn.fused_qkv_a_proj_with_mqa",
-                ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
                 q_lora + kv_lora + rope,
                 hidden,
                 "none",
+                ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
             ),
-            _Gemm(
-                "self_attn.q_b_proj", ("self_attn.q_b_proj",), heads * (nope + rope), q_lora, "N"
-            ),
+            _Gemm("self_attn.q_b_proj", heads * (nope + rope), q_lora, "N"),
         ]
     else:
         attn = [
-            _Gemm("self_attn.q_proj", ("self_attn.q_proj",), heads * (nope + rope), hidden, "N"),
-            _Gemm(
-                "self_attn.kv_a_proj_with_mqa",
-                ("self_attn.kv_a_proj_with_mqa",),
-                kv_lora + rope,
-                hidden,
-                "none",
-            ),
+            _Gemm("self_attn.q_proj", heads * (nope + rope), hidden, "N"),
+            _Gemm("self_attn.kv_a_proj_with_mqa", kv_lora + rope, hidden, "none"),
         ]
     attn += [
-        _Gemm(
-            "self_attn.kv_b_proj", ("self_attn.kv_b_proj",), heads * (nope + v_dim), kv_lora, "N"
-        ),
-        _Gemm("self_attn.o_proj", ("self_attn.o_proj",), hidden, heads * v_dim, "K"),
+        _Gemm("self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, "N"),
+        _Gemm("self_attn.o_proj", hidden, heads * v_dim, "K"),
     ]
     b.note(
         "MLA: kv_b_proj is included as engines run it in prefill; decode absorbs it into "
