@@ -1,8 +1,8 @@
 """The dense FP4 GEMM shapes (N, K) one tensor-parallel rank of a model runs, from its config.
 
-Why one file of ~670 lines: most of it is the per-family layer rules and their notes, and one
+Why one file of ~630 lines: most of it is the per-family layer rules and their notes, and one
 family's rules are checked against the others' (fused QKV, MLA, replicated KV heads); split,
-the table would be read in pieces. Reading the quantization config is ``quant_config``'s job.
+the table would be read in pieces.
 
 A deployment thinks in models and tensor-parallel degrees, not in (N, K); this module turns a
 Hugging Face ``config.json`` (plus the checkpoint's quantization config) into the table of
@@ -30,8 +30,9 @@ Design rules:
   names the field when it refuses; anything else a malformed config trips on is still one
   ``ModelConfigError``, never a traceback. Nothing is allocated per decoder layer (a builder
   gives the GEMMs of layer i on demand and the table counts rows), so ``num_hidden_layers:
-  10**9`` is refused by its range, not by a MemoryError. Only regular files are read (a FIFO
-  named ``hf_quant_config.json`` is refused with a reason, never skipped or waited on).
+  10**9`` is refused by its range, not by a MemoryError. Only regular files are read: a FIFO
+  named ``hf_quant_config.json`` is refused with a reason, never waited on, and never skipped
+  (a skipped quantization config would tune every layer as FP4).
 """
 
 from __future__ import annotations
@@ -90,10 +91,7 @@ class ModelShapes:
 
     def shapes(self) -> list[tuple[int, int]]:
         """Distinct (N, K) in table order: what ``warm`` tunes."""
-        seen: dict[tuple[int, int], None] = {}
-        for layer in self.layers:
-            seen.setdefault((layer.n, layer.k), None)
-        return list(seen)
+        return list(dict.fromkeys((layer.n, layer.k) for layer in self.layers))
 
     def problems(self, max_m: int = 8192, **fields: Any) -> list[Problem]:
         """The problem keys to tune: every shape at every M bucket up to ``max_m``.
@@ -141,11 +139,8 @@ def _exists(path: Path) -> bool:
 
 
 def load_model_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(config.json, hf_quant_config.json or None) for a model folder or a config.json path.
-
-    Whatever is at either name must be a regular file: a FIFO or a device is refused with a
-    ``ModelConfigError`` saying so, never skipped (a skipped quantization config would tune
-    every layer as FP4) and never waited on."""
+    """(config.json, hf_quant_config.json or None) for a model folder or a config.json path;
+    whatever is at either name must be a regular file (see the module's rules)."""
     p = Path(os.fsdecode(path))
     if p.is_dir():
         config_path = p / CONFIG_FILE
@@ -249,16 +244,17 @@ def _kv_heads_per_rank(kv: int, tp: int) -> int:
 
 @dataclass
 class _Gemm:
-    """One GEMM as engines run it; ``parts`` are the checkpoint modules fused into it."""
+    """One GEMM as engines run it; ``parts`` are the checkpoint modules fused into it (none
+    given: the one module of its own name)."""
 
     name: str
-    parts: tuple[str | tuple[str, ...], ...]  # a part may have several spellings
     n: int
     k: int
     split: str
+    parts: tuple[str | tuple[str, ...], ...] = ()  # a part may have several spellings
 
     def spellings(self) -> list[tuple[str, ...]]:
-        return [p if isinstance(p, tuple) else (p,) for p in self.parts]
+        return [p if isinstance(p, tuple) else (p,) for p in self.parts or (self.name,)]
 
 
 class _Builder:
@@ -287,8 +283,8 @@ class _Builder:
         kv_rank = _kv_heads_per_rank(kv, tp)
         parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         return [
-            _Gemm("self_attn.qkv_proj", parts, q + 2 * kv_rank * head_dim, hidden, "N"),
-            _Gemm("self_attn.o_proj", ("self_attn.o_proj",), hidden, heads // tp * head_dim, "K"),
+            _Gemm("self_attn.qkv_proj", q + 2 * kv_rank * head_dim, hidden, "N", parts),
+            _Gemm("self_attn.o_proj", hidden, heads // tp * head_dim, "K"),
         ]
 
     def mlp(self, hidden: int, inter: int, prefix: str = "mlp"):
@@ -296,12 +292,12 @@ class _Builder:
         return [
             _Gemm(
                 f"{prefix}.gate_up_proj",
-                (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
                 2 * i,
                 hidden,
                 "N",
+                (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
             ),
-            _Gemm(f"{prefix}.down_proj", (f"{prefix}.down_proj",), hidden, i, "K"),
+            _Gemm(f"{prefix}.down_proj", hidden, i, "K"),
         ]
 
     def moe_layer_mlp(self, hidden: int, sparse: bool, shared: int) -> list[_Gemm]:
@@ -418,25 +414,25 @@ def _hybrid_decoder(b: _Builder) -> None:
     linear = [
         _Gemm(
             "linear_attn.in_proj_qkvz",
+            2 * k_dim + 2 * v_dim,
+            hidden,
+            "N",
             (
                 ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_qkv"),
                 ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_z"),
             ),
-            2 * k_dim + 2 * v_dim,
-            hidden,
-            "N",
         ),
         _Gemm(
             "linear_attn.in_proj_ba",
+            2 * v_heads,
+            hidden,
+            "N",
             (
                 ("linear_attn.in_proj_ba", "linear_attn.in_proj_b"),
                 ("linear_attn.in_proj_ba", "linear_attn.in_proj_a"),
             ),
-            2 * v_heads,
-            hidden,
-            "N",
         ),
-        _Gemm("linear_attn.out_proj", ("linear_attn.out_proj",), hidden, v_dim, "K"),
+        _Gemm("linear_attn.out_proj", hidden, v_dim, "K"),
     ]
     experts = cfg.integer("num_experts", default=0, lo=0, hi=_MAX_EXPERTS)
     shared = cfg.integer("shared_expert_intermediate_size", default=0, lo=0)
@@ -470,31 +466,21 @@ def _mla_decoder(b: _Builder) -> None:
         attn = [
             _Gemm(
                 "self_attn.fused_qkv_a_proj_with_mqa",
-                ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
                 q_lora + kv_lora + rope,
                 hidden,
                 "none",
+                ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
             ),
-            _Gemm(
-                "self_attn.q_b_proj", ("self_attn.q_b_proj",), heads * (nope + rope), q_lora, "N"
-            ),
+            _Gemm("self_attn.q_b_proj", heads * (nope + rope), q_lora, "N"),
         ]
     else:
         attn = [
-            _Gemm("self_attn.q_proj", ("self_attn.q_proj",), heads * (nope + rope), hidden, "N"),
-            _Gemm(
-                "self_attn.kv_a_proj_with_mqa",
-                ("self_attn.kv_a_proj_with_mqa",),
-                kv_lora + rope,
-                hidden,
-                "none",
-            ),
+            _Gemm("self_attn.q_proj", heads * (nope + rope), hidden, "N"),
+            _Gemm("self_attn.kv_a_proj_with_mqa", kv_lora + rope, hidden, "none"),
         ]
     attn += [
-        _Gemm(
-            "self_attn.kv_b_proj", ("self_attn.kv_b_proj",), heads * (nope + v_dim), kv_lora, "N"
-        ),
-        _Gemm("self_attn.o_proj", ("self_attn.o_proj",), hidden, heads * v_dim, "K"),
+        _Gemm("self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, "N"),
+        _Gemm("self_attn.o_proj", hidden, heads * v_dim, "K"),
     ]
     b.note(
         "MLA: kv_b_proj is included as engines run it in prefill; decode absorbs it into "

@@ -32,11 +32,13 @@ from fp4select.settings import Settings
 from fp4select.store import digest
 
 if TYPE_CHECKING:
+    from fp4select.records import Decision
     from fp4select.settings import Isolation
 
 __all__ = [
     "DeviceError",
     "check_same_environment",
+    "decision_row",
     "parse_devices",
     "tuning_order",
     "warm_parallel",
@@ -57,9 +59,7 @@ def parse_devices(spec: str, count: int) -> list[int]:
     try:
         indices = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise DeviceError(
-            f"--devices must be 'all' or GPU indices like 0,1; got {spec!r}"
-        ) from None
+        indices = []
     if not indices:
         raise DeviceError(f"--devices must be 'all' or GPU indices like 0,1; got {spec!r}")
     for i in indices:
@@ -92,6 +92,16 @@ def tuning_order(problems: Sequence[Problem]) -> list[Problem]:
     return sorted(problems, key=lambda p: (-(p.m_bucket * p.n * p.k), p.n, p.k, p.m_bucket))
 
 
+def decision_row(decision: Decision, sel: Selector) -> dict[str, Any]:
+    """What warm reports of one decided key, tuned on one GPU or on several."""
+    return {
+        "winner": decision.winner,
+        "source": decision.source,
+        "seconds": round(decision.tuning_seconds, 3),
+        "stored": not sel.store.memory_only,
+    }
+
+
 def _worker(
     device: str, tasks: Any, results: Any, store_root: str, isolation: Isolation, timing: Any
 ) -> None:
@@ -116,13 +126,7 @@ def _worker(
             problem = Problem.from_json(key)
             started = time.perf_counter()
             try:
-                decision = sel.decide(problem, dev)
-                row = {
-                    "winner": decision.winner,
-                    "source": decision.source,
-                    "seconds": round(decision.tuning_seconds, 3),
-                    "stored": not sel.store.memory_only,
-                }
+                row = decision_row(sel.decide(problem, dev), sel)
             except Exception as exc:  # reported per key; the worker goes on with the next
                 row = {"winner": None, "source": "error", "error": f"{type(exc).__name__}: {exc}"}
             row["wall_seconds"] = round(time.perf_counter() - started, 3)
@@ -185,12 +189,9 @@ def warm_parallel(
                         break
                     lost = in_flight[name]
                     if lost is not None and lost not in rows:
-                        rows[lost] = {
-                            "winner": None,
-                            "source": "error",
-                            "error": f"worker on {name} died (exit code {w.exitcode})",
-                            "device": name,
-                        }
+                        rows[lost] = _failed(
+                            f"worker on {name} died (exit code {w.exitcode})", name
+                        )
                     reported.add(name)
                 continue
             if kind == "start":
@@ -211,13 +212,13 @@ def warm_parallel(
             if w.is_alive():
                 w.kill()
                 w.join()
-    out = []
-    for i, p in enumerate(problems):
-        row = rows.get(i) or {
-            "winner": None,
-            "source": "error",
-            "error": "not tuned: every worker died",
-            "device": None,
-        }
-        out.append({"problem": p.describe(), **row})
+    out = [
+        {"problem": p.describe(), **(rows.get(i) or _failed("not tuned: every worker died", None))}
+        for i, p in enumerate(problems)
+    ]
     return out, counters
+
+
+def _failed(error: str, device: str | None) -> dict[str, Any]:
+    """The row of a key no worker reported a decision for."""
+    return {"winner": None, "source": "error", "error": error, "device": device}

@@ -59,12 +59,8 @@ def _compile_command(source: Path, target: Path) -> list[str]:
 
 
 def build(folder: str | os.PathLike[str] | None = None) -> Key:
-    """Compile the key for this torch and Python (unless built already) and load it (deploy
-    time: never called by best_mm_fp4).
-
-    Raises ``RuntimeError`` saying why when it cannot: no compiler, a refused folder, a
-    compiler error (its last lines), a library that fails its self-test.
-    """
+    """Compile the key for this torch and Python (unless built already) and load it; a failure
+    is a ``RuntimeError`` saying why (see the module's rules)."""
     from filelock import FileLock, Timeout
 
     path = library_path(folder)

@@ -269,15 +269,16 @@ def load(folder: str | os.PathLike[str] | None = None) -> Key | None:
             why = f"{path} does not load: {type(exc).__name__}: {exc}"
         else:
             why = _self_test(key)
+    root = str(path.parent.parent)
     with _state_lock:
         if why is not None or key is None:
             why = why or "no key"
-            if _status.get(str(path.parent.parent)) != f"refused: {why}":
+            if _status.get(root) != f"refused: {why}":
                 log.warning("fp4select: not using the native warm-path key: %s", why)
-            _status[str(path.parent.parent)] = f"refused: {why}"
+            _status[root] = f"refused: {why}"
             return None
         _loaded[str(path)] = key
-        _status[str(path.parent.parent)] = "loaded"
+        _status[root] = "loaded"
     return key
 
 
@@ -291,12 +292,6 @@ def for_settings(settings: Settings) -> Key | None:
     except Exception as exc:  # an unreadable folder, a torch without its headers: Python path
         log.warning("fp4select: the native warm-path key is not used: %s", exc)
         return None
-
-
-def note(folder: str | os.PathLike[str] | None, happened: str) -> None:
-    """Record what happened to ``folder``'s build in this process (status() shows it)."""
-    with _state_lock:
-        _status[str(library_path(folder).parent.parent)] = happened
 
 
 def status(folder: str | os.PathLike[str] | None = None) -> dict[str, Any]:

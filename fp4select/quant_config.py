@@ -139,7 +139,7 @@ def _compressed_tensors_quant(qc: Mapping[str, Any]) -> QuantScheme:
         raise ModelConfigError(f"{where}: format must be a string, got {fmt!r}")
     if groups is not None and not isinstance(groups, dict):
         raise ModelConfigError(f"{where}: config_groups must be an object")
-    if isinstance(groups, dict) and groups:
+    if groups:
         for name, group in groups.items():
             if not isinstance(group, dict):
                 raise ModelConfigError(f"{where}: config_groups[{name!r}] must be an object")

@@ -20,8 +20,9 @@ Design rules:
   that says how many were skipped and the first line number; it never fails the warm.
 * Never write into a file fp4select did not make: a non-empty file whose first line is not a
   record line disables recording with one warning, and so does a symbolic link at the path
-  (``O_NOFOLLOW``: a dangling one would otherwise create its target wherever it points). Any error while recording (permissions, a
-  full disk) disables it with one warning: recording must never break a GEMM call.
+  (``O_NOFOLLOW``: a dangling one would otherwise create its target wherever it points). Any
+  error while recording (permissions, a full disk) disables it with one warning: recording
+  must never break a GEMM call.
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ def record_line(problem: Problem) -> bytes:
     return (json.dumps(line, sort_keys=True, separators=(",", ":")) + "\n").encode("ascii")
 
 
-def _open_regular(
-    path: str | os.PathLike[str], flags: int, mode: int = 0o644, follow: bool = True
-) -> int:
+def _open_regular(path: str | os.PathLike[str], flags: int, follow: bool = True) -> int:
     """A descriptor for ``path`` only if it is a regular file: a FIFO would block the caller's
     first GEMM (or the CLI) forever, and a device would be read or written without end.
     ``follow=False``: a symbolic link at ``path`` is refused (``O_NOFOLLOW``), dangling or not."""
@@ -80,7 +79,7 @@ def _open_regular(
     if not follow:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags, mode)
+        fd = os.open(path, flags, 0o644)
     except OSError as exc:
         if not follow and exc.errno == errno.ELOOP:
             why = "is a symbolic link (not followed)"
@@ -128,7 +127,6 @@ def note(problem: Problem) -> None:
         pid = os.getpid()
         if _state["pid"] != pid:  # first call, or a fork child: its own sightings
             _state.update(pid=pid, seen=set(), disabled=None)
-            why = None
             try:
                 why = _foreign(path)
             except OSError as exc:

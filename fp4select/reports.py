@@ -2,10 +2,9 @@
 
 Design rules: a report function returns data (a ``TypedDict``, or a dataclass whose ``to_json()``
 is the ``--json`` output), typed so the command line and scripts know every field, and prints
-nothing; the command line only formats it. A report reads the
-same store, registry and selector the library uses: nothing is re-implemented here. ``verify``
-tunes in its own selector over a scratch cache, so it never changes the caller's decisions or
-the process-wide selector.
+nothing; the command line only formats it. A report reads the same store, registry and selector
+the library uses: nothing is re-implemented here. ``verify`` tunes in its own selector over a
+scratch cache, so it never changes the caller's decisions or the process-wide selector.
 """
 
 from __future__ import annotations
@@ -147,10 +146,8 @@ def doctor_report(
             experimental=backend.experimental,
         )
         if backend.family == fi.FAMILY and mm_fp4 is not None:
-            ccs = fi.supported_ccs(mm_fp4, name)
-            row["flashinfer_supported_ccs"] = ccs
+            row["flashinfer_supported_ccs"] = fi.supported_ccs(mm_fp4, name)
         rows.append(row)
-    blacklist = sel.store.blacklist(env)
     machine = DoctorMachine(
         device=str(device), gpu=env.get("gpu"), cc=env.get("cc"), sm_count=env.get("sm_count")
     )
@@ -168,7 +165,7 @@ def doctor_report(
         cache=DoctorCache(
             root=str(sel.store.root), memory_only=sel.store.memory_only, isolation=sel.isolation
         ),
-        blacklist=blacklist,
+        blacklist=sel.store.blacklist(env),
         native_key=native_key_report(sel.settings),
         hopper_launch=triton_hopper.launch_path(env),
     )
@@ -203,10 +200,8 @@ def signature_report(mm_fp4: Any) -> SignatureReport:
 
     from fp4select.arguments import check_arguments
 
-    if mm_fp4 is None:
-        return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
     try:
-        theirs = inspect.signature(mm_fp4).parameters
+        theirs = inspect.signature(mm_fp4).parameters  # None (no flashinfer): a TypeError too
     except (TypeError, ValueError):
         return SignatureReport(matches=None, only_in_flashinfer=[], different_defaults=[])
     ours = inspect.signature(check_arguments).parameters
@@ -325,10 +320,8 @@ class VerifyReport:
         from fp4select.backends import flashinfer_tactics
 
         tactic = record.get("tactic")
-        if flashinfer_tactics.is_tuned(record):
-            served = "tuned"
-        else:
-            served = "untuned" if tactic is None else "default"
+        tuned_here = flashinfer_tactics.is_tuned(record)
+        served = "tuned" if tuned_here else ("untuned" if tactic is None else "default")
         reason = None if served == "tuned" else str(record.get("reason") or "?")
         defaults = record.get("default_at") or []
         default_at = [d.get("m") for d in defaults if isinstance(d, Mapping)]

@@ -32,18 +32,13 @@ from typing import Any
 
 import torch
 
-
-def _tensor_guards_class() -> Any:
-    """torch's ``TensorGuards`` class, or None. A private API (see the design rules), typed Any:
-    its stub's signature changes between torch releases."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-    except ImportError:  # pragma: no cover - every torch fp4select supports has it today
-        return None
-    return TensorGuards
-
-
-_TensorGuards: Any = _tensor_guards_class()
+# torch's ``TensorGuards`` class, or None. A private API (see the design rules), typed Any: its
+# stub's signature changes between torch releases.
+_TensorGuards: Any
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - every torch fp4select supports has it today
+    _TensorGuards = None
 
 Guard = Callable[..., bool]
 
@@ -92,11 +87,10 @@ def _native_guard(tensors: tuple[torch.Tensor, ...]) -> Guard | None:
         check: Guard = guard.check
         if not check(*tensors):
             return None
-        rest = tensors[1:]
-        retyped = _other_dtype_view(tensors[0])
+        first, rest = tensors[0], tensors[1:]
+        retyped = _other_dtype_view(first)
         if retyped is None or check(retyped, *rest):
             return None
-        first = tensors[0]
         elsewhere = torch.empty_strided(
             first.shape, first.stride(), dtype=first.dtype, device="meta"
         )

@@ -6,8 +6,7 @@ re-implemented here); every command takes ``--json`` for scripts, and a report i
 it could not, 2 a usage error. Every option has help text (a test walks the parser).
 
 This package holds the parser and ``main``; the commands live in ``checks`` (doctor, verify,
-native),
-``tune`` (warm, explain, with ``plan`` for the keys warm tunes) and ``cache`` (show,
+native), ``tune`` (warm, explain, with ``plan`` for the keys warm tunes) and ``cache`` (show,
 blacklist, export, import, clear); ``_common`` holds what they share.
 """
 
@@ -36,6 +35,10 @@ DESCRIPTION = (
     "doctor, warm, show, explain, verify, blacklist, export/import, native, clear."
 )
 Command = Callable[[argparse.Namespace], int]
+
+
+def _shape_option(p: argparse.ArgumentParser, help_: str) -> None:
+    p.add_argument("--shape", action="append", type=parse_shape, metavar="N,K", help=help_)
 
 
 def _problem_options(p: argparse.ArgumentParser, format_help: str) -> None:
@@ -90,13 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask about another compute capability (e.g. 100 for B200, 120 for RTX PRO 6000)",
     )
     p = command("warm", cmd_warm, "tune and store decisions for a model's shapes before serving")
-    p.add_argument(
-        "--shape",
-        action="append",
-        type=parse_shape,
-        metavar="N,K",
-        help="a weight shape; repeatable",
-    )
+    _shape_option(p, "a weight shape; repeatable")
     p.add_argument(
         "--shapes-file", action="append", metavar="JSON", help='{"shapes": [[N, K], ...]}'
     )
@@ -176,13 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "probe every backend on a spread of problems (formats, layouts, M from 1 to 3072) "
         "in a scratch cache and report what held up; exit 1 if any backend failed",
     )
-    p.add_argument(
-        "--shape",
-        action="append",
-        type=parse_shape,
-        metavar="N,K",
-        help="a weight shape to verify; repeatable (default 4096,4096)",
-    )
+    _shape_option(p, "a weight shape to verify; repeatable (default 4096,4096)")
     p.add_argument(
         "--m",
         action="append",

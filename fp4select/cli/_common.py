@@ -62,10 +62,8 @@ def print_json(obj: Any) -> None:
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines)
 
 
 def parse_shape(text: str) -> tuple[int, int]:

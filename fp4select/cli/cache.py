@@ -56,7 +56,7 @@ def cmd_blacklist(args: argparse.Namespace) -> int:
                 f"fp4select blacklist: {name} is not blacklisted here, nothing cleared "
                 f"(blacklisted here: {listed})"
             )
-        print(f"removed {removed} blacklist entr{'y' if removed == 1 else 'ies'}")
+        print(f"removed {many(removed, 'blacklist entry', 'blacklist entries')}")
         return 0
     bl = store.blacklist(env)
     if args.json:

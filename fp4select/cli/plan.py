@@ -61,11 +61,7 @@ def shapes_file(path: str) -> list[tuple[int, int]]:
 
 
 def warm_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Every key warm will tune, from --shape, --shapes-file, --model and --from-record.
-
-    Returns the problems (deduplicated, first appearance first) and, as data for --dry-run,
-    the model table and the record counts.
-    """
+    """The plan of every key warm will tune (its fields are in the module's rules)."""
     from fp4select.model_shapes import ModelConfigError, shapes_from_path
     from fp4select.record import read_record
 

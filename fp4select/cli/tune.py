@@ -77,7 +77,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from fp4select.api import selector
-    from fp4select.multi_gpu import DeviceError, warm_parallel
+    from fp4select.multi_gpu import DeviceError, decision_row, warm_parallel
 
     plan = warm_plan(args)  # a bad input raises WarmUsageError: one line, exit 2
     try:
@@ -91,15 +91,15 @@ def cmd_warm(args: argparse.Namespace) -> int:
     if not problems:
         return failed("warm: no FP4 problem keys to tune (see --dry-run for why)")
     sel = selector()
+    quiet = args.quiet or args.json
     started = time.perf_counter()
     # The C++ key compiles on one CPU core while the GPU tunes: the two do not wait on each other.
     builder = ThreadPoolExecutor(1, thread_name_prefix="fp4select-native")
-    native_built = builder.submit(warm_native_key, sel.settings, args.quiet or args.json)
+    native_built = builder.submit(warm_native_key, sel.settings, quiet)
     if devices is not None:
-        show = not (args.quiet or args.json)
 
         def progress(row: dict[str, Any]) -> None:
-            if show:
+            if not quiet:
                 print(f"{row['problem']}: {row['winner']} ({row['source']}) on {row['device']}")
 
         results, counters = warm_parallel(
@@ -113,21 +113,14 @@ def cmd_warm(args: argparse.Namespace) -> int:
         device = devices[0]
     else:
         device = parse_device(args.device)
-        quiet = args.quiet or args.json
         bar = progress_bar(len(problems), "fp4select warm", "key", off=quiet)
         results = []
         try:
             for problem in problems:
                 decision = sel.decide(problem, device)
+                why = "" if decision.winner else why_none(decision)
                 results.append(
-                    {
-                        "problem": problem.describe(),
-                        "winner": decision.winner,
-                        "source": decision.source,
-                        "seconds": round(decision.tuning_seconds, 3),
-                        "why_none": "" if decision.winner else why_none(decision),
-                        "stored": not sel.store.memory_only,
-                    }
+                    {"problem": problem.describe(), **decision_row(decision, sel), "why_none": why}
                 )
                 if bar is not None:
                     bar.update(1)

@@ -69,10 +69,7 @@ def plugin_enabled(allow_list_env: str) -> bool:
     forced = engine_setting(ENABLE_ENV)
     if forced is not None:
         return forced
-    allowed = os.environ.get(allow_list_env)
-    if allowed is None:
-        return False
-    return PLUGIN_NAME in {x.strip() for x in allowed.split(",")}
+    return PLUGIN_NAME in {x.strip() for x in os.environ.get(allow_list_env, "").split(",")}
 
 
 def run_plugin(engine: str, allow_list_env: str, patch: Callable[[], Any]) -> None:
@@ -91,11 +88,11 @@ def run_plugin(engine: str, allow_list_env: str, patch: Callable[[], Any]) -> No
         log.exception("fp4select: could not patch %s; it runs unchanged", engine)
 
 
-def unpatch(engine: str, patches: PatchSet) -> list[str]:
+def unpatch(patches: PatchSet) -> list[str]:
     """Put back every object ``patches`` replaced; returns their names."""
     restored = patches.restore()
     if restored:
-        log.info("fp4select: %s unpatched: %s", engine, ", ".join(restored))
+        log.info("fp4select: %s unpatched: %s", patches.engine, ", ".join(restored))
     return restored
 
 

@@ -98,10 +98,11 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     ``tune_at_load`` (default: ``FP4SELECT_WARM_AT_LOAD``, on) wraps ``ModelRunner.initialize``
     to tune the loaded model's FP4 layers before memory is sized.
     """
-    if engine_version() is None:
+    version = engine_version()
+    if version is None:
         log.info("fp4select: SGLang is not installed; nothing to patch")
         return False
-    if not _common.version_allowed(ENGINE, engine_version(), TESTED_VERSIONS):
+    if not _common.version_allowed(ENGINE, version, TESTED_VERSIONS):
         return False
     module = importlib.import_module(TARGET_MODULE)
     if _patches.holds(module, TARGET_NAME):
@@ -127,7 +128,7 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
         raise
     log.info(
         "fp4select: SGLang %s patched: %s.%s -> fp4select (tuning at load: %s)",
-        engine_version(),
+        version,
         TARGET_MODULE,
         TARGET_NAME,
         "on" if tuning else "off",
@@ -261,9 +262,8 @@ def _quantize_below_sm100(original: Any) -> Any:
         if (
             args
             or any(kwargs.get(k) for k in ("sf_use_ue8m0", "is_sf_8x4_layout"))
-            or (
-                kwargs.get("sf_vec_size", 16) != 16 or not kwargs.get("is_sf_swizzled_layout", True)
-            )
+            or kwargs.get("sf_vec_size", 16) != 16
+            or not kwargs.get("is_sf_swizzled_layout", True)
         ):
             raise NotImplementedError(
                 "fp4select's NVFP4 quantizer makes 16-value blocks with 128x4 e4m3 scales only"
@@ -278,7 +278,7 @@ def _quantize_below_sm100(original: Any) -> Any:
 
 def unpatch() -> list[str]:
     """Put back every object ``patch()`` replaced; returns their names."""
-    return _common.unpatch(ENGINE, _patches)
+    return _common.unpatch(_patches)
 
 
 # -- tuning at load --------------------------------------------------------------------------

@@ -88,11 +88,12 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     ``tune_at_load`` (default: ``FP4SELECT_WARM_AT_LOAD``, on) wraps ``Worker.load_model`` to
     tune the loaded model's FP4 layers before vLLM profiles memory.
     """
-    if engine_version() is None:
+    version = engine_version()
+    if version is None:
         # flashinfer.mm_fp4 is process-wide: without vLLM there is nothing of vLLM's to route.
         log.info("fp4select: vLLM is not installed; flashinfer.mm_fp4 left alone")
         return False
-    if not _common.version_allowed(ENGINE, engine_version(), TESTED_VERSIONS):
+    if not _common.version_allowed(ENGINE, version, TESTED_VERSIONS):
         return False
     if _patches:
         return True
@@ -110,7 +111,7 @@ def patch(*, tune_at_load: bool | None = None) -> bool:
     log.info(
         "fp4select: vLLM %s patched: %s; NVFP4 linear kernel %s registered (--linear-backend "
         "%s; ahead of Marlin on SM80-SM90); tuning at load: %s",
-        engine_version(),
+        version,
         "flashinfer.mm_fp4 -> fp4select" if mm_fp4 else "flashinfer.mm_fp4 not patched",
         KERNEL_NAME,
         LINEAR_BACKEND,
@@ -176,7 +177,7 @@ def _forget_cli_choices() -> None:
 
 def unpatch() -> list[str]:
     """Put back every object ``patch()`` replaced; returns their names."""
-    restored = _common.unpatch(ENGINE, _patches)
+    restored = _common.unpatch(_patches)
     if restored:
         _forget_cli_choices()
     return restored
