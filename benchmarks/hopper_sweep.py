@@ -105,7 +105,7 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2", "ss".
+# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -125,34 +125,6 @@ WIDE = [
         (128, 128, 16, 4, 3, 1),
         (128, 128, 16, 4, 3, 0),
         (128, 256, 16, 8, 3, 1),
-    ]
-]
-# The decoded weight through shared memory as the MMA's right operand, tokens on its 64-row
-# side (``MmaConfig.weight_smem``): (weight columns, tokens, words per step, warps, stages, split).
-SS = [
-    triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp, 8, 1)
-    for bn, bt, bkw, w, st, sp in [
-        (128, 64, 16, 4, 3, 0),
-        (256, 64, 16, 4, 3, 0),
-        (128, 64, 8, 4, 4, 0),
-        (128, 128, 16, 4, 3, 1),
-        (128, 128, 16, 8, 3, 1),
-        (256, 128, 16, 8, 3, 1),
-        (256, 128, 8, 8, 4, 1),
-        (256, 128, 16, 8, 2, 1),
-        (128, 256, 16, 8, 3, 1),
-        (128, 128, 8, 4, 4, 1),
-        (128, 128, 16, 4, 3, 0),
-    ]
-]
-OCC = [
-    triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
-    for bn, bt, bkw, w, st, sp in [
-        (64, 256, 8, 4, 3, 1),
-        (64, 256, 8, 4, 2, 1),
-        (64, 128, 8, 4, 3, 1),
-        (64, 128, 16, 4, 2, 1),
-        (128, 128, 8, 4, 3, 1),
     ]
 ]
 # hopper-dequant's GEMM tiles (BM, BN, BK, warps, stages); `dequant_tile` chooses between the
@@ -265,20 +237,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
                 out[name] = functools.partial(triton_hopper.run_prefill, cfg=c)
-    if m >= 64 and "ss" in families:
-        for c in SS:
-            if c.block_t <= 2 * m and (m < 128) == (c.block_t == 64):
-                name = f"ss n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
-                out[name] = functools.partial(triton_hopper.run_prefill, cfg=c)
-    if m >= 512 and "ov" in families:  # the weight's decode overlapped with the GEMM
-        for ch in (2, 3, 4, 6, 8):
-            out[f"ov c{ch}"] = functools.partial(dequant.run_hopper, chunks=ch)
-        small = hopper_configs.DEQUANT_SMALL
-        out["ov c4 small"] = functools.partial(dequant.run_hopper, chunks=4, cfg=small)
-    if m >= 128 and "occ" in families:  # one-warpgroup tiles that leave room for two per SM
-        for c in OCC:
-            name = f"occ n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
-            out[name] = functools.partial(triton_hopper.run_prefill, cfg=c)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -400,7 +358,7 @@ def main() -> None:
                     t
                     for nm, t in us.items()
                     if family(nm)
-                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2", "ss", "ov", "occ")
+                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2")
                 ),
                 default=float("nan"),
             )

@@ -875,7 +875,6 @@ def mma_planes(
     GROUP: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr = False,
-    SS: tl.constexpr = False,
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -910,40 +909,20 @@ def mma_planes(
     # At least one step: a loop that may run zero times leaves a path where the accumulator
     # is set outside the MMA, and ptxas then serializes every wgmma of the loop.
     tl.assume(iters_per_split > 0)
-    if SS:
-        acc_ss = tl.zeros((BT, BN), dtype=tl.float32)
-        for i in range(0, iters_per_split):
-            k0 = (pid_k * iters_per_split + i) * BKW
-            wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW)
-            w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
-            xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
-            acc_ss = tl.dot(tl.trans(tl.load(xb)), tl.trans(w), acc_ss)
-        acc_ss = acc_ss * 268435456.0
-        mask_ss = (offs_t[:, None] < M) & (offs_n[None, :] < N)
-        if PARTIALS:
-            ptrs = part_ptr + pid_k * M * N + offs_t[:, None] * N + offs_n[None, :]
-            tl.store(ptrs, acc_ss, mask=mask_ss)
-        else:
-            acc_ss = (
-                acc_ss * _alpha_scale(offs_t, offs_t < M, alpha_ptr, alpha_value, ALPHA)[:, None]
-            )
-            ptrs = out_ptr + offs_t[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.store(ptrs, acc_ss.to(out_ptr.dtype.element_ty), mask=mask_ss)
+    acc = tl.zeros((BN, BT), dtype=tl.float32)
+    for i in range(0, iters_per_split):
+        k0 = (pid_k * iters_per_split + i) * BKW
+        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW)
+        w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
+        xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
+        acc = tl.dot(w, tl.load(xb), acc)
+    acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
+    mask_t = offs_t < M
+    mask = (offs_n[:, None] < N) & mask_t[None, :]
+    if PARTIALS:
+        ptrs = part_ptr + pid_k * M * N + offs_t[None, :] * N + offs_n[:, None]
+        tl.store(ptrs, acc, mask=mask)
     else:
-        acc = tl.zeros((BN, BT), dtype=tl.float32)
-        for i in range(0, iters_per_split):
-            k0 = (pid_k * iters_per_split + i) * BKW
-            wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW)
-            w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
-            xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
-            acc = tl.dot(w, tl.load(xb), acc)
-        acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
-        mask_t = offs_t < M
-        mask = (offs_n[:, None] < N) & mask_t[None, :]
-        if PARTIALS:
-            ptrs = part_ptr + pid_k * M * N + offs_t[None, :] * N + offs_n[:, None]
-            tl.store(ptrs, acc, mask=mask)
-        else:
-            acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
-            ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
+        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

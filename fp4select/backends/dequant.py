@@ -38,7 +38,6 @@ Design rules:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from dataclasses import astuple
 from typing import Any
@@ -275,7 +274,6 @@ def run_hopper(
     enable_pdl: bool,
     *,
     cfg: GemmTile | None = None,
-    chunks: int = 1,
 ) -> torch.Tensor:
     """mm_fp4's positional order (without backend); enable_pdl means nothing here. ``cfg``:
     the GEMM's tile (the sweeps name one), else ``dequant_tile``'s."""
@@ -284,118 +282,32 @@ def run_hopper(
     )
     if c.m == 0 or c.n == 0:
         return c.out
-    sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
-    tile = cfg or dequant_tile(c.m, c.n, sms)
-    bounds = _chunk_bounds(c.n, chunks if a.device.type == "cuda" else 1, tile.block_n)
-    if len(bounds) > 2 and _overlap_ready(c, a):
-        _run_overlapped(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4, tile, sms, bounds)
-        return c.out
     x, w = decoded(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4)
-    _gemm(x, w, c.out, c, tile, sms, a.device.type != "cuda")
-    return c.out
-
-
-def _gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    c: triton_fp4.Checked,
-    tile: GemmTile,
-    sms: int,
-    upcast: bool,
-) -> None:
-    """out = alpha * (x @ w^T) by the persistent TMA GEMM; ``out`` may be a column slice."""
     descriptor = _descriptor_class()
-    bm, bn, bk, warps, stages = astuple(tile)
-    n = w.shape[0]
-    grid = min(sms, -(-c.m // bm) * -(-n // bn))
+    sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
+    bm, bn, bk, warps, stages = astuple(cfg or dequant_tile(c.m, c.n, sms))
+    grid = min(sms, -(-c.m // bm) * -(-c.n // bn))
     triton_fp4.kernels().mm_tma_alpha[(grid,)](
         descriptor.from_tensor(x, [bm, bk]),
         descriptor.from_tensor(w, [bn, bk]),
         c.alpha_ptr,
-        out,
+        c.out,
         c.m,
-        n,
+        c.n,
         x.shape[1],
-        out.stride(0),
-        out.stride(1),
+        c.out.stride(0),
+        c.out.stride(1),
         c.alpha_value,
         ALPHA=c.alpha_kind,
         BM=bm,
         BN=bn,
         BK=bk,
         GROUP=8,
-        UPCAST=upcast,
+        UPCAST=a.device.type != "cuda",
         num_warps=warps,
         num_stages=stages,
     )
-
-
-def _chunk_bounds(n: int, chunks: int, block_n: int) -> list[int]:
-    """Row bounds of up to ``chunks`` weight chunks, each a whole number of 128-row scale
-    tiles and of GEMM tiles (so no chunk adds a partial tile)."""
-    unit = max(128, block_n)
-    units = -(-n // unit)
-    chunks = max(1, min(chunks, units))
-    bounds = [min(n, (units * i // chunks) * unit) for i in range(chunks + 1)]
-    return sorted(set(bounds))
-
-
-_side_streams: dict[Any, torch.cuda.Stream] = {}
-
-
-def _overlap_ready(c: triton_fp4.Checked, a: torch.Tensor) -> bool:
-    """Both workspaces exist at this size, made now unless a graph is being captured (a
-    capture that needs new ones decodes into temporaries on one stream instead)."""
-    key_b, key_a = (a.device, c.n, 2 * c.kh), (a.device, 2 * c.kh)
-    wb, wa = _b_workspaces.get(key_b), _a_workspaces.get(key_a)
-    if wb is not None and wa is not None and wa.shape[0] >= c.m:
-        return True
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    growing(_b_workspaces, key_b, c.n, 2 * c.kh, torch.bfloat16, a.device)
-    growing(_a_workspaces, key_a, c.m, 2 * c.kh, torch.bfloat16, a.device)
-    return True
-
-
-def _run_overlapped(
-    c: triton_fp4.Checked,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    b_descale: torch.Tensor,
-    use_8x4_sf_layout: bool,
-    use_nvfp4: bool,
-    tile: GemmTile,
-    sms: int,
-    bounds: list[int],
-) -> None:
-    """The weight decoded chunk by chunk on a side stream while the GEMM multiplies the chunks
-    already decoded: the decode (memory-bound) hides under the GEMM (tensor-bound)."""
-    device, k = a.device, 2 * c.kh
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
-    w = _b_workspaces[(device, c.n, k)]
-    x = _a_workspaces[(device, k)][: c.m]
-    wt = b.T
-    scales = b_descale.T if b_descale.dim() == 2 else b_descale
-    cp = formats.padded_sf_shape(c.n, k // (16 if use_nvfp4 else 32), "128x4")[1]
-    events = []
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        _decode_into(x, a, c.a_descale, use_nvfp4, "8x4" if use_8x4_sf_layout else "128x4")
-        for lo, hi in itertools.pairwise(bounds):
-            part = scales.as_strided(
-                (scales.numel() - lo * cp,), (1,), scales.storage_offset() + lo * cp
-            )
-            _decode_into(w[lo:hi], wt[lo:hi], part, use_nvfp4, "128x4")
-            event = torch.cuda.Event()
-            event.record(side)
-            events.append(event)
-    for (lo, hi), event in zip(itertools.pairwise(bounds), events, strict=True):
-        main.wait_event(event)
-        _gemm(x, w[lo:hi], c.out[:, lo:hi], c, tile, sms, False)
+    return c.out
 
 
 HOPPER_DEQUANT = Backend(

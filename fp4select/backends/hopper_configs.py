@@ -40,7 +40,6 @@ class MmaConfig:
     num_stages: int
     split: int = 0  # K split across programs; 0: choose from the SM count
     group: int = 8  # weight tiles visited together, sharing activation tiles in L2
-    weight_smem: int = 0  # 1: decoded weight via shared memory as the right operand (tokens x N)
 
     def __post_init__(self) -> None:
         _check_step(self.words_per_step)

@@ -304,7 +304,6 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
         GROUP=cfg.group,
         ASM=ASM,
         **_with_pdl(pdl_main),
-        **({"SS": True} if cfg.weight_smem else {}),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
