@@ -105,7 +105,8 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2".
+# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
+# "evict".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -237,6 +238,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
                 out[name] = functools.partial(triton_hopper.run_prefill, cfg=c)
+    if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
+        for c in hopper_configs.candidates("gemv", m):
+            cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
+            name = "evict " + " ".join(map(str, dataclasses.astuple(cc)))
+            out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -358,7 +364,7 @@ def main() -> None:
                     t
                     for nm, t in us.items()
                     if family(nm)
-                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2")
+                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2", "evict")
                 ),
                 default=float("nan"),
             )

@@ -29,6 +29,7 @@ class GemvConfig:
     blocks_per_step: int
     num_warps: int
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
+    evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 
 # By M, as the tensor-core ones. At M = 4 the prefetching 64-block steps (8 or 4 rows) were the
 # fastest at 4 of the 6 sweep shapes and within 4% at a fifth (results/hopper_sweep_pdl.json);
-# at M = 1-2 the wider steps. Four each: each bucket compiles and times four.
+# at M = 1-2 the wider steps. Four each: each bucket compiles and times four. At M = 3-8 the
+# steps without prefetch load the weight with evict_first (0.78-0.98x the time without it at
+# M = 4 on six shapes, results/hopper_sweep_evict.json); at M = 1-2 it changed nothing.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
@@ -91,8 +94,8 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
         (
             GemvConfig(8, 64, 1, 1),
             GemvConfig(4, 64, 1, 1),
-            GemvConfig(4, 128, 2),
-            GemvConfig(8, 128, 2),
+            GemvConfig(4, 128, 2, evict_first=1),
+            GemvConfig(8, 128, 2, evict_first=1),
         ),
     ),
 )

@@ -211,6 +211,7 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         ASM=ASM,
         PREFETCH=bool(cfg.prefetch),
         **_with_pdl(pdl),
+        **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         num_warps=cfg.num_warps,
     )
     return c.out
