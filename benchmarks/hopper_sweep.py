@@ -106,7 +106,7 @@ PREFILL = [
     ]
 ]
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "stages".
+# "evict".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -127,23 +127,6 @@ WIDE = [
         (128, 128, 16, 4, 3, 0),
         (128, 256, 16, 8, 3, 1),
     ]
-]
-# hopper-gemv with its loads pipelined through shared memory: (rows, blocks per step, warps,
-# stages, evict_first).
-STAGED = [
-    (8, 64, 2, 3, 0),
-    (8, 64, 2, 4, 0),
-    (8, 32, 1, 4, 0),
-    (4, 64, 1, 4, 0),
-    (4, 32, 1, 4, 0),
-    (8, 32, 2, 4, 0),
-    (16, 32, 2, 4, 0),
-    (8, 128, 2, 3, 0),
-    (4, 128, 2, 3, 0),
-    (8, 64, 1, 3, 0),
-    (2, 64, 1, 4, 0),
-    (8, 64, 2, 4, 1),
-    (4, 64, 1, 4, 1),
 ]
 # hopper-dequant's GEMM tiles (BM, BN, BK, warps, stages); `dequant_tile` chooses between the
 # third and the fifth (hopper_configs.DEQUANT_SMALL, DEQUANT_LARGE).
@@ -260,11 +243,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
             name = "evict " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m <= 4 and "stages" in families:  # the GEMV's loads pipelined by Triton
-        for r, bk, w, st, ev in STAGED:
-            c = triton_hopper.GemvConfig(r, bk, w, 0, ev, st)
-            name = "stages " + " ".join(map(str, dataclasses.astuple(c)))
-            out[name] = functools.partial(triton_hopper.run_gemv, cfg=c)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -386,17 +364,7 @@ def main() -> None:
                     t
                     for nm, t in us.items()
                     if family(nm)
-                    in (
-                        "gemv",
-                        "mma",
-                        "prefill",
-                        "hopper-dequant",
-                        "wide",
-                        "dq",
-                        "gemv2",
-                        "evict",
-                        "stages",
-                    )
+                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2", "evict")
                 ),
                 default=float("nan"),
             )

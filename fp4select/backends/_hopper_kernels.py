@@ -536,7 +536,6 @@ def gemv_dp4a(
     PREFETCH: tl.constexpr = False,  # load the next step's weight before this step's math
     PDL: tl.constexpr = False,
     EVICT_FIRST: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -562,7 +561,7 @@ def gemv_dp4a(
     acc7 = tl.zeros((R, BK), dtype=tl.float32)
     if PREFETCH:
         w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
-    for k0 in tl.range(0, KW, BK, num_stages=STAGES):
+    for k0 in range(0, KW, BK):
         k = k0 + kk
         k_ok = k < KW
         kc = tl.where(k_ok, k, 0)

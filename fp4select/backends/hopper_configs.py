@@ -30,7 +30,6 @@ class GemvConfig:
     num_warps: int
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
-    stages: int = 1  # > 1: Triton pipelines the K loop's loads through shared memory
 
 
 @dataclass(frozen=True)

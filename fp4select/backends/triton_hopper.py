@@ -212,7 +212,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         PREFETCH=bool(cfg.prefetch),
         **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
-        **({"STAGES": cfg.stages, "num_stages": cfg.stages} if cfg.stages > 1 else {}),
         num_warps=cfg.num_warps,
     )
     return c.out
