@@ -1,0 +1,125 @@
+"""Hardware counters of the Hopper kernels beside bf16 cuBLAS, read with Nsight Compute.
+
+Timing says how long a kernel takes; the counters say what bounds it (DRAM throughput, issue
+slots, occupancy, the stall that dominates). On the lent H200 (Firecracker) ``ncu`` reads them
+with ``--clock-control none``. Each case runs once to compile, then once inside the profiled
+range, each beside ``torch.mm`` of bf16 operands of the same shape:
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
+        --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \\
+        python benchmarks/profile_ncu.py > ncu.txt
+    python benchmarks/profile_ncu.py --summarize ncu.txt   # -> results/ncu_h200.json
+
+ncu flushes the caches before each kernel, so every operand comes from HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import re
+from pathlib import Path
+
+from _common import RESULTS, dumps
+
+METRICS = (
+    "Duration",
+    "DRAM Throughput",
+    "Compute (SM) Throughput",
+    "SM Active Cycles",
+    "Elapsed Cycles",
+    "Executed Ipc Active",
+    "Issue Slots Busy",
+    "Registers Per Thread",
+    "Dynamic Shared Memory Per Block",
+    "Theoretical Occupancy",
+    "Achieved Occupancy",
+    "Active Warps Per Scheduler",
+    "Eligible Warps Per Scheduler",
+    "Warp Cycles Per Issued Instruction",
+)
+
+
+def run_cases() -> None:
+    import torch
+
+    from fp4select import validate
+    from fp4select.backends import triton_hopper as th
+    from fp4select.keys import Problem, m_bucket
+
+    cases = [  # the record's picks at N = K = 8192 (benchmarks/results/gpu_h200.json)
+        (8192, 8192, 1, th.run_gemv, th.GemvConfig(8, 128, 2)),
+        (8192, 8192, 16, th.run_mma, th.MmaConfig(128, 16, 32, 4, 3)),
+        (8192, 8192, 128, th.run_mma, th.MmaConfig(64, 128, 16, 4, 4, 1)),
+        (8192, 8192, 256, th.run_prefill, th.MmaConfig(128, 128, 16, 4, 3, 1)),
+    ]
+    runs = []
+    for n, k, m, run, cfg in cases:
+        problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+        args = validate.make_inputs(problem, m, "cuda", seed=1, with_reference=False).args(problem)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        run(*args, cfg=cfg)  # compiles outside the profiled range
+        torch.mm(a, w.T)
+        runs.append((run, args, cfg, a, w))
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for run, args, cfg, a, w in runs:
+        run(*args, cfg=cfg)
+        torch.mm(a, w.T)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def summarize(text: str) -> list[dict[str, object]]:
+    """One row per profiled kernel: its name, grid, block and the METRICS ncu printed."""
+    rows = []
+    heading = re.compile(r"^  (\S+) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)", re.M)
+    starts = list(heading.finditer(text))
+    for i, match in enumerate(starts):
+        body = text[match.end() : starts[i + 1].start() if i + 1 < len(starts) else len(text)]
+        row: dict[str, object] = {
+            "kernel": match.group(1),
+            "grid": [int(match.group(j)) for j in (2, 3, 4)],
+            "block": [int(match.group(j)) for j in (5, 6, 7)],
+        }
+        for name in METRICS:
+            found = re.search(rf"^\s+{re.escape(name)}\s+(\S+)?\s+([\d.,]+)\s*$", body, re.M)
+            if found:
+                unit = found.group(1) or ""
+                row[f"{name} ({unit})" if unit else name] = float(found.group(2).replace(",", ""))
+        stall = re.search(r"spends ([\d.]+) cycles being stalled (.*?)\.", " ".join(body.split()))
+        if stall:
+            row["top stall"] = f"{stall.group(1)} cycles {stall.group(2)}"
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--summarize", metavar="NCU_TXT", help="ncu's text output to summarize")
+    parser.add_argument("--out", default=str(RESULTS / "ncu_h200.json"))
+    args = parser.parse_args()
+    if not args.summarize:
+        run_cases()
+        return
+    rows = summarize(Path(args.summarize).read_text())
+    record = {
+        "benchmark": "profile_ncu",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": "NVIDIA H200 (CC 9.0), ncu --clock-control none",
+        "rows": rows,
+    }
+    Path(args.out).write_text(dumps(record))
+    for row in rows:
+        print(
+            f"{row['kernel'][:40]:40s} {row.get('Duration (us)', 0):7.2f} us "
+            f"DRAM {row.get('DRAM Throughput (%)', 0):5.1f}% "
+            f"SM {row.get('Compute (SM) Throughput (%)', 0):5.1f}% "
+            f"occupancy {row.get('Achieved Occupancy (%)', 0):5.1f}%"
+        )
+
+
+if __name__ == "__main__":
+    main()
