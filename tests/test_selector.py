@@ -566,6 +566,9 @@ def test_a_batch_invariant_problem_probes_the_fallback_with_the_others(inprocess
 
 def test_on_the_cpu_emulation_competes_as_before(inprocess, monkeypatch):
     assert emulation.BACKEND.fallback_on == {"cuda"}
+    plugin = fp4select.Backend("p", checked_runner=fake_backends.slow, fallback_on={"cuda"})
+    assert plugin.fallback_on == frozenset({"cuda"}) and hash(plugin)
+    assert fp4select.Backend.from_json(json.loads(json.dumps(plugin.to_json()))) == plugin
     register("fast")
     calls = probe_calls(inprocess, monkeypatch)
     record = fp4select.explain(problem=PROBLEM, device="cpu")

@@ -164,6 +164,8 @@ class Backend:
                 f"backend {self.name!r}: give exactly one of checked_runner= or "
                 "make_checked_runner="
             )
+        # A set or list is taken too (the docs write ``fallback_on={"cuda"}``); held frozen.
+        object.__setattr__(self, "fallback_on", frozenset(self.fallback_on))
 
     def checked_runner_for(
         self, problem: Problem, tactic: Mapping[str, Any] | None = None
@@ -228,7 +230,6 @@ class Backend:
     def from_json(cls, data: Mapping[str, Any]) -> Backend:
         values = {**data, **{name: _resolve(data.get(name)) for name in _FUNCTIONS}}
         values["caps"] = Capabilities.from_json(data["caps"])
-        values["fallback_on"] = frozenset(data["fallback_on"])
         values["unsupported_errors"] = tuple(_resolve(e) for e in data["unsupported_errors"])
         return cls(**values)
 
