@@ -54,6 +54,9 @@ class Status(str, enum.Enum):
     HANG = "hang"  # the sandbox child made no progress in time (given by the parent)
     UNAVAILABLE = "unavailable"  # not a candidate here (no GPU, wrong GPU, not installed)
     BLACKLISTED = "blacklisted"  # not a candidate: condemned in this environment earlier
+    # A candidate, not run: a fallback of this device (``Backend.fallback_on``), left out
+    # because another candidate passed. Given by the selector, never by a probe.
+    SKIPPED = "skipped"
 
     # Python 3.12 formats a mixed-in enum as "Status.PASSED"; messages and tables want the text.
     def __str__(self) -> str:

@@ -1,6 +1,6 @@
 """Miss handling: candidates -> probe -> decide -> store -> the winner's runner.
 
-Why one file of ~590 lines: like Triton's ``autotuner.py``, the whole mechanism (lookup order,
+Why one file of ~630 lines: like Triton's ``autotuner.py``, the whole mechanism (lookup order,
 candidates, locking, probing, the decision, the blacklist, binding) reads in one place; the
 parts it uses (keys, timing, probe, sandbox, store, backends) are modules of their own.
 
@@ -12,6 +12,12 @@ Design rules:
 * A candidate is probed only if it is listed, available here, declares the problem, and is not
   blacklisted for this environment. Every excluded one gets a verdict with the reason, so
   ``explain`` can say why a backend was never tried.
+* A fallback (``Backend.fallback_on``: emulation on CUDA, 20-100x behind every GPU kernel)
+  cannot win where another candidate passes, so there it is probed only when none does, in a
+  second probe call (in the sandbox, a second request to the same worker); otherwise it gets
+  a ``skipped`` verdict that says why, and never runs. It was still considered, so the entry
+  is not stale for it. A batch-invariant problem, which preference decides, probes it with the
+  others.
 * Verdicts that mean the process died or its CUDA context broke (crash, hang, cuda-error)
   blacklist the backend for the whole environment (the setting ``blacklist_scope="key"``,
   ``FP4SELECT_BLACKLIST_SCOPE=key``, narrows it to the key); wrong numbers, OOM and errors
@@ -408,12 +414,7 @@ class Selector:
         )
         self.counters.add("tunings")
         started = time.perf_counter()
-        result = ProbeResult()
-        if runnable:
-            # Batch invariance, not speed, decides a batch-invariant problem: its backends are
-            # validated (invariance included) and the preference order picks among them.
-            options = ProbeOptions(timing=self.timing, validate_only=problem.batch_invariant)
-            result = self.prober().probe(problem, runnable, device, options)
+        result = self._probe(problem, runnable, device, env) if runnable else ProbeResult()
         verdicts = {**excluded, **result.verdicts}
         self._record_fatal(env, problem, result)
         decision = Decision(
@@ -447,6 +448,57 @@ class Selector:
         if decision.winner is not None:
             self.store.write_entry(env, problem.to_json(), decision.to_json())
         return decision
+
+    def _probe(
+        self,
+        problem: Problem,
+        runnable: list[Backend],
+        device: torch.device,
+        env: Mapping[str, Any],
+    ) -> ProbeResult:
+        """Probe ``runnable``, a fallback of this device (``Backend.fallback_on``) only when no
+        other candidate passes: then in a second probe call (in the sandbox, a second request
+        to the same worker), else it is ``skipped``, with the reason, and never runs."""
+        # Batch invariance, not speed, decides a batch-invariant problem: its backends are
+        # validated (invariance included) and the preference order picks among them; a
+        # fallback there is one more invariant candidate, probed with the rest.
+        options = ProbeOptions(timing=self.timing, validate_only=problem.batch_invariant)
+        kind = env.get("device") or "cpu"
+        last = (
+            set()
+            if problem.batch_invariant
+            else {b.name for b in runnable if kind in b.fallback_on}
+        )
+        first = [b for b in runnable if b.name not in last]
+        if not last or not first:
+            return self.prober().probe(problem, runnable, device, options)
+        result = self.prober().probe(problem, first, device, options)
+        passed = [n for n, v in result.verdicts.items() if v.passed]
+        if result.aborted and not passed:
+            # In-process, a CUDA error ended the probe: nothing more can run in this process
+            # (the sandbox restarts its child instead and never returns an aborted probe).
+            return result
+        if passed:
+            shown = ", ".join(passed[:3]) + (f" and {len(passed) - 3} more" if passed[3:] else "")
+            reason = (
+                f"not tried: on {kind} a fallback, run only when no other candidate passes "
+                f"({shown} passed)"
+            )
+            for name in last:
+                result.verdicts[name] = Verdict(name, Status.SKIPPED, reason)
+        else:
+            rest = self.prober().probe(
+                problem, [b for b in runnable if b.name in last], device, options
+            )
+            result.verdicts.update(rest.verdicts)
+            result.timings.update(rest.timings)
+            result.method, result.aborted = rest.method, rest.aborted
+            result.seconds += rest.seconds
+        # In candidate order, as one probe call would have listed them.
+        result.verdicts = {
+            b.name: result.verdicts[b.name] for b in runnable if b.name in result.verdicts
+        }
+        return result
 
     def _record_fatal(self, env: Mapping[str, Any], problem: Problem, result: ProbeResult) -> None:
         scope = self.settings.blacklist_scope

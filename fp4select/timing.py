@@ -26,7 +26,8 @@ Design rules:
   twice the widest tie window behind the fastest's median: it could neither win nor tie. Its timing keeps the samples it has, and rounds end when one candidate is left
   (a candidate timed alone, with no rival, still gets the budget: repetition is the point).
   One whose calibration call took over ``HOPELESS_FACTOR`` (10) times the fastest's is not
-  sampled at all (a slow fallback such as emulation, 20-100x behind on a GPU): its timing
+  sampled at all (a slow candidate; emulation, 20-100x behind on a GPU, is not timed there,
+  being a fallback the selector probes only when nothing else passes): its timing
   is that calibration run, one sample (wall clock, synchronized, so never less than the truth).
   Calibration starts with one call per candidate, so such a one never runs once per input set.
 """
@@ -170,8 +171,8 @@ def time_interleaved(
             on_start(name)
         return _calls_per_sample(calls[name][:1], device, 0.0)[1]
 
-    # One call each first: a hopeless candidate (emulation on a GPU: tens of ms a call) is
-    # found before it runs once per input set, which at small M is up to 64 slow calls.
+    # One call each first: a hopeless candidate (tens of ms a call where the others take
+    # microseconds) is found before it runs once per input set, at small M up to 64 slow calls.
     calibration_s = {name: one_call_s(name) for name in names}
     for name in _hopeless(calibration_s):  # again: the first run may have paid for a compile
         calibration_s[name] = one_call_s(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import torch
 
 import fp4select
 from fp4select import backends as registry
+from fp4select.backends import emulation
 from fp4select.keys import Problem
 from fp4select.store import CacheWarning
 from fp4select.timing import Timing, rank
@@ -464,3 +466,140 @@ def test_clearing_a_blacklisting_gives_the_backend_its_chance_again(inprocess):
     call()
     assert fp4select.stats()["tunings"] == 1
     assert fp4select.explain(problem=PROBLEM, device="cpu")["winner"] == "fast"
+
+
+# -- a fallback (emulation on CUDA) runs only when nothing else passes ------------------------
+# Emulation is ``fallback_on`` CUDA only; these tests make it a fallback on this CPU the way a
+# plugin would declare one: the built-in, shadowed by a copy whose only change is
+# ``fallback_on={"cpu"}`` (its runner is the real one, and importable by the sandbox's child).
+
+
+def emulation_is_a_fallback_here():
+    fp4select.register_backend(
+        dataclasses.replace(emulation.BACKEND, fallback_on=frozenset({"cpu"})), replace=True
+    )
+
+
+def probe_calls(selector, monkeypatch):
+    """Each probe call ``selector`` makes: its candidates, and in the sandbox its worker's pid."""
+    prober, calls = selector.prober(), []
+    real = prober.probe
+
+    def probe(problem, backends, *args, **kwargs):
+        result = real(problem, backends, *args, **kwargs)
+        workers = getattr(prober, "_pool", None)
+        pid = workers.workers["cpu"].pid if workers and "cpu" in workers.workers else None
+        calls.append(([b.name for b in backends], pid))
+        return result
+
+    monkeypatch.setattr(prober, "probe", probe)
+    return calls
+
+
+@pytest.fixture(params=["inprocess", pytest.param("subprocess", marks=pytest.mark.subprocess)])
+def isolated(request, cache_dir):
+    """A selector of each isolation (in the sandbox, a real child process)."""
+    from conftest import FAST_TIMING
+
+    yield fp4select.configure(cache_dir=cache_dir, isolation=request.param, timing=FAST_TIMING)
+    fp4select.configure(cache_dir=cache_dir, isolation="inprocess")  # ends the sandbox's worker
+
+
+def test_a_fallback_is_never_run_when_another_candidate_passes(isolated, monkeypatch):
+    register("fast", "wrong_fast")
+    emulation_is_a_fallback_here()
+    calls = probe_calls(isolated, monkeypatch)
+    out, inputs = call()
+    assert check(out, inputs, torch.bfloat16).ok
+    assert [names for names, _ in calls] == [["fast", "wrong_fast"]]  # one probe call, no emulation
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    assert record["winner"] == "fast" and "emulation" in record["considered"]
+    skipped = record["verdicts"]["emulation"]
+    assert skipped["status"] == "skipped"
+    assert skipped["reason"] == (
+        "not tried: on cpu a fallback, run only when no other candidate passes (fast passed)"
+    )
+    assert "emulation" not in record["timings"]
+    assert record["method"] == "not timed: one correct candidate"
+
+
+def test_a_fallback_is_validated_and_wins_when_nothing_else_passes(isolated, monkeypatch):
+    register("wrong_fast", "nan_fast", "raises")
+    emulation_is_a_fallback_here()
+    calls = probe_calls(isolated, monkeypatch)
+    out, inputs = call()
+    assert check(out, inputs, torch.bfloat16).ok
+    assert [names for names, _ in calls] == [["wrong_fast", "nan_fast", "raises"], ["emulation"]]
+    if isolated.isolation == "subprocess":  # the second request went to the same worker
+        assert calls[0][1] is not None and calls[0][1] == calls[1][1]
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    assert record["winner"] == "emulation" and record["verdicts"]["emulation"]["status"] == "passed"
+    assert [record["verdicts"][n]["status"] for n in ("wrong_fast", "nan_fast", "raises")] == [
+        "wrong",
+        "wrong",
+        "error",
+    ]
+    assert _entry_files(isolated.store.root)  # stored, as any decision with a winner
+
+
+def _steady(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4, nvfp4, pdl):
+    """Batch invariant: emulation's own fixed-shape chunked product."""
+    return emulation._run_invariant(
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4, nvfp4,
+        b_layout="plain",
+    )  # fmt: skip
+
+
+def test_a_batch_invariant_problem_probes_the_fallback_with_the_others(inprocess, monkeypatch):
+    """Preference, not speed, decides there: emulation is validated beside the others."""
+    fp4select.register_backend(
+        _steady, name="steady", devices={"cpu"}, modes={"batch_invariant"}, preference=1
+    )
+    emulation_is_a_fallback_here()
+    calls = probe_calls(inprocess, monkeypatch)
+    shape = Problem(n=64, k=128, m_bucket=1, batch_invariant=True)
+    record = fp4select.explain(problem=shape, device="cpu")
+    assert [sorted(names) for names, _ in calls] == [["emulation", "steady"]]
+    assert record["winner"] == "steady"
+    assert record["verdicts"]["emulation"]["status"] == "passed"
+
+
+def test_on_the_cpu_emulation_competes_as_before(inprocess, monkeypatch):
+    assert emulation.BACKEND.fallback_on == {"cuda"}
+    plugin = fp4select.Backend("p", checked_runner=fake_backends.slow, fallback_on={"cuda"})
+    assert plugin.fallback_on == frozenset({"cuda"}) and hash(plugin)
+    assert fp4select.Backend.from_json(json.loads(json.dumps(plugin.to_json()))) == plugin
+    register("fast")
+    calls = probe_calls(inprocess, monkeypatch)
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    assert [sorted(names) for names, _ in calls] == [["emulation", "fast"]]
+    assert record["verdicts"]["emulation"]["status"] == "passed"
+    assert set(record["timings"]) == {"emulation", "fast"} and record["winner"] == "fast"
+
+
+def test_an_entry_with_a_skipped_fallback_is_not_stale(inprocess, monkeypatch):
+    register("fast", "slow")
+    emulation_is_a_fallback_here()
+    call()
+    (entry,) = _entry_files(inprocess.store.root)
+    stored = json.loads(entry.read_text())
+    assert "skipped" in json.dumps(stored)  # the store keeps the status as its string
+    sel = fp4select.configure(cache_dir=inprocess.store.root, isolation="inprocess")  # a restart
+    calls = probe_calls(sel, monkeypatch)
+    record = fp4select.explain(problem=PROBLEM, device="cpu")
+    assert record["source"] == "disk" and record["verdicts"]["emulation"]["status"] == "skipped"
+    out, inputs = call(m=12)
+    assert check(out, inputs, torch.bfloat16).ok
+    assert calls == [] and sel.counters.as_dict()["tunings"] == 0
+
+
+def test_a_capture_time_miss_still_falls_back_to_emulation_and_tune_pending_proves_it(inprocess):
+    register("wrong_fast")
+    emulation_is_a_fallback_here()
+    runner, name = inprocess.fallback(PROBLEM, torch.device("cpu"))
+    assert name == "emulation"  # during capture, emulation serves as before
+    inputs = make_inputs(PROBLEM, 16, "cpu")
+    assert check(runner(*inputs.args(PROBLEM)), inputs, torch.bfloat16).ok
+    (decision,) = fp4select.tune_pending()
+    assert decision.winner == "emulation" and decision.verdicts["emulation"].passed
+    assert decision.verdicts["wrong_fast"].status == "wrong" and not inprocess.pending

@@ -147,6 +147,12 @@ class Backend:
     # tried here (measured never to win there, e.g. superseded on a GPU generation), or None.
     # A declined problem is neither validated nor timed, which keeps warm-up short.
     declines: Callable[[Problem, Mapping[str, Any]], str | None] | None = None
+    # Device types (``env["device"]``) where this backend cannot win while any other candidate
+    # passes (emulation on CUDA: 20-100x behind every GPU kernel). There it is a fallback: the
+    # selector probes it only when no other candidate passes, and otherwise records it as
+    # ``skipped`` without running it. Batch-invariant problems, which preference decides, are
+    # probed as usual.
+    fallback_on: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name == "auto":
@@ -158,6 +164,8 @@ class Backend:
                 f"backend {self.name!r}: give exactly one of checked_runner= or "
                 "make_checked_runner="
             )
+        # A set or list is taken too (the docs write ``fallback_on={"cuda"}``); held frozen.
+        object.__setattr__(self, "fallback_on", frozenset(self.fallback_on))
 
     def checked_runner_for(
         self, problem: Problem, tactic: Mapping[str, Any] | None = None
@@ -214,6 +222,7 @@ class Backend:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data.update({name: _reference(data[name]) for name in _FUNCTIONS})
         data["caps"] = self.caps.to_json()
+        data["fallback_on"] = sorted(self.fallback_on)
         data["unsupported_errors"] = [_reference(e) for e in self.unsupported_errors]
         return data
 
