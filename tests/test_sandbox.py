@@ -458,7 +458,11 @@ def test_report_hears_each_step_and_verdicts_keep_candidate_order(monkeypatch, t
         fb.unregister("segfault", "good")
     assert list(result.verdicts) == ["segfault", "good", "emulation"]
     assert result.verdicts["segfault"].status == "crash"
-    assert set(result.timings) == {"good", "emulation"} and result.seconds > 0
+    assert set(result.timings) == {"good", "emulation"} and result.seconds > 0, (
+        result.method,
+        {n: (v.status, v.reason[:200]) for n, v in result.verdicts.items()},
+        [e for e in events if e["event"] != "run"][-6:],
+    )
     phases = {e["phase"] for e in events if e["event"] == "run" and e["backend"] == "good"}
     assert phases == {"import", "bind", "validate", "out=", "time"}  # import: registered at runtime
     runs = [(e["backend"], e["phase"], e["m"]) for e in events if e["event"] == "run"]

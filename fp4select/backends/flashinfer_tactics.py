@@ -1,6 +1,6 @@
 """flashinfer tactics: compare backends at their best tactic for the bucket, serve that tactic.
 
-Why one file of ~770 lines: like Triton's ``autotuner.py``, the whole tactic mechanism (what the
+Why one file of ~730 lines: like Triton's ``autotuner.py``, the whole tactic mechanism (what the
 installed flashinfer offers, tuning through its autotuner, the stored record, the per-call hook
 that serves and checks it) reads in one place, against flashinfer's source it mirrors.
 
