@@ -496,8 +496,9 @@ def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
     """A step's weight words and their scale bytes (zeros and block 0's scales past K).
 
     EVICT_FIRST: the weight streams past L2 (read once) ahead of a's rows, which every program
-    reads again; at M = 4 the steps without prefetch took 0.78-0.98x the time with it on six
-    shapes, at M = 1-2 0.98-1.04x (H200, results/hopper_sweep_evict.json).
+    reads again. With it, the steps without prefetch took 0.78-0.98x their time without it at
+    M = 4 on six shapes, and 0.91-1.04x at M = 1-2 (under 0.97 only on the noisiest shape),
+    where the tactics keep the plain loads (H200, results/hopper_sweep_evict.json).
     """
     k_ok = k < KW
     scales = sw_rows + sf_col_part(tl.where(k_ok, k, 0), False)[None, :]

@@ -78,7 +78,8 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # fastest at 4 of the 6 sweep shapes and within 4% at a fifth (results/hopper_sweep_pdl.json);
 # at M = 1-2 the wider steps. Four each: each bucket compiles and times four. At M = 3-8 the
 # steps without prefetch load the weight with evict_first (0.78-0.98x the time without it at
-# M = 4 on six shapes, results/hopper_sweep_evict.json); at M = 1-2 it changed nothing.
+# M = 4 on six shapes, results/hopper_sweep_evict.json); at M = 1-2 it moved them by
+# 0.91-1.04x, under 0.97 only on 1280 x 8192, whose times move that much between runs.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
