@@ -288,25 +288,12 @@ def run_hopper(
     bm, bn, bk, warps, stages = astuple(cfg or dequant_tile(c.m, c.n, sms))
     grid = min(sms, -(-c.m // bm) * -(-c.n // bn))
     triton_fp4.kernels().mm_tma_alpha[(grid,)](
-        descriptor.from_tensor(x, [bm, bk]),
-        descriptor.from_tensor(w, [bn, bk]),
-        c.alpha_ptr,
-        c.out,
-        c.m,
-        c.n,
-        x.shape[1],
-        c.out.stride(0),
-        c.out.stride(1),
+        descriptor.from_tensor(x, [bm, bk]), descriptor.from_tensor(w, [bn, bk]),
+        c.alpha_ptr, c.out, c.m, c.n, x.shape[1], c.out.stride(0), c.out.stride(1),
         c.alpha_value,
-        ALPHA=c.alpha_kind,
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        GROUP=8,
-        UPCAST=a.device.type != "cuda",
-        num_warps=warps,
-        num_stages=stages,
-    )
+        ALPHA=c.alpha_kind, BM=bm, BN=bn, BK=bk, GROUP=8, UPCAST=a.device.type != "cuda",
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return c.out
 
 

@@ -303,20 +303,9 @@ def _run(
         k.fp4_mm[grid](*common, BM=cfg.block_m, GROUP_M=8, INTERPRETED=_INTERPRETED, **meta)
     if split > 1:
         k.reduce_split[(k.cdiv(m, 16), k.cdiv(n, 128))](
-            ws,
-            alpha_ptr,
-            out,
-            m,
-            n,
-            out.stride(0),
-            out.stride(1),
-            alpha_value,
-            split,
-            ALPHA=alpha_kind,
-            BM=16,
-            BN=128,
-            num_warps=4,
-        )
+            ws, alpha_ptr, out, m, n, out.stride(0), out.stride(1), alpha_value, split,
+            ALPHA=alpha_kind, BM=16, BN=128, num_warps=4,
+        )  # fmt: skip
     return out
 
 

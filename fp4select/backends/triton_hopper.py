@@ -188,32 +188,14 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     pdl = _pdl(args, c.out.device)
     k = kernels()
     k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
-        a64,
-        w64,
-        c.a_descale,
-        b_descale,
-        c.alpha_ptr,
-        c.out,
-        c.m,
-        c.n,
-        c.kh // 8,
-        a64.stride(0),
-        w64.stride(0),
-        c.out.stride(0),
-        c.out.stride(1),
-        c.cp,
-        c.alpha_value,
-        A_8X4=a8x4,
-        ALPHA=c.alpha_kind,
-        BM=_next_pow2(c.m),
-        R=cfg.rows_per_program,
-        BK=cfg.blocks_per_step,
-        ASM=ASM,
-        PREFETCH=bool(cfg.prefetch),
-        **_with_pdl(pdl),
+        a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
+        c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
+        c.cp, c.alpha_value,
+        A_8X4=a8x4, ALPHA=c.alpha_kind, BM=_next_pow2(c.m), R=cfg.rows_per_program,
+        BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         num_warps=cfg.num_warps,
-    )
+    )  # fmt: skip
     return c.out
 
 
@@ -263,68 +245,23 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     # Per call, from the caching allocator (a graph capture takes it from the graph's pool).
     x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
     k.decode_planes[(k.cdiv(mp, 32), steps)](
-        a32,
-        c.a_descale,
-        x,
-        c.m,
-        mp,
-        kw,
-        a32.stride(0),
-        c.cp,
-        A_8X4=a8x4,
-        BR=32,
-        BKW=bkw,
-        ASM=ASM,
-        **_with_pdl(pdl),
-        num_warps=4,
-    )
+        a32, c.a_descale, x, c.m, mp, kw, a32.stride(0), c.cp,
+        A_8X4=a8x4, BR=32, BKW=bkw, ASM=ASM, **_with_pdl(pdl), num_warps=4,
+    )  # fmt: skip
     grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t), split)
     k.mma_planes[grid](
-        x,
-        w32,
-        sw32,
-        shifts,
-        c.alpha_ptr,
-        c.out,
-        ws,
-        c.m,
-        c.n,
-        kw,
-        mp,
-        w32.stride(0),
-        c.out.stride(0),
-        c.out.stride(1),
-        c.cp,
-        per_split,
-        c.alpha_value,
-        ALPHA=c.alpha_kind,
-        PARTIALS=split > 1,
-        BN=cfg.block_n,
-        BT=cfg.block_t,
-        BKW=bkw,
-        GROUP=cfg.group,
-        ASM=ASM,
-        **_with_pdl(pdl_main),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        x, w32, sw32, shifts, c.alpha_ptr, c.out, ws,
+        c.m, c.n, kw, mp, w32.stride(0), c.out.stride(0), c.out.stride(1), c.cp,
+        per_split, c.alpha_value,
+        ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
+        GROUP=cfg.group, ASM=ASM, **_with_pdl(pdl_main),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if split > 1:
         triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
-            ws,
-            c.alpha_ptr,
-            c.out,
-            c.m,
-            c.n,
-            c.out.stride(0),
-            c.out.stride(1),
-            c.alpha_value,
-            split,
-            ALPHA=c.alpha_kind,
-            BM=16,
-            BN=128,
-            **_with_pdl(pdl),
-            num_warps=4,
-        )
+            ws, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), c.alpha_value,
+            split, ALPHA=c.alpha_kind, BM=16, BN=128, **_with_pdl(pdl), num_warps=4,
+        )  # fmt: skip
     return c.out
 
 
