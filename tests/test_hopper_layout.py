@@ -25,6 +25,7 @@ tl = pytest.importorskip("triton.language")
 compiler = pytest.importorskip("triton.compiler")
 backends_compiler = pytest.importorskip("triton.backends.compiler")
 
+import functools  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 
@@ -82,21 +83,22 @@ def _trivial(x_ptr):
     tl.store(x_ptr, tl.load(x_ptr) + 1)
 
 
-_toolchain: list[str] = []  # "" once a trivial kernel compiled for sm90, else why not
+@functools.cache
+def _sm90_unavailable() -> str:
+    """Why this Triton cannot compile a trivial kernel for sm90 (no NVIDIA backend, no ptxas),
+    or "" where it can."""
+    source = compiler.ASTSource(fn=_trivial, signature={"x_ptr": "*i32"}, constexprs={})
+    try:
+        triton.compile(source, target=backends_compiler.GPUTarget("cuda", 90, 32))
+    except Exception as exc:  # no sm90 backend or ptxas in this Triton
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 def _skip_without_sm90_toolchain() -> None:
-    """Skip where this Triton cannot compile for sm90 at all (no NVIDIA backend, no ptxas),
-    shown by a trivial kernel; only that is a reason to skip."""
-    if not _toolchain:
-        source = compiler.ASTSource(fn=_trivial, signature={"x_ptr": "*i32"}, constexprs={})
-        try:
-            triton.compile(source, target=backends_compiler.GPUTarget("cuda", 90, 32))
-            _toolchain.append("")
-        except Exception as exc:  # no sm90 backend or ptxas in this Triton
-            _toolchain.append(f"{type(exc).__name__}: {exc}")
-    if _toolchain[0]:
-        pytest.skip(f"cannot compile for sm90 here: {_toolchain[0]}")
+    """Only a toolchain that cannot compile for sm90 at all is a reason to skip."""
+    if _sm90_unavailable():
+        pytest.skip(f"cannot compile for sm90 here: {_sm90_unavailable()}")
 
 
 def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> str:
