@@ -105,7 +105,7 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2", "gluon",
+# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
 # "evict".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
@@ -140,15 +140,6 @@ DQ = [
     (64, 256, 64, 4, 4),
     (128, 64, 64, 4, 4),
 ]
-# Tilings the Gluon GEMV's fewer registers may open (beside the product's candidates).
-GLUON_EXTRA = (
-    triton_hopper.GemvConfig(8, 128, 2, 1),
-    triton_hopper.GemvConfig(16, 64, 2, 1),
-    triton_hopper.GemvConfig(16, 128, 2),
-    triton_hopper.GemvConfig(8, 256, 4),
-    triton_hopper.GemvConfig(4, 128, 2, 1),
-    triton_hopper.GemvConfig(8, 128, 2, 0, 1),
-)
 # hopper-gemv with the next step's weight loaded before this step's math, beside without.
 GEMV2 = [
     triton_hopper.GemvConfig(r, bk, w, pf)
@@ -252,14 +243,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
             name = "evict " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m <= 8 and "gluon" in families:  # the GEMV's Gluon and Triton kernels, side by side
-        cfgs = dict.fromkeys(hopper_configs.candidates("gemv", m) + GLUON_EXTRA)
-        for c in cfgs:
-            tiling = " ".join(map(str, dataclasses.astuple(c)))
-            for impl in ("triton", "gluon"):
-                out[f"{impl} {tiling}"] = functools.partial(
-                    triton_hopper.run_gemv, cfg=c, gluon=impl == "gluon"
-                )
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)

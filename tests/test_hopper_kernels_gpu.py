@@ -11,7 +11,6 @@ to the byte-wise kernel. Run on a GPU machine with
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
@@ -32,8 +31,7 @@ COMBOS = [
     ("8x4", "scalar", "bfloat16"),
 ]
 RUNNERS = {
-    "hopper-gemv": (triton_hopper.run_gemv, (1, 2, 3, 5, 8)),  # its Gluon kernel
-    "hopper-gemv-triton": (functools.partial(triton_hopper.run_gemv, gluon=False), (1, 2, 3, 5, 8)),
+    "hopper-gemv": (triton_hopper.run_gemv, (1, 2, 3, 5, 8)),
     "hopper-mma": (triton_hopper.run_mma, (1, 7, 16, 33, 128, 256)),
     "hopper-prefill": (triton_hopper.run_prefill, (1, 64, 200, 515)),
     "hopper-dequant": (dequant.run_hopper, (1, 130, 515, 2100)),
@@ -45,8 +43,6 @@ RUNNERS = {
 @pytest.mark.parametrize("layout,alpha,out_dtype", COMBOS)
 def test_matches_the_exact_reference(name, n, k, layout, alpha, out_dtype):
     run, ms = RUNNERS[name]
-    if name == "hopper-gemv":
-        assert triton_hopper.gluon_kernels() is not None, triton_hopper.gemv_path()
     for m in ms:
         problem = Problem(
             n=n,
@@ -118,10 +114,9 @@ def test_graph_capture_and_replay_give_the_same_bits():
 @pytest.mark.parametrize("n,k", [(520, 2064), (4096, 4096)])
 def test_every_tactic_candidate_matches_the_exact_reference(n, k):
     cases = [
-        (functools.partial(triton_hopper.run_gemv, gluon=gluon), cfg, m)
+        (triton_hopper.run_gemv, cfg, m)
         for cfg in hopper_configs.candidates("gemv", None)
         for m in (1, 5)
-        for gluon in (True, False)
     ]
     low = 1
     for limit, cfgs in hopper_configs.MMA_TACTICS:

@@ -162,12 +162,11 @@ def launch_path(env: Mapping[str, Any]) -> str:
         return f"not run here: {why}"
     if not cuda_from(env, 90):
         return f"without PDL: it needs SM90 or newer (this is SM{env.get('cc')})"
-    gemv = f"; hopper-gemv runs the {gemv_path()}"
     if not triton_fp4.kernels().PDL_SUPPORTED:
-        return "without PDL: this Triton has no grid dependency control (Triton 3.4+ has)" + gemv
+        return "without PDL: this Triton has no grid dependency control (Triton 3.4+ has)"
     return (
         "with PDL where mm_fp4's enable_pdl is True (the default): the GEMV, the a decode and "
-        "the split-K reduction always, the tensor-core main loop at M <= 16" + gemv
+        "the split-K reduction always, the tensor-core main loop at M <= 16"
     )
 
 
@@ -175,12 +174,8 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def run_gemv(*args: Any, cfg: GemvConfig | None = None, gluon: bool | None = None) -> torch.Tensor:
-    """``hopper-gemv``: mm_fp4's positional order (without backend).
-
-    ``gluon``: run the Gluon twin of the kernel (``_hopper_gluon``) or the Triton one; None
-    (the product's way) takes the Gluon one where it compiles and ``ASM`` is on.
-    """
+def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """``hopper-gemv``: mm_fp4's positional order (without backend)."""
     c, a64, w64 = _checked_words(args, "hopper-gemv", torch.int64)
     b_descale, a8x4 = args[3], args[8]
     if c.m > 8:
@@ -191,59 +186,17 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None, gluon: bool | None = Non
         return _fallback(args)
     cfg = cfg or for_m(GEMV_BY_M, c.m)
     pdl = _pdl(args, c.out.device)
-    launch = (
+    k = kernels()
+    k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
         a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
         c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
         c.cp, c.alpha_value,
-    )  # fmt: skip
-    options = dict(
         A_8X4=a8x4, ALPHA=c.alpha_kind, BM=_next_pow2(c.m), R=cfg.rows_per_program,
-        BK=cfg.blocks_per_step, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
+        BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
+        num_warps=cfg.num_warps,
     )  # fmt: skip
-    grid = (triton_fp4.kernels().cdiv(c.n, cfg.rows_per_program),)
-    g = gluon_kernels() if (gluon is None and ASM and c.out.is_cuda) or gluon else None
-    if g is not None:
-        try:
-            g.gemv_dp4a[grid](*launch, W=cfg.num_warps, **options, num_warps=cfg.num_warps)
-            return c.out
-        except Exception as exc:
-            if gluon or not _gluon_refused(exc):
-                raise
-    kernels().gemv_dp4a[grid](*launch, ASM=ASM, **options, num_warps=cfg.num_warps)
     return c.out
-
-
-_gluon: dict[str, Any] = {}
-
-
-def gluon_kernels() -> Any:
-    """``_hopper_gluon``, or None where it cannot load (no Gluon, or an API it does not know)."""
-    if "module" not in _gluon:
-        try:
-            from fp4select.backends import _hopper_gluon
-        except Exception as exc:  # ImportError, or a Gluon whose names moved
-            _gluon["module"], _gluon["why"] = None, f"{type(exc).__name__}: {exc}"
-        else:
-            _gluon["module"] = _hopper_gluon
-    return _gluon["module"]
-
-
-def _gluon_refused(exc: BaseException) -> bool:
-    """Whether ``exc`` is Triton refusing to compile the Gluon kernel (then the Triton kernel
-    serves, for the rest of the process); anything else is the caller's."""
-    module = type(exc).__module__
-    if not module.startswith("triton") or type(exc).__name__ == "OutOfResources":
-        return False
-    _gluon["module"], _gluon["why"] = None, f"{type(exc).__name__}: {str(exc)[:200]}"
-    return True
-
-
-def gemv_path() -> str:
-    """Which kernel ``hopper-gemv`` runs in this process (for doctor)."""
-    if gluon_kernels() is None:
-        return f"Triton kernel (its Gluon twin does not load here: {_gluon['why']})"
-    return "Gluon kernel (the Triton twin if it does not compile)"
 
 
 def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
