@@ -105,10 +105,7 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# hopper-dequant's weight decoded CHUNKS rows at a time into one workspace that L2 can hold
-# (a bf16 chunk of 2048 x 8192 is 32 MiB of the H200's 60), each multiplied before the next.
-CHUNKS = (1024, 2048, 4096)
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2", "chunk",
+# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
 # "evict".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
@@ -246,10 +243,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
             name = "evict " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m >= 512 and "chunk" in families:  # the weight decoded and multiplied chunk by chunk
-        out["chunk whole"] = dequant.run_hopper
-        for rows in CHUNKS:
-            out[f"chunk {rows}"] = functools.partial(dequant.run_hopper, chunk=rows)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -371,17 +364,7 @@ def main() -> None:
                     t
                     for nm, t in us.items()
                     if family(nm)
-                    in (
-                        "gemv",
-                        "mma",
-                        "prefill",
-                        "hopper-dequant",
-                        "wide",
-                        "dq",
-                        "gemv2",
-                        "evict",
-                        "chunk",
-                    )
+                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2", "evict")
                 ),
                 default=float("nan"),
             )

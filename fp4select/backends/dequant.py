@@ -274,60 +274,26 @@ def run_hopper(
     enable_pdl: bool,
     *,
     cfg: GemmTile | None = None,
-    chunk: int = 0,
 ) -> torch.Tensor:
     """mm_fp4's positional order (without backend); enable_pdl means nothing here. ``cfg``:
-    the GEMM's tile (the sweeps name one), else ``dequant_tile``'s. ``chunk`` (experiment):
-    decode and multiply the weight ``chunk`` rows at a time through one small workspace."""
+    the GEMM's tile (the sweeps name one), else ``dequant_tile``'s."""
     c = triton_fp4.check_call(
         a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
     )
     if c.m == 0 or c.n == 0:
         return c.out
-    if chunk and chunk < c.n:
-        return _run_chunked(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4, cfg, chunk)
     x, w = decoded(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4)
-    _gemm(c, x, w, c.out, c.n, cfg)
-    return c.out
-
-
-def _gemm(
-    c: triton_fp4.Checked, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int,
-    cfg: GemmTile | None,
-) -> None:  # fmt: skip
     descriptor = _descriptor_class()
-    sms = triton_fp4._sms(x.device) if x.device.type == "cuda" else 1
-    bm, bn, bk, warps, stages = astuple(cfg or dequant_tile(c.m, n, sms))
-    grid = min(sms, -(-c.m // bm) * -(-n // bn))
+    sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
+    bm, bn, bk, warps, stages = astuple(cfg or dequant_tile(c.m, c.n, sms))
+    grid = min(sms, -(-c.m // bm) * -(-c.n // bn))
     triton_fp4.kernels().mm_tma_alpha[(grid,)](
         descriptor.from_tensor(x, [bm, bk]), descriptor.from_tensor(w, [bn, bk]),
-        c.alpha_ptr, out, c.m, n, x.shape[1], out.stride(0), out.stride(1),
+        c.alpha_ptr, c.out, c.m, c.n, x.shape[1], c.out.stride(0), c.out.stride(1),
         c.alpha_value,
-        ALPHA=c.alpha_kind, BM=bm, BN=bn, BK=bk, GROUP=8, UPCAST=x.device.type != "cuda",
+        ALPHA=c.alpha_kind, BM=bm, BN=bn, BK=bk, GROUP=8, UPCAST=a.device.type != "cuda",
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-
-
-def _run_chunked(
-    c: triton_fp4.Checked, a: torch.Tensor, b: torch.Tensor, b_descale: torch.Tensor,
-    use_8x4_sf_layout: bool, use_nvfp4: bool, cfg: GemmTile | None, chunk: int,
-) -> torch.Tensor:  # fmt: skip
-    """The weight decoded ``chunk`` rows at a time into one workspace that stays in L2, each
-    chunk multiplied before the next overwrites it (one stream keeps them in order)."""
-    if chunk % 128:
-        raise ValueError(f"chunk must be a multiple of 128 rows, got {chunk}")
-    device, k = a.device, 2 * c.kh
-    x = growing(_a_workspaces, (device, k), c.m, k, torch.bfloat16, device)
-    _decode_into(x, a, c.a_descale, use_nvfp4, "8x4" if use_8x4_sf_layout else "128x4")
-    w = growing(_b_workspaces, (device, "chunk", chunk, k), chunk, k, torch.bfloat16, device)
-    raw = b_descale.view(torch.uint8)
-    flat = (raw if raw.is_contiguous() else raw.T).reshape(-1)
-    cp = formats.padded_sf_shape(c.n, k // (16 if use_nvfp4 else 32), "128x4")[1]
-    data = b.T
-    for n0 in range(0, c.n, chunk):
-        rows = min(chunk, c.n - n0)
-        _decode_into(w[:rows], data[n0 : n0 + rows], flat[n0 * cp :], use_nvfp4, "128x4")
-        _gemm(c, x, w[:rows], c.out[:, n0 : n0 + rows], rows, cfg)
     return c.out
 
 
