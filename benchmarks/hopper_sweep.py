@@ -105,7 +105,25 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
+# More stages and longer steps for the small-M tilings (more of the weight in flight per
+# program): the product's 16-token tiles use 3-4 stages of 64-128 bytes of each weight row.
+DEEP = [
+    triton_hopper.MmaConfig(bn, bt, bkw, 4, st)
+    for bn, bt, bkw, st in [
+        (128, 16, 32, 4),
+        (128, 16, 32, 5),
+        (128, 16, 32, 6),
+        (128, 16, 64, 3),
+        (128, 16, 64, 4),
+        (128, 16, 16, 6),
+        (64, 16, 32, 6),
+        (64, 16, 64, 4),
+        (128, 32, 16, 5),
+        (128, 32, 32, 4),
+        (128, 64, 16, 5),
+    ]
+]
+# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2", "deep",
 # "evict".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
@@ -243,6 +261,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
             name = "evict " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
+    if m <= 64 and "deep" in families:  # the small-M tilings with deeper pipelines
+        for c in DEEP:
+            if c.block_t >= 2 * max(16, m) or c.block_t < min(m, 64):
+                continue
+            name = "deep " + " ".join(map(str, dataclasses.astuple(c)))
+            out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -364,7 +388,17 @@ def main() -> None:
                     t
                     for nm, t in us.items()
                     if family(nm)
-                    in ("gemv", "mma", "prefill", "hopper-dequant", "wide", "dq", "gemv2", "evict")
+                    in (
+                        "gemv",
+                        "mma",
+                        "prefill",
+                        "hopper-dequant",
+                        "wide",
+                        "dq",
+                        "gemv2",
+                        "evict",
+                        "deep",
+                    )
                 ),
                 default=float("nan"),
             )
