@@ -184,7 +184,12 @@ def time_interleaved(
         reps[name], calibration_s[name] = _calls_per_sample(
             calls[name], device, options.target_sample_s
         )
-    hopeless = _hopeless(calibration_s)  # the full calibration may still show one
+    # The full calibration may still show one more, among those it ran. One found hopeless
+    # before stays so (it has no reps), though a rival's calibration preempted on a loaded
+    # machine may now make it look close: sampled without reps, timing failed and the key
+    # lost every timing.
+    later = _hopeless({n: calibration_s[n] for n in reps})
+    hopeless = [n for n in names if n not in reps or n in later]
     names = [n for n in names if n not in hopeless]
     if use_graph:
         try:

@@ -221,6 +221,25 @@ def test_a_candidate_hopeless_in_calibration_keeps_that_run_as_its_one_sample(mo
     assert rank(timings, {}).winner in ("fast", "compiles")
 
 
+def test_a_hopeless_candidate_stays_hopeless_when_a_rivals_calibration_is_preempted(monkeypatch):
+    # A loaded machine preempted the fast candidate's full calibration: against that number the
+    # hopeless one looked close, was sampled without a calibration of its own (KeyError), and
+    # the key lost every timing (a flaky sandbox test under parallel CI).
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+    runs = {"fast": 0}
+
+    def fast() -> None:
+        runs["fast"] += 1
+        clock.now += 2.0**-10 * (50 if runs["fast"] == 2 else 1)  # 2nd run: full calibration
+
+    calls = {"fast": [fast], "fallback": [clock.cost(2.0**-10 * 20)]}
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=3, target_sample_s=0)
+    timings, method = time_interleaved(calls, CPU, options)
+    assert timings["fast"].samples == 3 and timings["fast"].method == method
+    assert timings["fallback"].samples == 1 and timings["fallback"].method == "calibration"
+
+
 def test_rounds_end_when_the_rivals_of_the_fastest_are_all_out(monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(timing_module, "time", clock)
