@@ -1,0 +1,330 @@
+"""Experiment: ``hopper-prefill``'s product as a warp-specialized Gluon kernel.
+
+One loader warp streams the weight's words and a's decoded tiles into shared memory by TMA,
+several stages ahead; the consumer warpgroups decode the weight in the registers the MMA reads
+and multiply (asynchronous wgmma), so a consumer never waits on an address computation or a
+global load of the main operands, and two consumer warpgroups interleave decode and MMA.
+
+The arithmetic is ``mma_planes``': the weight's step of BKW words is decoded into 8 planes
+(plane p = code p of each word, value * 2**-14 * its block scale, ``_PAIR_TO_F16``), and
+plane p multiplies rows p * BKW .. p * BKW + BKW of a's workspace (``decode_planes``' order).
+With BKW = 16, plane p is exactly one k16 wgmma: its [BN, 16] tensor is loaded and decoded in
+the layout of the MMA's register operand (``DotOperandLayout``, k_width 2), where each thread
+holds the pairs of words that ``_PAIR_TO_F16`` decodes together; the 8 planes are joined into
+one [BN, 128] operand in those same registers (``convert_layout(assert_trivial=True)`` holds it
+at compile time), so a step is one wgmma group per 64 tokens.
+
+Status (H200, Triton 3.6; docs/hopper_kernels.md): correct at every point checked; not part of
+fp4select. ``SAFE=False`` decodes the next step while this step's wgmma run, which rewrites
+the registers a wgmma in flight reads (PTX: undefined; Gluon's ``deps`` keep the float16
+values alive, not the packed registers the wgmma reads), so only ``SAFE=True`` is a candidate
+for the product. ``mma_pp`` (each consumer warpgroup a partition of its own, which would
+overlap them safely) failed in Triton's LLVM lowering for most launches.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from fp4select.backends._hopper_kernels import _PAIR_TO_F16
+
+
+@gluon.jit
+def _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW: gl.constexpr):
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
+    for i in range(steps):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
+        for h in gl.static_range(HALVES):
+            tma.async_copy_global_to_shared(
+                x_desc, [i * 8 * BKW, off_t + 64 * h], ready.index(s), x_bufs.index(s * HALVES + h)
+            )
+
+
+@gluon.jit
+def _planes(wq, sb):
+    return gl.inline_asm_elementwise(
+        _PAIR_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sb],
+        dtype=(gl.float16,) * 8, is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _scale_words(sw_ptr, row_part, kw, i, KW, BKW: gl.constexpr):
+    """For each word of step i, the 128x4 scale word holding its block's scale (block
+    (i * BKW + w) // 2 of its row; block 0's past K). L2 serves these: an eighth of the
+    weight's bytes."""
+    blk = (i * BKW + kw) // 2
+    blk = gl.where(blk * 2 < KW, blk, 0)
+    return gl.load(sw_ptr + ((row_part[:, None] + (blk >> 2)[None, :] * 512) >> 2))
+
+
+@gluon.jit
+def _decode(w_bufs, ready, sw, i, kw, op: gl.constexpr, op_k: gl.constexpr, BKW: gl.constexpr):
+    """Step i's weight words (waiting for the loader) decoded into one MMA operand: plane p
+    at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    s = i % STAGES
+    sb = (sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]) & 0xFF
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _planes(w_bufs.index(s).load(op), sb)
+    w = gl.join(
+        gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7))
+    )  # [BN, BKW, 2, 2, 2]: plane p at index (p >> 2, (p >> 1) & 1, p & 1)
+    BN: gl.constexpr = w.shape[0]
+    w = gl.reshape(gl.permute(gl.reshape(w, [BN, BKW, 8]), [0, 2, 1]), [BN, 8 * BKW])
+    return gl.convert_layout(w, op_k, assert_trivial=True)
+
+
+@gluon.jit
+def _consumer(
+    w_bufs, x_bufs, ready, empty, sw_ptr, off_n, N, KW, cp, steps,
+    BN: gl.constexpr, BKW: gl.constexpr, num_warps: gl.constexpr, SAFE: gl.constexpr,
+):  # fmt: skip
+    """Step i is decoded while step i - 1's MMAs run; step i's are then issued (one group a
+    token half) and the wait leaves them in flight, which frees step i - 1's stage."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 64, 16]
+    )
+    op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, op))
+    rows = gl.where(rows < N, rows, 0)
+    row_part = (rows // 128) * cp * 128 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
+    kw = gl.arange(0, BKW, layout=gl.SliceLayout(0, op))
+    acc0 = gl.zeros((BN, 64), gl.float32, mma)
+    acc1 = gl.zeros((BN, 64), gl.float32, mma)
+    sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
+    # The operand of the MMAs in flight: its registers must outlive them, so it is carried to
+    # the wait that sees them done (a wgmma reads its register operand while it runs).
+    a_prev = gl.zeros((BN, 8 * BKW), gl.float16, op)
+    for i in range(steps):
+        s = i % STAGES
+        a = _decode(w_bufs, ready, sw, i, kw, op, op, BKW)
+        sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
+        acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
+        if HALVES == 2:
+            acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
+        # SAFE: wait for this step's MMAs before the next decode rewrites registers (the
+        # register operand of a wgmma in flight must not change; PTX leaves it undefined).
+        acc0, acc1, a_prev = warpgroup_mma_wait(
+            num_outstanding=0 if SAFE else HALVES, deps=(acc0, acc1, a_prev)
+        )  # step i - 1's MMAs are done: a_prev and its stage are free
+        fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        a_prev = a
+    acc0, acc1, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a_prev))
+    return acc0, acc1
+
+
+@gluon.jit
+def mma_ws(
+    w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
+    x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64]
+    sw_ptr,  # int32 view of the weight's 128x4 scales
+    alpha_ptr, out_ptr, M, N, KW, cp, stride_om, stride_on, alpha_value,
+    ALPHA: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr,
+    STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr, SAFE: gl.constexpr = False,
+):  # fmt: skip
+    """out^T = W . A^T for one [BN, BT] tile (see the module docstring)."""
+    HALVES: gl.constexpr = BT // 64
+    pid = gl.program_id(0)
+    grid_n = gl.cdiv(N, BN)
+    grid_t = gl.cdiv(M, BT)
+    in_group = GROUP * grid_t
+    first_n = (pid // in_group) * GROUP
+    size = gl.minimum(grid_n - first_n, GROUP)
+    off_n = (first_n + (pid % in_group) % size) * BN
+    off_t = ((pid % in_group) // size) * BT
+    steps = gl.cdiv(KW, BKW)
+    w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    acc0, acc1 = gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    w_bufs,
+                    x_bufs,
+                    ready,
+                    empty,
+                    sw_ptr,
+                    off_n,
+                    N,
+                    KW,
+                    cp,
+                    steps,
+                    BN,
+                    BKW,
+                    num_warps,
+                    SAFE,
+                ),
+            ),
+            (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW)),
+        ],
+        [1],
+        [40],
+    )
+    mma: gl.constexpr = acc0.type.layout
+    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    for h in gl.static_range(HALVES):
+        acc = acc0 if h == 0 else acc1
+        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
+        mask_t = offs_t < M
+        scale = gl.full([64], 268435456.0, gl.float32, gl.SliceLayout(0, mma))  # 2**28
+        if ALPHA == 1:
+            scale = scale * alpha_value
+        elif ALPHA == 2:
+            scale = scale * gl.load(alpha_ptr).to(gl.float32)
+        elif ALPHA == 3:
+            scale = scale * gl.load(alpha_ptr + offs_t, mask=mask_t, other=0.0).to(gl.float32)
+        val = acc * scale[None, :]
+        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+        mask = (offs_n < N)[:, None] & mask_t[None, :]
+        gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_BKW = gl.constexpr(16)  # words per step of the ping-pong kernel (one k16 MMA per plane)
+
+
+@gluon.jit
+def _pp_loader(
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr,
+    off_n, off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_value, alpha_kind,
+):  # fmt: skip
+    _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, _BKW)
+
+
+@gluon.jit
+def _pp_wg0(
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr,
+    off_n, off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_value, alpha_kind,
+):  # fmt: skip
+    _pp_consume(
+        w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, off_n, off_t, M, N, KW, cp,
+        steps, stride_om, stride_on, alpha_value, alpha_kind, _BKW, 0,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _pp_wg1(
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr,
+    off_n, off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_value, alpha_kind,
+):  # fmt: skip
+    _pp_consume(
+        w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, off_n, off_t, M, N, KW, cp,
+        steps, stride_om, stride_on, alpha_value, alpha_kind, _BKW, 1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _pp_consume(
+    w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr,
+    off_n, off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_value, alpha_kind,
+    BKW: gl.constexpr, ROLE: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup, 64 weight rows: decode, MMA, wait, in turn. The registers the MMA reads
+    are rewritten only after its wait; the other warpgroup decodes while this one multiplies."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+    )
+    op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    off_n = off_n + 64 * ROLE
+    rows = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, op))
+    rows = gl.where(rows < N, rows, 0)
+    row_part = (rows // 128) * cp * 128 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
+    kw = gl.arange(0, BKW, layout=gl.SliceLayout(0, op))
+    acc0 = gl.zeros((64, 64), gl.float32, mma)
+    acc1 = gl.zeros((64, 64), gl.float32, mma)
+    sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
+    for i in range(steps):
+        s = i % STAGES
+        sb = (sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]) & 0xFF
+        sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words = w_bufs.index(s).slice(64 * ROLE, 64).load(op)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words, sb)
+        w = gl.join(
+            gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7))
+        )
+        w = gl.reshape(gl.permute(gl.reshape(w, [64, BKW, 8]), [0, 2, 1]), [64, 8 * BKW])
+        a = gl.convert_layout(w, op, assert_trivial=True)
+        acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
+        if HALVES == 2:
+            acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
+        acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s))
+    offs_n = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    for h in gl.static_range(HALVES):
+        acc = acc0 if h == 0 else acc1
+        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
+        mask_t = offs_t < M
+        # alpha_kind at run time (a worker partition takes no constexpr of its own):
+        # 0 none, 1 a number, 2 a device scalar, 3 one per token.
+        scale = gl.full([64], 268435456.0, gl.float32, gl.SliceLayout(0, mma))  # 2**28
+        if alpha_kind == 1:
+            scale = scale * alpha_value
+        if alpha_kind == 2:
+            scale = scale * gl.load(alpha_ptr).to(gl.float32)
+        if alpha_kind == 3:
+            scale = scale * gl.load(alpha_ptr + offs_t, mask=mask_t, other=0.0).to(gl.float32)
+        val = acc * scale[None, :]
+        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+        mask = (offs_n < N)[:, None] & mask_t[None, :]
+        gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def mma_pp(
+    w_desc, x_desc, sw_ptr, alpha_ptr, out_ptr, M, N, KW, cp, stride_om, stride_on, alpha_value,
+    ALPHA: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
+    GROUP: gl.constexpr,
+):  # fmt: skip
+    """``mma_ws`` with its two consumer warpgroups in partitions of their own (128 rows)."""
+    BN: gl.constexpr = 128
+    HALVES: gl.constexpr = BT // 64
+    pid = gl.program_id(0)
+    grid_n = gl.cdiv(N, BN)
+    grid_t = gl.cdiv(M, BT)
+    in_group = GROUP * grid_t
+    first_n = (pid // in_group) * GROUP
+    size = gl.minimum(grid_n - first_n, GROUP)
+    off_n = (first_n + (pid % in_group) % size) * BN
+    off_t = ((pid % in_group) // size) * BT
+    steps = gl.cdiv(KW, BKW)
+    w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers give the stage back
+    fence_async_shared()
+    gl.static_assert(BKW == _BKW)
+    args = (
+        w_desc, x_desc, w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr,
+        off_n, off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_value, ALPHA,
+    )  # fmt: skip
+    gl.warp_specialize([(_pp_wg0, args), (_pp_wg1, args), (_pp_loader, args)], [4, 1], [232, 40])
