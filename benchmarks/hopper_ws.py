@@ -302,7 +302,12 @@ def mma_pp(
     ALPHA: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr,
 ):  # fmt: skip
-    """``mma_ws`` with its two consumer warpgroups in partitions of their own (128 rows)."""
+    """``mma_ws`` with its two consumer warpgroups in partitions of their own (128 rows).
+
+    Its tile order, buffers and epilogue repeat ``mma_ws``' on purpose: shared helpers for
+    them made Triton 3.6's LLVM lowering assert (alpha kinds 1 and 2, on the CPU), and this
+    is the code that was measured.
+    """
     BN: gl.constexpr = 128
     HALVES: gl.constexpr = BT // 64
     pid = gl.program_id(0)
