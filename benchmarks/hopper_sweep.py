@@ -125,13 +125,16 @@ DEEP = [
 ]
 # The warp-specialized Gluon kernel's tiles: (weight rows, tokens, stages).
 WS = [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4)]
-PP = []  # the ping-pong kernel, (tokens, stages): Triton 3.6 fails to compile most launches
+# The ping-pong kernel's (tokens, stages): none by default, Triton 3.6 fails to lower most of
+# its launches (hopper_ws_check.py --pingpong shows it).
+PP: list[tuple[int, int]] = []
 
 
 def run_ws(
     *args, bn: int, bt: int, stages: int, pingpong: bool = False, safe: bool = False
 ) -> torch.Tensor:
-    """``_hopper_ws.mma_ws`` as mm_fp4 (a decoded by ``decode_planes`` as for hopper-mma)."""
+    """``hopper_ws.mma_ws`` (or ``mma_pp``) as mm_fp4, a decoded by ``decode_planes`` as for
+    hopper-mma."""
     import hopper_ws as _hopper_ws  # benchmarks/: an experiment, not part of fp4select
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -170,8 +173,8 @@ def run_ws(
     return c.out
 
 
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2", "deep", "ws",
-# "evict".
+# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
+# "evict", "deep" and "ws".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.

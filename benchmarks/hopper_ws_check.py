@@ -1,5 +1,7 @@
 """The warp-specialized Gluon kernel (benchmarks/hopper_ws.py) against the exact reference, on a
-CUDA GPU: small and odd shapes, both a-scale layouts, three alpha kinds; an experiment."""
+CUDA GPU: small and odd shapes, both a-scale layouts, three alpha kinds; an experiment.
+
+Usage: python benchmarks/hopper_ws_check.py [--pingpong]   (--pingpong: mma_pp too)"""
 
 import sys
 
@@ -20,7 +22,7 @@ for n, k, m, bn, bt, st, alpha, layout in [
 ]:
     p = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind=alpha, a_sf_layout=layout)
     inp = validate.make_inputs(p, m, "cuda", seed=m)
-    for pp in (False,):  # the ping-pong form: see hopper_ws.mma_pp
+    for pp in (False, True) if "--pingpong" in sys.argv else (False,):  # see hopper_ws.mma_pp
         try:
             out = hs.run_ws(*inp.args(p), bn=128 if pp else bn, bt=bt, stages=st, pingpong=pp)
         except Exception as exc:  # print the compiler's own words, then go on
