@@ -125,13 +125,21 @@ DEEP = [
 ]
 # The warp-specialized Gluon kernel's tiles: (weight rows, tokens, stages).
 WS = [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4)]
+# The form that stages the decoded operand through shared memory: (weight rows, tokens, stages).
+WS_SMEM = [(128, 128, 3), (128, 128, 4), (64, 128, 4)]
 # The ping-pong kernel's (tokens, stages): none by default, Triton 3.6 fails to lower most of
 # its launches (hopper_ws_check.py --pingpong shows it).
 PP: list[tuple[int, int]] = []
 
 
 def run_ws(
-    *args, bn: int, bt: int, stages: int, pingpong: bool = False, safe: bool = False
+    *args,
+    bn: int,
+    bt: int,
+    stages: int,
+    pingpong: bool = False,
+    safe: bool = False,
+    smem: bool = False,
 ) -> torch.Tensor:
     """``hopper_ws.mma_ws`` (or ``mma_pp``) as mm_fp4, a decoded by ``decode_planes`` as for
     hopper-mma."""
@@ -168,7 +176,7 @@ def run_ws(
         w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
         c.out.stride(0), c.out.stride(1), c.alpha_value,
         ALPHA=c.alpha_kind, BN=bn, BT=bt, BKW=bkw, STAGES=stages, GROUP=8, SAFE=safe,
-        num_warps=warps, maxnreg=min(248, 65536 // (32 * (warps + 4)) // 8 * 8),
+        **({"SMEM_A": True} if smem else {}), num_warps=warps, maxnreg=min(248, 65536 // (32 * (warps + 4)) // 8 * 8),
     )  # fmt: skip
     return c.out
 
@@ -325,6 +333,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if bt <= 2 * m:
                 out[f"ws safe n{bn} t{bt} st{st}"] = functools.partial(
                     run_ws, bn=bn, bt=bt, stages=st, safe=True
+                )
+        for bn, bt, st in WS_SMEM:
+            if bt <= 2 * m:
+                out[f"ws smem n{bn} t{bt} st{st}"] = functools.partial(
+                    run_ws, bn=bn, bt=bt, stages=st, smem=True
                 )
         for bt, st in PP:
             if bt <= 2 * m:

@@ -131,6 +131,44 @@ def _consumer(
 
 
 @gluon.jit
+def _consumer_smem(
+    w_bufs, x_bufs, a_bufs, ready, empty, sw_ptr, off_n, N, KW, cp, steps,
+    BN: gl.constexpr, BKW: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """As ``_consumer``, the decoded operand staged through shared memory (two buffers): the
+    wgmma reads it there, so decoding the next step into the other buffer while it runs is
+    safe, which the register operand is not."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 64, 16]
+    )
+    op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, op))
+    rows = gl.where(rows < N, rows, 0)
+    row_part = (rows // 128) * cp * 128 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
+    kw = gl.arange(0, BKW, layout=gl.SliceLayout(0, op))
+    acc0 = gl.zeros((BN, 64), gl.float32, mma)
+    acc1 = gl.zeros((BN, 64), gl.float32, mma)
+    sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
+    for i in range(steps):
+        s = i % STAGES
+        a = _decode(w_bufs, ready, sw, i, kw, op, op, BKW)
+        sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)
+        ab = a_bufs.index(i % 2)  # step i - 2's MMAs, which read it, are done
+        ab.store(a)
+        fence_async_shared()
+        acc0 = warpgroup_mma(ab, x_bufs.index(s * HALVES), acc0, is_async=True)
+        if HALVES == 2:
+            acc1 = warpgroup_mma(ab, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=HALVES, deps=(acc0, acc1))
+        fence_async_shared()  # step i - 1's stage: its words were read by ld.shared
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    return acc0, acc1
+
+
+@gluon.jit
 def mma_ws(
     w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
     x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64]
@@ -138,8 +176,10 @@ def mma_ws(
     alpha_ptr, out_ptr, M, N, KW, cp, stride_om, stride_on, alpha_value,
     ALPHA: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr,
     STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr, SAFE: gl.constexpr = False,
+    SMEM_A: gl.constexpr = False,
 ):  # fmt: skip
-    """out^T = W . A^T for one [BN, BT] tile (see the module docstring)."""
+    """out^T = W . A^T for one [BN, BT] tile (see the module docstring). SMEM_A: the decoded
+    operand reaches the wgmma through shared memory (``_consumer_smem``)."""
     HALVES: gl.constexpr = BT // 64
     pid = gl.program_id(0)
     grid_n = gl.cdiv(N, BN)
@@ -158,32 +198,48 @@ def mma_ws(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
-    acc0, acc1 = gl.warp_specialize(
-        [
-            (
-                _consumer,
+    if SMEM_A:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
+        a_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, 8 * BKW], a_layout)
+        acc0, acc1 = gl.warp_specialize(
+            [
                 (
-                    w_bufs,
-                    x_bufs,
-                    ready,
-                    empty,
-                    sw_ptr,
-                    off_n,
-                    N,
-                    KW,
-                    cp,
-                    steps,
-                    BN,
-                    BKW,
-                    num_warps,
-                    SAFE,
+                    _consumer_smem,
+                    (w_bufs, x_bufs, a_bufs, ready, empty, sw_ptr, off_n, N, KW, cp, steps,
+                     BN, BKW, num_warps),
                 ),
-            ),
-            (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW)),
-        ],
-        [1],
-        [40],
-    )
+                (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW)),
+            ],
+            [1],
+            [40],
+        )  # fmt: skip
+    else:
+        acc0, acc1 = gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        w_bufs,
+                        x_bufs,
+                        ready,
+                        empty,
+                        sw_ptr,
+                        off_n,
+                        N,
+                        KW,
+                        cp,
+                        steps,
+                        BN,
+                        BKW,
+                        num_warps,
+                        SAFE,
+                    ),
+                ),
+                (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW)),
+            ],
+            [1],
+            [40],
+        )
     mma: gl.constexpr = acc0.type.layout
     offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     for h in gl.static_range(HALVES):

@@ -22,13 +22,18 @@ for n, k, m, bn, bt, st, alpha, layout in [
 ]:
     p = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind=alpha, a_sf_layout=layout)
     inp = validate.make_inputs(p, m, "cuda", seed=m)
-    for pp in (False, True) if "--pingpong" in sys.argv else (False,):  # see hopper_ws.mma_pp
+    forms = ("ws", "smem", "pp") if "--pingpong" in sys.argv else ("ws", "smem")
+    for form in forms:  # pp: see hopper_ws.mma_pp
+        pp = form == "pp"
         try:
-            out = hs.run_ws(*inp.args(p), bn=128 if pp else bn, bt=bt, stages=st, pingpong=pp)
+            out = hs.run_ws(
+                *inp.args(p), bn=128 if pp else bn, bt=bt, stages=min(st, 3), pingpong=pp,
+                smem=form == "smem",
+            )  # fmt: skip
         except Exception as exc:  # print the compiler's own words, then go on
             print("".join(line for line in str(exc).splitlines(True) if "error" in line)[-1500:])
             continue
         torch.cuda.synchronize()
         r = validate.check(out, inp, p.torch_out_dtype)
         verdict = "ok" if r.ok else f"BAD {r.reason}"
-        print(n, k, m, bn, bt, st, alpha, layout, "pp" if pp else "ws", verdict, flush=True)
+        print(n, k, m, bn, bt, st, alpha, layout, form, verdict, flush=True)
