@@ -127,8 +127,8 @@ DEEP = [
 WS = [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4)]
 # The form that stages the decoded operand through shared memory: (weight rows, tokens, stages).
 WS_SMEM = [(128, 128, 3), (128, 128, 4), (64, 128, 4)]
-# The ping-pong kernel's (tokens, stages): none by default, Triton 3.6 fails to lower most of
-# its launches (hopper_ws_check.py --pingpong shows it).
+# The ping-pong kernel's (tokens, stages): none by default, Triton 3.6 fails to lower it with
+# a scalar alpha, which the sweep's problems have (hopper_ws_check.py --pingpong shows it).
 PP: list[tuple[int, int]] = []
 
 

@@ -19,7 +19,7 @@ fp4select. ``SAFE=False`` decodes the next step while this step's wgmma run, whi
 the registers a wgmma in flight reads (PTX: undefined; Gluon's ``deps`` keep the float16
 values alive, not the packed registers the wgmma reads), so only ``SAFE=True`` is a candidate
 for the product. ``mma_pp`` (each consumer warpgroup a partition of its own, which would
-overlap them safely) failed in Triton's LLVM lowering for most launches.
+overlap them safely) fails in Triton 3.6's LLVM lowering with alpha kinds 1-2.
 """
 
 from __future__ import annotations
@@ -72,6 +72,15 @@ def _scale_words(sw_ptr, row_part, kw, i, KW, BKW: gl.constexpr):
 
 
 @gluon.jit
+def _rows(off_n, N, cp, BN: gl.constexpr, BKW: gl.constexpr, op: gl.constexpr):
+    """The tile's rows' part of their 128x4 scale offsets, and the words of a step."""
+    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, op))
+    rows = gl.where(rows < N, rows, 0)
+    row_part = (rows // 128) * cp * 128 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
+    return row_part, gl.arange(0, BKW, layout=gl.SliceLayout(0, op))
+
+
+@gluon.jit
 def _decode(w_bufs, ready, sw, i, kw, op: gl.constexpr, op_k: gl.constexpr, BKW: gl.constexpr):
     """Step i's weight words (waiting for the loader) decoded into one MMA operand: plane p
     at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
@@ -101,10 +110,7 @@ def _consumer(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 64, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, op))
-    rows = gl.where(rows < N, rows, 0)
-    row_part = (rows // 128) * cp * 128 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
-    kw = gl.arange(0, BKW, layout=gl.SliceLayout(0, op))
+    row_part, kw = _rows(off_n, N, cp, BN, BKW, op)
     acc0 = gl.zeros((BN, 64), gl.float32, mma)
     acc1 = gl.zeros((BN, 64), gl.float32, mma)
     sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
@@ -144,10 +150,7 @@ def _consumer_smem(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 64, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, op))
-    rows = gl.where(rows < N, rows, 0)
-    row_part = (rows // 128) * cp * 128 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
-    kw = gl.arange(0, BKW, layout=gl.SliceLayout(0, op))
+    row_part, kw = _rows(off_n, N, cp, BN, BKW, op)
     acc0 = gl.zeros((BN, 64), gl.float32, mma)
     acc1 = gl.zeros((BN, 64), gl.float32, mma)
     sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
@@ -169,6 +172,18 @@ def _consumer_smem(
 
 
 @gluon.jit
+def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
+    """This program's (first weight row, first token), visited in groups of GROUP weight tiles
+    so that programs running together share a's tiles in L2 (as ``mma_planes``)."""
+    pid = gl.program_id(0)
+    grid_n = gl.cdiv(N, BN)
+    in_group = GROUP * gl.cdiv(M, BT)
+    first_n = (pid // in_group) * GROUP
+    size = gl.minimum(grid_n - first_n, GROUP)
+    return (first_n + (pid % in_group) % size) * BN, ((pid % in_group) // size) * BT
+
+
+@gluon.jit
 def mma_ws(
     w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
     x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64]
@@ -181,14 +196,7 @@ def mma_ws(
     """out^T = W . A^T for one [BN, BT] tile (see the module docstring). SMEM_A: the decoded
     operand reaches the wgmma through shared memory (``_consumer_smem``)."""
     HALVES: gl.constexpr = BT // 64
-    pid = gl.program_id(0)
-    grid_n = gl.cdiv(N, BN)
-    grid_t = gl.cdiv(M, BT)
-    in_group = GROUP * grid_t
-    first_n = (pid // in_group) * GROUP
-    size = gl.minimum(grid_n - first_n, GROUP)
-    off_n = (first_n + (pid % in_group) % size) * BN
-    off_t = ((pid % in_group) // size) * BT
+    off_n, off_t = _tile(M, N, BN, BT, GROUP)
     steps = gl.cdiv(KW, BKW)
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, 64], x_desc.layout)
@@ -360,20 +368,14 @@ def mma_pp(
 ):  # fmt: skip
     """``mma_ws`` with its two consumer warpgroups in partitions of their own (128 rows).
 
-    Its tile order, buffers and epilogue repeat ``mma_ws``' on purpose: shared helpers for
-    them made Triton 3.6's LLVM lowering assert (alpha kinds 1 and 2, on the CPU), and this
-    is the code that was measured.
+    Triton 3.6 lowers it only for alpha kinds 0 and 3: with 1 or 2 (a number, a device
+    scalar) ``ConvertTritonGPUToLLVM`` asserts, on the CPU as on the H200, and loading the
+    scalar as a vector did not avoid it. Its buffers and epilogue repeat ``mma_ws``', whose
+    code was measured, rather than share helpers with it.
     """
     BN: gl.constexpr = 128
     HALVES: gl.constexpr = BT // 64
-    pid = gl.program_id(0)
-    grid_n = gl.cdiv(N, BN)
-    grid_t = gl.cdiv(M, BT)
-    in_group = GROUP * grid_t
-    first_n = (pid // in_group) * GROUP
-    size = gl.minimum(grid_n - first_n, GROUP)
-    off_n = (first_n + (pid % in_group) % size) * BN
-    off_t = ((pid % in_group) // size) * BT
+    off_n, off_t = _tile(M, N, BN, BT, GROUP)
     steps = gl.cdiv(KW, BKW)
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, 64], x_desc.layout)
