@@ -4,7 +4,8 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|bench|all|record|quant|floor|deploy|final]  (default: all)
+#   bash benchmarks/gpu_run.sh [tests|bench|all|record|quant|floor|deploy|hazard|final]
+#   (default: all)
 #
 #   tests  the tests marked gpu, then the warm path's, the guard's, the C++ key's, batch
 #          invariance's and start-up's tests, which take CUDA tensors where there is a GPU
@@ -21,6 +22,9 @@
 #          runs it, from nothing and again with the kernels compiled (the JIT share); then
 #          benchmarks/bench_cold.py, where that time goes (seconds per backend and phase,
 #          kernels compiled); about 4 minutes; not part of all
+#   hazard benchmarks/hazard_stress.py: each hopper-mma/-prefill tactic many times on the same
+#          inputs, under load, compared bit for bit (the wgmma register hazard that
+#          tools/wgmma_hazards.py finds in their Triton 3.6 SASS); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 130 s), bench_deploy.py (about 130 s), then the tests marked gpu in
 #          the time left (about 270 s on the H200; each step's limit shrinks to fit 560 s);
@@ -31,8 +35,8 @@
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|bench|all|record|quant|floor|deploy|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|bench|all|record|quant|floor|deploy|final)" >&2
+  tests|bench|all|record|quant|floor|deploy|hazard|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|bench|all|record|quant|floor|deploy|hazard|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -95,6 +99,9 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
     step "where warm-up time goes" timeout 250 python3 benchmarks/bench_cold.py \
       --device cuda --preset llama3-8b --max-m 8192 --defaults --jit-share --time-limit-s 200
     cp benchmarks/results/cold_llama3-8b_cuda.json "$OUT/" 2>/dev/null
+  fi
+  if [ "$MODE" = hazard ]; then
+    step "hazard_stress.py" timeout 500 python3 benchmarks/hazard_stress.py --out "$OUT"
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)

@@ -1,0 +1,110 @@
+"""Do `hopper-mma` and `hopper-prefill` ever give a different bit for the same call? (the wgmma
+register hazard of triton-lang/triton#9433, which ``tools/wgmma_hazards.py`` finds in their
+SASS under Triton 3.6).
+
+Each tactic runs the same inputs many times, back to back in a CUDA graph, while a second
+stream keeps the memory system busy (the hazard depends on timing), and every output is
+compared bit for bit with the first, which is also checked against the exact reference. The
+kernels have no atomics and a fixed summation order, so any differing bit is a race. Prints
+one row per tactic and case and writes ``results/hazard_stress_<device>.json``.
+
+Usage (a CUDA GPU): ``python benchmarks/hazard_stress.py [--repeats 400] [--no-load]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import functools
+import time
+from pathlib import Path
+
+import torch
+from _common import dumps, machine
+
+from fp4select import validate
+from fp4select.backends import hopper_configs, triton_hopper
+from fp4select.keys import Problem, m_bucket
+
+# (N, K, M): every tactic list of both backends, narrow and wide shapes.
+CASES = [
+    (4096, 4096, 16),
+    (8192, 8192, 64),
+    (4096, 4096, 128),
+    (8192, 8192, 256),
+    (6144, 4096, 512),
+]
+
+
+def _tactics(m: int):
+    yield from (
+        ("hopper-mma", triton_hopper.run_mma, c) for c in hopper_configs.candidates("mma", m)
+    )
+    for c in hopper_configs.candidates("prefill", m):
+        yield "hopper-prefill", triton_hopper.run_prefill, c
+
+
+def _stress(run, args, repeats: int, load: bool) -> tuple[int, float]:
+    """(outputs differing from the first, seconds): ``repeats`` calls replayed from a graph."""
+    first = run(*args).clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    outs = torch.empty((repeats, *first.shape), dtype=first.dtype, device=first.device)
+    side = torch.cuda.Stream()
+    noise_src = torch.empty(64 << 20, dtype=torch.uint8, device=first.device)
+    noise_dst = torch.empty_like(noise_src)
+    with torch.cuda.graph(graph):
+        for i in range(repeats):
+            run(*args[:6], outs[i], *args[7:])
+    started = time.perf_counter()
+    if load:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(64):
+                noise_dst.copy_(noise_src)
+    graph.replay()
+    torch.cuda.synchronize()
+    differing = int((outs.view(repeats, -1) != first.view(1, -1)).any(dim=1).sum())
+    return differing, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=400)
+    parser.add_argument("--no-load", action="store_true", help="no second stream")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for n, k, m in CASES:
+        problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")
+        inputs = validate.make_inputs(problem, m, device, seed=m + n)
+        call = inputs.args(problem, torch.empty((m, n), dtype=torch.bfloat16, device=device))
+        for name, run, cfg in _tactics(m):
+            tactic = functools.partial(run, cfg=cfg)
+            exact = validate.check(tactic(*call), inputs, problem.torch_out_dtype)
+            differing, seconds = _stress(tactic, call, args.repeats, not args.no_load)
+            row = {
+                "backend": name, "tactic": list(dataclasses.astuple(cfg)), "n": n, "k": k, "m": m,
+                "exact": exact.ok, "repeats": args.repeats, "differing": differing,
+                "seconds": round(seconds, 3), "load": not args.no_load,
+            }  # fmt: skip
+            rows.append(row)
+            print(f"{name:15s} {row['tactic']!s:28s} {n:5d}x{k:5d} M={m:4d} exact={exact.ok} "
+                  f"differing={differing}/{args.repeats}", flush=True)  # fmt: skip
+    record = {
+        "benchmark": "hazard_stress",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(device),
+        "rows": rows,
+    }
+    path = Path(args.out) / "hazard_stress_cuda.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(record))
+    bad = sum(r["differing"] > 0 or not r["exact"] for r in rows)
+    print(f"wrote {path}: {bad} of {len(rows)} tactic cases differed or failed the exact check")
+
+
+if __name__ == "__main__":
+    main()
