@@ -127,9 +127,8 @@ DEEP = [
 WS = [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4)]
 # The form that stages the decoded operand through shared memory: (weight rows, tokens, stages).
 WS_SMEM = [(128, 128, 3), (128, 128, 4), (64, 128, 4)]
-# The ping-pong kernel's (tokens, stages): none by default, Triton 3.6 fails to lower it with
+# The ping-pong kernel (run_ws(pingpong=True)) is not swept: Triton 3.6 fails to lower it with
 # a scalar alpha, which the sweep's problems have (hopper_ws_check.py --pingpong shows it).
-PP: list[tuple[int, int]] = []
 
 
 def run_ws(
@@ -338,11 +337,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if bt <= 2 * m:
                 out[f"ws smem n{bn} t{bt} st{st}"] = functools.partial(
                     run_ws, bn=bn, bt=bt, stages=st, smem=True
-                )
-        for bt, st in PP:
-            if bt <= 2 * m:
-                out[f"ws pp t{bt} st{st}"] = functools.partial(
-                    run_ws, bn=128, bt=bt, stages=st, pingpong=True
                 )
     if m >= 512 and "dq" in families:
         for t in DQ:

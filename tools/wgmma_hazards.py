@@ -29,7 +29,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 _SKIP = ("ST", "BRA", "BAR", "SYNCS", "WARPGROUP", "UTMA", "RED", "ATOM", "MEMBAR", "FENCE")
 
@@ -109,7 +108,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="print every write found")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's fp4select and test helpers
     import test_hopper_layout as layout  # the compile helpers the layout tests use
 
     from fp4select.backends import hopper_configs
