@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
-import functools
 import time
 from pathlib import Path
 
@@ -37,12 +36,16 @@ CASES = [
 ]
 
 
-def _tactics(m: int):
-    yield from (
-        ("hopper-mma", triton_hopper.run_mma, c) for c in hopper_configs.candidates("mma", m)
-    )
-    for c in hopper_configs.candidates("prefill", m):
-        yield "hopper-prefill", triton_hopper.run_prefill, c
+def _tactics(m: int, overlap: bool):
+    """(backend, mm_fp4's call with the tactic, tactic) for every tactic both backends time at M."""
+    for kind in ("mma", "prefill"):
+        name = f"hopper-{kind}"
+        for cfg in hopper_configs.candidates(kind, m):
+
+            def run(*args, name=name, cfg=cfg):
+                return triton_hopper._run_planes(args, name, cfg, overlap)
+
+            yield name, run, cfg
 
 
 def _stress(run, args, repeats: int, load: bool) -> tuple[int, float]:
@@ -73,6 +76,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=400)
     parser.add_argument("--no-load", action="store_true", help="no second stream")
+    parser.add_argument(
+        "--overlap", action="store_true", help="the loop with Triton's pipelined wgmma (a race)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -81,14 +87,13 @@ def main() -> None:
         problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")
         inputs = validate.make_inputs(problem, m, device, seed=m + n)
         call = inputs.args(problem, torch.empty((m, n), dtype=torch.bfloat16, device=device))
-        for name, run, cfg in _tactics(m):
-            tactic = functools.partial(run, cfg=cfg)
+        for name, tactic, cfg in _tactics(m, args.overlap):
             exact = validate.check(tactic(*call), inputs, problem.torch_out_dtype)
             differing, seconds = _stress(tactic, call, args.repeats, not args.no_load)
             row = {
                 "backend": name, "tactic": list(dataclasses.astuple(cfg)), "n": n, "k": k, "m": m,
                 "exact": exact.ok, "repeats": args.repeats, "differing": differing,
-                "seconds": round(seconds, 3), "load": not args.no_load,
+                "seconds": round(seconds, 3), "load": not args.no_load, "overlap": args.overlap,
             }  # fmt: skip
             rows.append(row)
             print(f"{name:15s} {row['tactic']!s:28s} {n:5d}x{k:5d} M={m:4d} exact={exact.ok} "
@@ -99,7 +104,7 @@ def main() -> None:
         "machine": machine(device),
         "rows": rows,
     }
-    path = Path(args.out) / "hazard_stress_cuda.json"
+    path = Path(args.out) / f"hazard_stress{'_overlap' if args.overlap else ''}_cuda.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(record))
     bad = sum(r["differing"] > 0 or not r["exact"] for r in rows)

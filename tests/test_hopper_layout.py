@@ -14,6 +14,12 @@ the next, when it finds the accumulator set outside the MMA inside a pipeline st
 that may run zero times is such a case. It says so only in its own output ("C7515"), so the
 second check runs it on the kernel's PTX; a planted loop without ``tl.assume`` shows the check
 can fail.
+
+Each step's wgmma must be waited for (``wgmma.wait_group 0``) before the next step writes a
+register: left in flight, they read their left operand while the next step's loads and
+decode reuse those registers under Triton 3.6 (``_hopper_kernels.retired``). The third check
+reads every tactic's SASS with ``tools/wgmma_hazards.py``; without ``retired`` the waits it
+finds leave groups in flight (Triton 3.6: 7; 3.9: 1), so it can fail on either.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ compiler = pytest.importorskip("triton.compiler")
 backends_compiler = pytest.importorskip("triton.backends.compiler")
 
 import functools  # noqa: E402
+import importlib.util  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from fp4select.backends import _hopper_kernels as hk  # noqa: E402
 from fp4select.backends import hopper_configs  # noqa: E402
@@ -60,6 +68,7 @@ SIGNATURE = {
     "GROUP": "constexpr",
     "ASM": "constexpr",
     "PDL": "constexpr",
+    "OVERLAP": "constexpr",
 }
 # What a real launch specializes on: 16-aligned pointers, sizes and strides divisible by 16.
 DIVISIBLE = {"N", "KW", "MP", "stride_wn", "stride_om", "cp"}
@@ -105,9 +114,10 @@ def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> st
     return _compile(fn, signature, constexprs, warps, stages).asm["ttgir"]
 
 
-def _compile_mma(cfg):
+def _compile_mma(cfg, overlap: bool = False):
     """``mma_planes`` as ``cfg`` launches it (scalar alpha)."""
     constexprs = {"ALPHA": 2, "PARTIALS": cfg.split != 1, "GROUP": cfg.group, "ASM": True}
+    constexprs |= {"OVERLAP": overlap}
     constexprs |= {"PDL": True}  # as launched on SM90 (mm_fp4's enable_pdl defaults to True)
     constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
     return _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)
@@ -270,3 +280,29 @@ def test_the_gemv_asks_l2_to_evict_the_weight_first_only_when_told(evict_first):
     constexprs |= {"PREFETCH": False, "PDL": False, "EVICT_FIRST": evict_first}
     ptx = _compile(hk.gemv_dp4a, GEMV_SIGNATURE, constexprs, 2, 3).asm["ptx"]
     assert ("evict_first" in ptx) is evict_first
+
+
+def _hazard_tool():
+    path = Path(__file__).resolve().parent.parent / "tools" / "wgmma_hazards.py"
+    spec = importlib.util.spec_from_file_location("wgmma_hazards", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+EVERY_TACTIC = sorted(
+    {c for _, cs in hopper_configs.MMA_TACTICS for c in cs} | set(hopper_configs.PREFILL_TACTICS),
+    key=str,
+)
+
+
+@pytest.mark.parametrize("cfg", EVERY_TACTIC, ids=str)
+def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
+    kernel = _compile_mma(cfg)
+    tool = _hazard_tool()
+    loop = tool.main_loop(tool._sass(kernel))
+    waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
+    assert waits, "no wgmma wait in the main loop"
+    assert all(line.endswith("gsb0, 0x0") for line in waits), waits
+    assert tool.hazards(loop) == []

@@ -107,6 +107,9 @@ def hazards(loop: list[str]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="print every write found")
+    parser.add_argument(
+        "--overlap", action="store_true", help="the loop as Triton pipelines it (before 0.x)"
+    )
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's fp4select and test helpers
     import test_hopper_layout as layout  # the compile helpers the layout tests use
@@ -117,7 +120,7 @@ def main() -> int:
     configs |= set(hopper_configs.PREFILL_TACTICS)
     worst = 0
     for cfg in sorted(configs, key=str):
-        found = hazards(main_loop(_sass(layout._compile_mma(cfg))))
+        found = hazards(main_loop(_sass(layout._compile_mma(cfg, args.overlap))))
         worst = max(worst, len(found))
         shown = found if args.all else found[:3]
         print(f"{cfg}: {len(found)} writes to in-flight A registers {shown}")

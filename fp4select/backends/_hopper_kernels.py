@@ -707,6 +707,25 @@ def plane_major(w0, w1, w2, w3, w4, w5, w6, w7, BN: tl.constexpr, BKW: tl.conste
     return tl.reshape(tl.permute(tl.reshape(w, (BN, BKW, 8)), (0, 2, 1)), (BN, 8 * BKW))
 
 
+@triton.jit
+def retired(acc, ASM: tl.constexpr):
+    """``acc`` through an identity Triton cannot see into, so that the step's wgmma are waited
+    for before the next step's decode.
+
+    A dot whose result only feeds the next dot is left in flight across the loop's back edge,
+    and Triton 3.6 with its ptxas (12.8) then lets the next step's loads and decode reuse the
+    registers the in-flight wgmma still read as its left operand (triton-lang/triton#9433;
+    ``tools/wgmma_hazards.py`` finds 79-467 such writes per tactic). With a use of its own the
+    dot is waited for (``wgmma.wait_group 0``) and none are left; ptxas drops the move itself.
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return acc
+
+
 # Not specialized on M or the K steps per split: they only bound masks and the loop, and each
 # distinct divisibility was a compile of its own (47 compiles for Llama-3.1-8B's warm-up).
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
@@ -736,6 +755,7 @@ def mma_planes(
     GROUP: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr = False,
+    OVERLAP: tl.constexpr = False,  # True: Triton's pipelined wgmma (the hazard in ``retired``)
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -777,6 +797,8 @@ def mma_planes(
         w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
         acc = tl.dot(w, tl.load(xb), acc)
+        if not OVERLAP:
+            acc = retired(acc, ASM)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
     mask_t = offs_t < M
     mask = (offs_n[:, None] < N) & mask_t[None, :]
