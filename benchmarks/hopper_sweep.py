@@ -362,8 +362,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
-                if "overlap" in families:  # the same with Triton's pipelined wgmma (a race)
-                    out["overlap " + name] = functools.partial(_overlapped, kind=kind, cfg=c)
     if m >= 64 or "old" in families:
         out["torch-dequant"] = dequant.run_torch
     if m >= 256 and "dq" not in families:
@@ -374,11 +372,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
 def _without_pdl(run, *args, cfg):
     """``run`` as mm_fp4 with enable_pdl=False."""
     return run(*args[:10], False, cfg=cfg)
-
-
-def _overlapped(*args, kind: str, cfg):
-    """``mma_planes`` as shipped before the wait per step (``OVERLAP``; its wgmma hazard)."""
-    return triton_hopper._run_planes(args, f"hopper-{kind}", cfg, overlap=True)
 
 
 def compile_ahead(runs: dict[str, functools.partial], args: tuple) -> None:

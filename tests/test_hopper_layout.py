@@ -68,7 +68,6 @@ SIGNATURE = {
     "GROUP": "constexpr",
     "ASM": "constexpr",
     "PDL": "constexpr",
-    "OVERLAP": "constexpr",
 }
 # What a real launch specializes on: 16-aligned pointers, sizes and strides divisible by 16.
 DIVISIBLE = {"N", "KW", "MP", "stride_wn", "stride_om", "cp"}
@@ -114,10 +113,9 @@ def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> st
     return _compile(fn, signature, constexprs, warps, stages).asm["ttgir"]
 
 
-def _compile_mma(cfg, overlap: bool = False):
+def _compile_mma(cfg):
     """``mma_planes`` as ``cfg`` launches it (scalar alpha)."""
     constexprs = {"ALPHA": 2, "PARTIALS": cfg.split != 1, "GROUP": cfg.group, "ASM": True}
-    constexprs |= {"OVERLAP": overlap}
     constexprs |= {"PDL": True}  # as launched on SM90 (mm_fp4's enable_pdl defaults to True)
     constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
     return _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)

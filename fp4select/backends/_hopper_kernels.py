@@ -755,7 +755,6 @@ def mma_planes(
     GROUP: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr = False,
-    OVERLAP: tl.constexpr = False,  # True: Triton's pipelined wgmma (the hazard in ``retired``)
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -796,9 +795,7 @@ def mma_planes(
         wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW)
         w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
-        acc = tl.dot(w, tl.load(xb), acc)
-        if not OVERLAP:
-            acc = retired(acc, ASM)
+        acc = retired(tl.dot(w, tl.load(xb), acc), ASM)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
     mask_t = offs_t < M
     mask = (offs_n[:, None] < N) & mask_t[None, :]

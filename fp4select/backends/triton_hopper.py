@@ -211,11 +211,8 @@ def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
     return math.ceil(steps / per)
 
 
-def _run_planes(
-    args: tuple[Any, ...], name: str, cfg: MmaConfig, overlap: bool = False
-) -> torch.Tensor:
-    """a decoded once into float16 planes, then the weight decoded in the tensor-core loop
-    (``overlap``: with Triton's pipelined wgmma, for benchmarks/hazard_stress.py only)."""
+def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tensor:
+    """a decoded once into float16 planes, then the weight decoded in the tensor-core loop."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
     b_descale, a8x4 = args[3], args[8]
     if c.m == 0 or c.n == 0:
@@ -257,7 +254,7 @@ def _run_planes(
         c.m, c.n, kw, mp, w32.stride(0), c.out.stride(0), c.out.stride(1), c.cp,
         per_split, c.alpha_value,
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
-        GROUP=cfg.group, ASM=ASM, **_with_pdl(pdl_main), OVERLAP=overlap,
+        GROUP=cfg.group, ASM=ASM, **_with_pdl(pdl_main),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
