@@ -62,9 +62,9 @@ MMA_BY_M = (
     (16, MmaConfig(128, 16, 32, 4, 3)),
     (32, MmaConfig(128, 32, 16, 4, 3)),
     (64, MmaConfig(128, 64, 16, 4, 4)),
-    (None, MmaConfig(128, 128, 16, 4, 3)),
+    (None, MmaConfig(64, 128, 16, 4, 3)),
 )
-PREFILL = MmaConfig(128, 256, 8, 8, 4, split=1)
+PREFILL = MmaConfig(64, 128, 16, 4, 3, split=1)
 
 
 def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
@@ -118,19 +118,22 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
         ),
     ),
     (64, (MmaConfig(128, 64, 16, 4, 4), MmaConfig(128, 64, 16, 4, 3), MmaConfig(64, 64, 16, 4, 3))),
+    # From M = 65 (and in hopper-prefill) the tiles chosen with each step's wgmma waited for
+    # (``_hopper_kernels.retired``): 128 tokens wide, they took 1.1-1.45x their time with the
+    # wait and lost to 64 x 128 and 128 x 64 (results/hopper_sweep_retire_wide.json).
     (
         256,
         (
-            MmaConfig(128, 128, 16, 4, 3),
+            MmaConfig(64, 128, 16, 4, 3),
             MmaConfig(128, 64, 16, 4, 3),
-            MmaConfig(64, 128, 16, 4, 4, split=1),
+            MmaConfig(64, 64, 16, 4, 4, split=1),
         ),
     ),
 )
 PREFILL_TACTICS = (
     PREFILL,
-    MmaConfig(128, 128, 16, 4, 3, split=1),
-    MmaConfig(256, 128, 16, 8, 3, split=1),
+    MmaConfig(128, 128, 16, 8, 3, split=1),
+    MmaConfig(128, 256, 16, 8, 3, split=1),
 )
 # hopper-dequant's persistent GEMM: 128 x 256 tiles, or 128 x 128 where those fill the last
 # wave of SMs so much better that it outweighs the large tile's own speed (``dequant_tile``).
