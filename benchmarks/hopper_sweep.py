@@ -356,6 +356,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 4 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
         kinds += [("prefill", triton_hopper.run_prefill)] if 64 <= m <= 2048 else []
+        kinds += [("ws", triton_hopper.run_ws)] if 65 <= m <= 512 else []
         for kind, run in kinds:
             for c in hopper_configs.candidates(kind, m):
                 name = f"{kind} " + " ".join(map(str, dataclasses.astuple(c)))

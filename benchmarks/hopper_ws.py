@@ -36,6 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fp4select.backends._hopper_kernels import _PAIR_TO_F16
 
+# Triton 3.6's name for a TMA load; 3.9 renamed it (the old name raises there).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 
 @gluon.jit
 def _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW: gl.constexpr):
@@ -46,9 +49,9 @@ def _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, B
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
+        _tma_load(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
         for h in gl.static_range(HALVES):
-            tma.async_copy_global_to_shared(
+            _tma_load(
                 x_desc, [i * 8 * BKW, off_t + 64 * h], ready.index(s), x_bufs.index(s * HALVES + h)
             )
 

@@ -63,6 +63,16 @@ def test_each_says_why_it_cannot_run_here():
     assert "9.0" in dequant.why_hopper_unavailable({"device": "cuda", "cc": 80})
 
 
+def test_hopper_ws_runs_on_sm90_only(monkeypatch):
+    monkeypatch.setattr(triton_fp4, "triton_installed", lambda: True)
+    assert triton_hopper.ws_why_unavailable(H200) is None  # this Triton has Gluon
+    assert "SM90" in triton_hopper.ws_why_unavailable(B200)  # no wgmma on Blackwell
+    assert "SM90" in triton_hopper.ws_why_unavailable({"device": "cuda", "cc": 89})
+    assert "8.0" in triton_hopper.ws_why_unavailable({"device": "cuda", "cc": 75})
+    monkeypatch.setattr(triton_hopper.importlib.util, "find_spec", lambda name: None)
+    assert "Gluon" in triton_hopper.ws_why_unavailable(H200)
+
+
 def test_triton_is_available_on_hopper_when_installed(monkeypatch):
     monkeypatch.setattr(triton_fp4, "triton_installed", lambda: True)
     assert triton_fp4.why_unavailable(H200) is None
@@ -77,7 +87,7 @@ def test_scaled_mm_is_available_on_blackwell_iff_torch_has_the_api():
 def test_declarations_exclude_what_the_kernels_do_not_take():
     backends = discover(include_flashinfer=False).backends
     trtllm = Problem(n=256, k=256, m_bucket=1, b_layout="trtllm")
-    for name in ("hopper-gemv", "hopper-mma", "hopper-prefill"):
+    for name in ("hopper-gemv", "hopper-mma", "hopper-prefill", "hopper-ws"):
         for problem in (trtllm, Problem(n=256, k=256, m_bucket=1, use_nvfp4=False, block_size=32)):
             assert backends[name].rejects(problem, H200), (name, problem)
     gemv = backends["hopper-gemv"]
@@ -93,6 +103,12 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     prefill = backends["hopper-prefill"]
     assert "above M = 2048" in prefill.rejects(Problem(n=256, k=256, m_bucket=2560), H200)
     assert prefill.rejects(Problem(n=256, k=256, m_bucket=2560), A100) is None
+    ws = backends["hopper-ws"]
+    assert "M >= 128" in ws.rejects(Problem(n=256, k=256, m_bucket=64), H200)
+    assert ws.rejects(Problem(n=256, k=256, m_bucket=128), H200) is None
+    assert ws.rejects(Problem(n=256, k=256, m_bucket=512), H200) is None
+    assert "above M = 512" in ws.rejects(Problem(n=256, k=256, m_bucket=1024), H200)
+    assert "multiple of 16" in ws.rejects(Problem(n=256, k=2064, m_bucket=256), H200)
     dequant = backends["hopper-dequant"]
     assert "M >= 512" in dequant.rejects(Problem(n=256, k=256, m_bucket=256), H200)
     assert dequant.rejects(Problem(n=256, k=256, m_bucket=512), H200) is None

@@ -19,7 +19,8 @@ Each step's wgmma must be waited for (``wgmma.wait_group 0``) before the next st
 register: left in flight, they read their left operand while the next step's loads and
 decode reuse those registers under Triton 3.6 (``_hopper_kernels.retired``). The third check
 reads every tactic's SASS with ``tools/wgmma_hazards.py``; without ``retired`` the waits it
-finds leave groups in flight (Triton 3.6: 7; 3.9: 1), so it can fail on either.
+finds leave groups in flight (Triton 3.6: 7; 3.9: 1), so it can fail on either. The same
+holds ``hopper-ws``'s Gluon kernel, which also shows that it compiles with this Triton.
 """
 
 from __future__ import annotations
@@ -303,4 +304,42 @@ def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
     waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
     assert waits, "no wgmma wait in the main loop"
     assert all(line.endswith("gsb0, 0x0") for line in waits), waits
+    assert tool.hazards(loop) == []
+
+
+def _compile_ws(cfg, alpha: int):
+    """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` (Gluon, for sm90)."""
+    gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    from fp4select.backends import _hopper_ws
+
+    _skip_without_sm90_toolchain()
+    bn, warps = cfg.block_n, 8 if cfg.block_n >= 128 else 4
+    words = _hopper_ws.STEP_WORDS
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, words], gl.int32)
+    x_layout = gl.NVMMASharedLayout.get_default_for([8 * words, 64], gl.float16)
+    signature = {
+        "w_desc": f"tensordesc<i32[{bn}, {words}],{w_layout!r}>",
+        "x_desc": f"tensordesc<fp16[{8 * words}, 64],{x_layout!r}>",
+        "sw_ptr": "*i32", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
+        "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
+        "stride_on": "i32", "alpha_value": "fp32",
+    } | dict.fromkeys(("ALPHA", "BN", "BT", "BKW", "STAGES", "GROUP", "num_warps"), "constexpr")  # fmt: skip
+    constexprs = {"ALPHA": alpha, "BN": bn, "BT": cfg.block_t, "BKW": words}
+    constexprs |= {"STAGES": cfg.stages, "GROUP": 8, "num_warps": warps}
+    source = gluon_runtime.GluonASTSource(
+        fn=_hopper_ws.mma_ws, signature=signature, constexprs=constexprs
+    )
+    target = backends_compiler.GPUTarget("cuda", 90, 32)
+    return triton.compile(source, target=target, options={"num_warps": warps})
+
+
+@pytest.mark.parametrize("cfg", hopper_configs.WS_TACTICS, ids=str)
+@pytest.mark.parametrize("alpha", [0, 2])
+def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
+    tool = _hazard_tool()
+    loop = tool.main_loop(tool._sass(_compile_ws(cfg, alpha)))
+    assert sum("HGMMA" in line for line in loop) == 16  # 8 planes x 2 token halves
+    waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
+    assert waits and all(line.endswith("gsb0, 0x0") for line in waits), waits
     assert tool.hazards(loop) == []

@@ -47,6 +47,15 @@ class MmaConfig:
 
 
 @dataclass(frozen=True)
+class WsConfig:
+    """``hopper-ws``'s tile: weight rows, tokens (64 or 128) and TMA stages."""
+
+    block_n: int
+    block_t: int
+    stages: int
+
+
+@dataclass(frozen=True)
 class GemmTile:
     """``hopper-dequant``'s GEMM tile (its decode passes have no choices)."""
 
@@ -164,13 +173,18 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 # Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
 PREFILL_TUNED_FROM = 128
+# hopper-ws: the safe form's two tiles that won points at M = 128-512 on the H200, beside the
+# waiting Triton loop and hopper-dequant (results/hopper_sweep_retire_wide.json).
+WS_TACTICS = (WsConfig(128, 128, 4), WsConfig(64, 128, 4))
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
-    """The tactic candidates of ``kind`` ("gemv", "mma" or "prefill") at M = m; every one when
-    m is None."""
+    """The tactic candidates of ``kind`` ("gemv", "mma", "prefill" or "ws") at M = m; every one
+    when m is None."""
     if kind == "prefill":
         return PREFILL_TACTICS if m is None or m >= PREFILL_TUNED_FROM else ()
+    if kind == "ws":
+        return WS_TACTICS
     if kind not in ("gemv", "mma"):
         return ()
     table = GEMV_TACTICS if kind == "gemv" else MMA_TACTICS
@@ -186,4 +200,6 @@ def default(kind: str, m: int) -> Any:
     """The table's configuration of ``kind`` at M = m."""
     if kind == "prefill":
         return PREFILL
+    if kind == "ws":
+        return WS_TACTICS[0]
     return for_m(GEMV_BY_M if kind == "gemv" else MMA_BY_M, m)

@@ -13,6 +13,8 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 * ``hopper-prefill`` (buckets from M = 64; from SM90 to 2048): the same kernel with large tiles and no
   split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
   and the weight inside the main loop, so no decoded copy of the weight exists in memory.
+* ``hopper-ws`` (SM90 only, buckets M = 65-512): the same product warp-specialized in Gluon
+  (``_hopper_ws``): a TMA loader warp feeds the decoding consumer warpgroups.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
@@ -30,6 +32,7 @@ Design rules:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -43,8 +46,10 @@ from fp4select.backends.hopper_configs import (
     GEMV_BY_M,
     MMA_BY_M,
     PREFILL,
+    WS_TACTICS,
     GemvConfig,
     MmaConfig,
+    WsConfig,
     for_m,
 )
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
@@ -56,9 +61,15 @@ PREFILL_MIN_M = 64
 # ... and buckets starting above this: from M = 2048 the dequant candidates beat it at every
 # H200 point, by 1.1-1.3x (benchmarks/results/gpu_h200.json); timing it there only cost warm-up.
 PREFILL_MAX_M = 2048
+# hopper-ws takes the buckets from M = 65 to 512 (those ending below WS_MIN_M or starting
+# above WS_MAX_M are declined): measured at M = 128-512, where it won points, and it lost to
+# hopper-dequant at 2048 (results/hopper_sweep_retire_wide.json).
+WS_MIN_M = 128
+WS_MAX_M = 512
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
 
 _kernels: Any = None
+_ws_kernels: Any = None
 
 
 def kernels() -> Any:
@@ -72,6 +83,36 @@ def kernels() -> Any:
 
 def why_unavailable(env: Mapping[str, Any]) -> str | None:
     return triton_fp4.why_unavailable(env)
+
+
+def ws_kernels() -> Any:
+    global _ws_kernels
+    if _ws_kernels is None:
+        from fp4select.backends import _hopper_ws
+
+        _ws_kernels = _hopper_ws
+    return _ws_kernels
+
+
+def ws_why_unavailable(env: Mapping[str, Any]) -> str | None:
+    why = why_unavailable(env)
+    if why is not None:
+        return why
+    if env.get("cc") != 90:
+        return f"needs SM90 (wgmma through Gluon's Hopper API), got SM{env.get('cc')}"
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    return None
+
+
+def ws_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
+    if problem.k % 32:
+        return (
+            f"K = {problem.k}: TMA reads weight rows of K / 2 bytes, which must be a multiple of 16"
+        )
+    if problem.m_range[0] > WS_MAX_M:
+        return f"above M = {WS_MAX_M} the dequant candidates serve (faster where measured)"
+    return None
 
 
 def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -265,6 +306,43 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     return c.out
 
 
+def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
+    """``hopper-ws``: mm_fp4's positional order (without backend). A call TMA cannot read (K
+    not a multiple of 32, a misaligned view) runs ``hopper-mma``'s kernel instead."""
+    cfg = cfg or WS_TACTICS[0]
+    c, a32, w32 = _checked_words(args, "hopper-ws", torch.int32)
+    if c.m == 0 or c.n == 0:
+        return c.out
+    sw32 = _scale_words(args[3])
+    if a32 is None or w32 is None or sw32 is None or c.kh % 16 or w32.data_ptr() % 16:
+        return _run_planes(args, "hopper-ws", for_m(MMA_BY_M, c.m))
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    k, ws = kernels(), ws_kernels()
+    kw, bkw = c.kh // 4, ws.STEP_WORDS
+    steps = k.cdiv(kw, bkw)
+    mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
+    x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
+    k.decode_planes[(k.cdiv(mp, 32), steps)](
+        a32, c.a_descale, x, c.m, mp, kw, a32.stride(0), c.cp,
+        A_8X4=args[8], BR=32, BKW=bkw, ASM=ASM, num_warps=4,
+    )  # fmt: skip
+    bn = cfg.block_n
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bkw], gl.int32)
+    x_layout = gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
+    w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
+    warps = 8 if bn >= 128 else 4  # a consumer warpgroup per 64 weight rows
+    ws.mma_ws[(k.cdiv(c.n, bn) * k.cdiv(c.m, cfg.block_t),)](
+        w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
+        c.out.stride(0), c.out.stride(1), c.alpha_value,
+        ALPHA=c.alpha_kind, BN=bn, BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8,
+        num_warps=warps, maxnreg=min(248, 65536 // (32 * (warps + 4)) // 8 * 8),
+    )  # fmt: skip
+    return c.out
+
+
 def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     """``hopper-mma``: mm_fp4's positional order (without backend)."""
     return _run_planes(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
@@ -342,6 +420,18 @@ BACKENDS: tuple[Backend, ...] = (
         preference=188,
         family=FAMILY,
         description="NVFP4 GEMM for large M: a decoded once, the weight decoded in the main loop",
+        tune=hopper_tactics.tune,
+        pin=hopper_tactics.pin,
+    ),
+    Backend(
+        name="hopper-ws",
+        checked_runner=run_ws,
+        why_unavailable=ws_why_unavailable,
+        caps=_caps(None, min_m=WS_MIN_M),
+        declines=ws_declines,
+        preference=187,
+        family=FAMILY,
+        description="NVFP4 GEMM for M = 65-512 on SM90: hopper-prefill's product, warp-specialized in Gluon",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
