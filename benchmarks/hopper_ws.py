@@ -1,25 +1,16 @@
-"""Experiment: ``hopper-prefill``'s product as a warp-specialized Gluon kernel.
+"""Experiment: the warp-specialized Gluon kernel's forms that fp4select does not ship.
 
-One loader warp streams the weight's words and a's decoded tiles into shared memory by TMA,
-several stages ahead; the consumer warpgroups decode the weight in the registers the MMA reads
-and multiply (asynchronous wgmma), so a consumer never waits on an address computation or a
-global load of the main operands, and two consumer warpgroups interleave decode and MMA.
+``hopper-ws`` (``fp4select/backends/_hopper_ws.py``, whose loader, decode and tile order this
+imports) is the safe form: each step's wgmma waited for before the next decode. Here:
 
-The arithmetic is ``mma_planes``': the weight's step of BKW words is decoded into 8 planes
-(plane p = code p of each word, value * 2**-14 * its block scale, ``_PAIR_TO_F16``), and
-plane p multiplies rows p * BKW .. p * BKW + BKW of a's workspace (``decode_planes``' order).
-With BKW = 16, plane p is exactly one k16 wgmma: its [BN, 16] tensor is loaded and decoded in
-the layout of the MMA's register operand (``DotOperandLayout``, k_width 2), where each thread
-holds the pairs of words that ``_PAIR_TO_F16`` decodes together; the 8 planes are joined into
-one [BN, 128] operand in those same registers (``convert_layout(assert_trivial=True)`` holds it
-at compile time), so a step is one wgmma group per 64 tokens.
-
-Status (H200, Triton 3.6; docs/hopper_kernels.md): correct at every point checked; not part of
-fp4select. ``SAFE=False`` decodes the next step while this step's wgmma run, which rewrites
-the registers a wgmma in flight reads (PTX: undefined; Gluon's ``deps`` keep the float16
-values alive, not the packed registers the wgmma reads), so only ``SAFE=True`` is a candidate
-for the product. ``mma_pp`` (each consumer warpgroup a partition of its own, which would
-overlap them safely) fails in Triton 3.6's LLVM lowering with alpha kinds 1-2.
+* ``mma_ws`` with ``SAFE=False``: the next step is decoded while this step's wgmma run, which
+  rewrites the registers a wgmma in flight reads (PTX: undefined; Gluon's ``deps`` keep the
+  float16 values alive, not the packed registers the wgmma reads). Faster at some points, and
+  a race. ``SAFE=True`` is the shipped form, but for when it frees a stage.
+* ``mma_ws`` with ``SMEM_A``: the decoded operand staged through shared memory (two buffers),
+  so the overlap is safe; slower (docs/hopper_kernels.md).
+* ``mma_pp``: each consumer warpgroup a partition of its own, which would overlap them
+  safely; Triton 3.6's LLVM lowering fails with alpha kinds 1-2.
 """
 
 from __future__ import annotations
@@ -29,75 +20,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from fp4select.backends._hopper_kernels import _PAIR_TO_F16
-
-# Triton 3.6's name for a TMA load; 3.9 renamed it (the old name raises there).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-@gluon.jit
-def _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW: gl.constexpr):
-    STAGES: gl.constexpr = w_bufs.type.shape[0]
-    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
-    for i in range(steps):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        _tma_load(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
-        for h in gl.static_range(HALVES):
-            _tma_load(
-                x_desc, [i * 8 * BKW, off_t + 64 * h], ready.index(s), x_bufs.index(s * HALVES + h)
-            )
-
-
-@gluon.jit
-def _planes(wq, sb):
-    return gl.inline_asm_elementwise(
-        _PAIR_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sb],
-        dtype=(gl.float16,) * 8, is_pure=True, pack=2,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _scale_words(sw_ptr, row_part, kw, i, KW, BKW: gl.constexpr):
-    """For each word of step i, the 128x4 scale word holding its block's scale (block
-    (i * BKW + w) // 2 of its row; block 0's past K). L2 serves these: an eighth of the
-    weight's bytes."""
-    blk = (i * BKW + kw) // 2
-    blk = gl.where(blk * 2 < KW, blk, 0)
-    return gl.load(sw_ptr + ((row_part[:, None] + (blk >> 2)[None, :] * 512) >> 2))
-
-
-@gluon.jit
-def _rows(off_n, N, cp, BN: gl.constexpr, BKW: gl.constexpr, op: gl.constexpr):
-    """The tile's rows' part of their 128x4 scale offsets, and the words of a step."""
-    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, op))
-    rows = gl.where(rows < N, rows, 0)
-    row_part = (rows // 128) * cp * 128 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
-    return row_part, gl.arange(0, BKW, layout=gl.SliceLayout(0, op))
-
-
-@gluon.jit
-def _decode(w_bufs, ready, sw, i, kw, op: gl.constexpr, op_k: gl.constexpr, BKW: gl.constexpr):
-    """Step i's weight words (waiting for the loader) decoded into one MMA operand: plane p
-    at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
-    STAGES: gl.constexpr = w_bufs.type.shape[0]
-    s = i % STAGES
-    sb = (sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]) & 0xFF
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    p0, p1, p2, p3, p4, p5, p6, p7 = _planes(w_bufs.index(s).load(op), sb)
-    w = gl.join(
-        gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7))
-    )  # [BN, BKW, 2, 2, 2]: plane p at index (p >> 2, (p >> 1) & 1, p & 1)
-    BN: gl.constexpr = w.shape[0]
-    w = gl.reshape(gl.permute(gl.reshape(w, [BN, BKW, 8]), [0, 2, 1]), [BN, 8 * BKW])
-    return gl.convert_layout(w, op_k, assert_trivial=True)
+from fp4select.backends._hopper_ws import _decode, _loader, _planes, _rows, _scale_words, _tile
 
 
 @gluon.jit
@@ -122,7 +49,7 @@ def _consumer(
     a_prev = gl.zeros((BN, 8 * BKW), gl.float16, op)
     for i in range(steps):
         s = i % STAGES
-        a = _decode(w_bufs, ready, sw, i, kw, op, op, BKW)
+        a = _decode(w_bufs, ready, sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
         acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
         if HALVES == 2:
@@ -159,7 +86,7 @@ def _consumer_smem(
     sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
     for i in range(steps):
         s = i % STAGES
-        a = _decode(w_bufs, ready, sw, i, kw, op, op, BKW)
+        a = _decode(w_bufs, ready, sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)
         ab = a_bufs.index(i % 2)  # step i - 2's MMAs, which read it, are done
         ab.store(a)
@@ -172,18 +99,6 @@ def _consumer_smem(
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     return acc0, acc1
-
-
-@gluon.jit
-def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
-    """This program's (first weight row, first token), visited in groups of GROUP weight tiles
-    so that programs running together share a's tiles in L2 (as ``mma_planes``)."""
-    pid = gl.program_id(0)
-    grid_n = gl.cdiv(N, BN)
-    in_group = GROUP * gl.cdiv(M, BT)
-    first_n = (pid // in_group) * GROUP
-    size = gl.minimum(grid_n - first_n, GROUP)
-    return (first_n + (pid % in_group) % size) * BN, ((pid % in_group) // size) * BT
 
 
 @gluon.jit
