@@ -24,7 +24,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fp4select.backends._hopper_ws import _decode, _loader, _planes, _rows, _scale_words, _tile
+from fp4select.backends._hopper_ws import (
+    _decode,
+    _loader,
+    _planes,
+    _rows,
+    _scale_words,
+    _store,
+    _tile,
+)
 
 
 @gluon.jit
@@ -166,23 +174,8 @@ def mma_ws(
             [1],
             [40],
         )
-    mma: gl.constexpr = acc0.type.layout
-    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    for h in gl.static_range(HALVES):
-        acc = acc0 if h == 0 else acc1
-        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
-        mask_t = offs_t < M
-        scale = gl.full([64], 268435456.0, gl.float32, gl.SliceLayout(0, mma))  # 2**28
-        if ALPHA == 1:
-            scale = scale * alpha_value
-        elif ALPHA == 2:
-            scale = scale * gl.load(alpha_ptr).to(gl.float32)
-        elif ALPHA == 3:
-            scale = scale * gl.load(alpha_ptr + offs_t, mask=mask_t, other=0.0).to(gl.float32)
-        val = acc * scale[None, :]
-        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
-        mask = (offs_n < N)[:, None] & mask_t[None, :]
-        gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
+    _store(acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on,
+           alpha_value, ALPHA, BN, HALVES)  # fmt: skip
 
 
 _BKW = gl.constexpr(16)  # words per step of the ping-pong kernel (one k16 MMA per plane)

@@ -174,6 +174,17 @@ def mma_ws(
         [1],
         [40],
     )  # fmt: skip
+    _store(acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on,
+           alpha_value, ALPHA, BN, HALVES)  # fmt: skip
+
+
+@gluon.jit
+def _store(
+    acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on, alpha_value,
+    ALPHA: gl.constexpr, BN: gl.constexpr, HALVES: gl.constexpr,
+):  # fmt: skip
+    """The tile's two token halves scaled (2**28 undoes both operands' 2**-14; alpha) and
+    stored, masked to N and M."""
     mma: gl.constexpr = acc0.type.layout
     offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     for h in gl.static_range(HALVES):
