@@ -98,11 +98,11 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=256), H200) is None
     assert "M <= 256" in backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=512), H200)
     assert "M >= 64" in backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=32), H200)
-    assert backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=64), H200) is None
-    assert backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=2048), H200) is None
     prefill = backends["hopper-prefill"]
-    assert "above M = 2048" in prefill.rejects(Problem(n=256, k=256, m_bucket=2560), H200)
-    assert prefill.rejects(Problem(n=256, k=256, m_bucket=2560), A100) is None
+    assert "M >= 64" in prefill.rejects(Problem(n=256, k=256, m_bucket=32), A100)
+    for bucket in (64, 256, 2048, 8192):
+        assert "no point" in prefill.rejects(Problem(n=256, k=256, m_bucket=bucket), H200)
+        assert prefill.rejects(Problem(n=256, k=256, m_bucket=bucket), A100) is None
     ws = backends["hopper-ws"]
     assert "M >= 128" in ws.rejects(Problem(n=256, k=256, m_bucket=64), H200)
     assert ws.rejects(Problem(n=256, k=256, m_bucket=128), H200) is None

@@ -10,8 +10,8 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle.
-* ``hopper-prefill`` (buckets from M = 64; from SM90 to 2048): the same kernel with large tiles and no
-  split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
+* ``hopper-prefill`` (buckets from M = 64; declined from SM90): the same kernel with large
+  tiles and no split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
   and the weight inside the main loop, so no decoded copy of the weight exists in memory.
 * ``hopper-ws`` (SM90 only, buckets M = 65-512): the same product warp-specialized in Gluon
   (``_hopper_ws``): a TMA loader warp feeds the decoding consumer warpgroups.
@@ -56,11 +56,9 @@ from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
 # hopper-prefill declines buckets ending below this: it won no point under M = 64 in any
-# sweep or record on the H200 (hopper-mma serves them).
+# sweep or record on the H200 (hopper-mma serves them). From SM90 it declines every bucket
+# (``prefill_declines``): with each step's wgmma waited for it won no point of the record.
 PREFILL_MIN_M = 64
-# ... and buckets starting above this: from M = 2048 the dequant candidates beat it at every
-# H200 point, by 1.1-1.3x (benchmarks/results/gpu_h200.json); timing it there only cost warm-up.
-PREFILL_MAX_M = 2048
 # hopper-ws takes the buckets from M = 65 to 512 (those ending below WS_MIN_M or starting
 # above WS_MAX_M are declined): measured at M = 128-512, where it won points, and it lost to
 # hopper-dequant at 2048 (results/hopper_sweep_retire_wide.json).
@@ -369,8 +367,8 @@ def gemv_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
 
 
 def prefill_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
-    if cuda_from(env, MEASURED_FROM_CC) and problem.m_range[0] > PREFILL_MAX_M:
-        return f"from SM90, above M = {PREFILL_MAX_M} the dequant candidates serve (faster at every point)"
+    if cuda_from(env, MEASURED_FROM_CC):
+        return "from SM90 it won no point of the H200 record (61a5875): hopper-mma, hopper-ws and the dequant candidates serve"
     return None
 
 
