@@ -312,7 +312,16 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     if c.m == 0 or c.n == 0:
         return c.out
     sw32 = _scale_words(args[3])
-    if a32 is None or w32 is None or sw32 is None or c.kh % 16 or w32.data_ptr() % 16:
+    # TMA reads the weight's rows: its base and row stride must be multiples of 16 bytes, and
+    # only whole 16-word steps were run on the GPU (K a multiple of 32).
+    if (
+        a32 is None
+        or w32 is None
+        or sw32 is None
+        or c.kh % 16
+        or (w32.stride(0) * 4) % 16
+        or w32.data_ptr() % 16
+    ):
         return _run_planes(args, "hopper-ws", for_m(MMA_BY_M, c.m))
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
