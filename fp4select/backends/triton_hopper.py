@@ -250,6 +250,21 @@ def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
     return math.ceil(steps / per)
 
 
+def _a_planes(
+    c: triton_fp4.Checked, a32: torch.Tensor, a8x4: bool, steps: int, bkw: int, mp: int, pdl: bool
+) -> torch.Tensor:
+    """a decoded into the float16 workspace the main loops read: (steps * 8 * bkw, mp), K-major,
+    zeros past M and K. Per call, from the caching allocator (a graph capture takes it from the
+    graph's pool)."""
+    k = kernels()
+    x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
+    k.decode_planes[(k.cdiv(mp, 32), steps)](
+        a32, c.a_descale, x, c.m, mp, c.kh // 4, a32.stride(0), c.cp,
+        A_8X4=a8x4, BR=32, BKW=bkw, ASM=ASM, **_with_pdl(pdl), num_warps=4,
+    )  # fmt: skip
+    return x
+
+
 def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tensor:
     """a decoded once into float16 planes, then the weight decoded in the tensor-core loop."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
@@ -281,12 +296,7 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     per_split = k.cdiv(k.cdiv(kw, bkw), split)
     steps = per_split * split  # what the programs read, past K included (zeros)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
-    # Per call, from the caching allocator (a graph capture takes it from the graph's pool).
-    x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
-    k.decode_planes[(k.cdiv(mp, 32), steps)](
-        a32, c.a_descale, x, c.m, mp, kw, a32.stride(0), c.cp,
-        A_8X4=a8x4, BR=32, BKW=bkw, ASM=ASM, **_with_pdl(pdl), num_warps=4,
-    )  # fmt: skip
+    x = _a_planes(c, a32, a8x4, steps, bkw, mp, pdl)
     grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t), split)
     k.mma_planes[grid](
         x, w32, sw32, shifts, c.alpha_ptr, c.out, ws,
@@ -330,11 +340,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     kw, bkw = c.kh // 4, ws.STEP_WORDS
     steps = k.cdiv(kw, bkw)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
-    x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
-    k.decode_planes[(k.cdiv(mp, 32), steps)](
-        a32, c.a_descale, x, c.m, mp, kw, a32.stride(0), c.cp,
-        A_8X4=args[8], BR=32, BKW=bkw, ASM=ASM, num_warps=4,
-    )  # fmt: skip
+    x = _a_planes(c, a32, args[8], steps, bkw, mp, False)
     bn = cfg.block_n
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bkw], gl.int32)
     x_layout = gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
