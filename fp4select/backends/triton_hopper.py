@@ -32,6 +32,7 @@ Design rules:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Mapping
@@ -314,6 +315,16 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     return c.out
 
 
+@functools.cache
+def _ws_tile_layouts(block_n: int, bkw: int) -> tuple[Any, Any]:
+    """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed per
+    tile, so built once, not on every call."""
+    from triton.experimental.gluon import language as gl
+
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, bkw], gl.int32)
+    return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
+
+
 def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     """``hopper-ws``: mm_fp4's positional order (without backend). A call TMA cannot read (K
     not a multiple of 32, a misaligned view) runs ``hopper-mma``'s kernel instead."""
@@ -333,7 +344,6 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         or w32.data_ptr() % 16
     ):
         return _run_planes(args, "hopper-ws", for_m(MMA_BY_M, c.m))
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     k, ws = kernels(), ws_kernels()
@@ -342,8 +352,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
     x = _a_planes(c, a32, args[8], steps, bkw, mp, False)
     bn = cfg.block_n
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bkw], gl.int32)
-    x_layout = gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
+    w_layout, x_layout = _ws_tile_layouts(bn, bkw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
     warps = 8 if bn >= 128 else 4  # a consumer warpgroup per 64 weight rows
