@@ -137,7 +137,6 @@ def run_ws(
     bt: int,
     stages: int,
     pingpong: bool = False,
-    safe: bool = False,
     smem: bool = False,
 ) -> torch.Tensor:
     """``hopper_ws.mma_ws`` (or ``mma_pp``) as mm_fp4, a decoded by ``decode_planes`` as for
@@ -174,7 +173,7 @@ def run_ws(
     _hopper_ws.mma_ws[grid](
         w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
         c.out.stride(0), c.out.stride(1), c.alpha_value,
-        ALPHA=c.alpha_kind, BN=bn, BT=bt, BKW=bkw, STAGES=stages, GROUP=8, SAFE=safe,
+        ALPHA=c.alpha_kind, BN=bn, BT=bt, BKW=bkw, STAGES=stages, GROUP=8,
         **({"SMEM_A": True} if smem else {}), num_warps=warps, maxnreg=min(248, 65536 // (32 * (warps + 4)) // 8 * 8),
     )  # fmt: skip
     return c.out
@@ -334,10 +333,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         for bn, bt, st in WS:
             if bt <= 2 * m:
                 out[f"ws n{bn} t{bt} st{st}"] = functools.partial(run_ws, bn=bn, bt=bt, stages=st)
-        for bn, bt, st in WS[:2]:  # and the safe form of the first two
+        for bn, bt, st in WS[:2]:  # and the safe form of the first two: hopper-ws, shipped
             if bt <= 2 * m:
+                cfg = hopper_configs.WsConfig(bn, bt, st)
                 out[f"ws safe n{bn} t{bt} st{st}"] = functools.partial(
-                    run_ws, bn=bn, bt=bt, stages=st, safe=True
+                    triton_hopper.run_ws, cfg=cfg
                 )
         for bn, bt, st in WS_SMEM:
             if bt <= 2 * m:

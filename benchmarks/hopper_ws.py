@@ -3,10 +3,9 @@
 ``hopper-ws`` (``fp4select/backends/_hopper_ws.py``, whose loader, decode and tile order this
 imports) is the safe form: each step's wgmma waited for before the next decode. Here:
 
-* ``mma_ws`` with ``SAFE=False``: the next step is decoded while this step's wgmma run, which
-  rewrites the registers a wgmma in flight reads (PTX: undefined; Gluon's ``deps`` keep the
-  float16 values alive, not the packed registers the wgmma reads). Faster at some points, and
-  a race. ``SAFE=True`` is the shipped form, but for when it frees a stage.
+* ``mma_ws``: the next step is decoded while this step's wgmma run, which rewrites the
+  registers a wgmma in flight reads (PTX: undefined; Gluon's ``deps`` keep the float16 values
+  alive, not the packed registers the wgmma reads). Faster at some points, and a race.
 * ``mma_ws`` with ``SMEM_A``: the decoded operand staged through shared memory (two buffers),
   so the overlap is safe; slower (docs/hopper_kernels.md).
 * ``mma_pp``: each consumer warpgroup a partition of its own, which would overlap them
@@ -38,7 +37,7 @@ from fp4select.backends._hopper_ws import (
 @gluon.jit
 def _consumer(
     w_bufs, x_bufs, ready, empty, sw_ptr, off_n, N, KW, cp, steps,
-    BN: gl.constexpr, BKW: gl.constexpr, num_warps: gl.constexpr, SAFE: gl.constexpr,
+    BN: gl.constexpr, BKW: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Step i is decoded while step i - 1's MMAs run; step i's are then issued (one group a
     token half) and the wait leaves them in flight, which frees step i - 1's stage."""
@@ -62,10 +61,8 @@ def _consumer(
         acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
         if HALVES == 2:
             acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
-        # SAFE: wait for this step's MMAs before the next decode rewrites registers (the
-        # register operand of a wgmma in flight must not change; PTX leaves it undefined).
         acc0, acc1, a_prev = warpgroup_mma_wait(
-            num_outstanding=0 if SAFE else HALVES, deps=(acc0, acc1, a_prev)
+            num_outstanding=HALVES, deps=(acc0, acc1, a_prev)
         )  # step i - 1's MMAs are done: a_prev and its stage are free
         fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
@@ -116,7 +113,7 @@ def mma_ws(
     sw_ptr,  # int32 view of the weight's 128x4 scales
     alpha_ptr, out_ptr, M, N, KW, cp, stride_om, stride_on, alpha_value,
     ALPHA: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr,
-    STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr, SAFE: gl.constexpr = False,
+    STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
     SMEM_A: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile (see the module docstring). SMEM_A: the decoded
@@ -166,7 +163,6 @@ def mma_ws(
                         BN,
                         BKW,
                         num_warps,
-                        SAFE,
                     ),
                 ),
                 (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW)),
