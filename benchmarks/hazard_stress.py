@@ -1,7 +1,8 @@
-"""Do `hopper-mma` and `hopper-prefill` ever give a different bit for the same call? (the wgmma
-register hazard of triton-lang/triton#9433: ``tools/wgmma_hazards.py`` found it in their SASS
-under Triton 3.6 until each step waited for its wgmma, ``_hopper_kernels.retired``; run on both
-forms, this saw no differing bit in either, docs/hopper_kernels.md).
+"""Do `hopper-mma`, `hopper-prefill` and `hopper-ws` ever give a different bit for the same call?
+(the wgmma register hazard of triton-lang/triton#9433: ``tools/wgmma_hazards.py`` found it in
+the first two's SASS under Triton 3.6 until each step waited for its wgmma,
+``_hopper_kernels.retired``; run on both forms of those two, before ``hopper-ws`` existed, this
+saw no differing bit in either, docs/hopper_kernels.md).
 
 Each tactic runs the same inputs many times, back to back in a CUDA graph, while a second
 stream keeps the memory system busy (the hazard depends on timing), and every output is
@@ -28,7 +29,7 @@ from fp4select import validate
 from fp4select.backends import hopper_configs, triton_hopper
 from fp4select.keys import Problem, m_bucket
 
-# (N, K, M): every tactic list of both backends, narrow and wide shapes.
+# (N, K, M): every tactic list of the three backends, narrow and wide shapes.
 CASES = [
     (4096, 4096, 16),
     (8192, 8192, 64),
@@ -39,8 +40,11 @@ CASES = [
 
 
 def _tactics(m: int):
-    """(backend, mm_fp4's call with the tactic, tactic) for every tactic both backends time at M."""
-    for kind, run in (("mma", triton_hopper.run_mma), ("prefill", triton_hopper.run_prefill)):
+    """(backend, mm_fp4's call with the tactic, tactic) for every tactic the backends time at M
+    (hopper-ws: its buckets, M = 65-512)."""
+    kinds = [("mma", triton_hopper.run_mma), ("prefill", triton_hopper.run_prefill)]
+    kinds += [("ws", triton_hopper.run_ws)] if 65 <= m <= triton_hopper.WS_MAX_M else []
+    for kind, run in kinds:
         for cfg in hopper_configs.candidates(kind, m):
             yield f"hopper-{kind}", functools.partial(run, cfg=cfg), cfg
 
