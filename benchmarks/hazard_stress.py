@@ -43,7 +43,7 @@ def _tactics(m: int):
     """(backend, mm_fp4's call with the tactic, tactic) for every tactic the backends time at M
     (hopper-ws: its buckets, M = 65-512)."""
     kinds = [("mma", triton_hopper.run_mma), ("prefill", triton_hopper.run_prefill)]
-    kinds += [("ws", triton_hopper.run_ws)] if 65 <= m <= triton_hopper.WS_MAX_M else []
+    kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= triton_hopper.WS_MAX_M else []
     for kind, run in kinds:
         for cfg in hopper_configs.candidates(kind, m):
             yield f"hopper-{kind}", functools.partial(run, cfg=cfg), cfg

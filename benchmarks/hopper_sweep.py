@@ -123,60 +123,9 @@ DEEP = [
         (128, 64, 16, 5),
     ]
 ]
-# The warp-specialized Gluon kernel's tiles: (weight rows, tokens, stages).
-WS = [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4)]
-# The form that stages the decoded operand through shared memory: (weight rows, tokens, stages).
-WS_SMEM = [(128, 128, 3), (128, 128, 4), (64, 128, 4)]
-# The ping-pong kernel (run_ws(pingpong=True)) is not swept: Triton 3.6 fails to lower it with
-# a scalar alpha, which the sweep's problems have (hopper_ws_check.py --pingpong shows it).
-
-
-def run_ws(
-    *args,
-    bn: int,
-    bt: int,
-    stages: int,
-    pingpong: bool = False,
-    smem: bool = False,
-) -> torch.Tensor:
-    """``hopper_ws.mma_ws`` (or ``mma_pp``) as mm_fp4, a decoded by ``decode_planes`` as for
-    hopper-mma."""
-    import hopper_ws as _hopper_ws  # benchmarks/: an experiment, not part of fp4select
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    c, a32, w32 = triton_hopper._checked_words(args, "ws", torch.int32)
-    sw32 = triton_hopper._scale_words(args[3])
-    k = triton_hopper.kernels()
-    kw, bkw = c.kh // 4, 16
-    steps = k.cdiv(kw, bkw)
-    mp = k.cdiv(c.m, bt) * bt
-    x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
-    k.decode_planes[(k.cdiv(mp, 32), steps)](
-        a32, c.a_descale, x, c.m, mp, kw, a32.stride(0), c.cp,
-        A_8X4=args[8], BR=32, BKW=bkw, ASM=True, num_warps=4,
-    )  # fmt: skip
-    wl = gl.NVMMASharedLayout.get_default_for([bn, bkw], gl.int32)
-    xl = gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
-    w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], wl)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], xl)
-    warps = 8 if bn >= 128 else 4  # two consumer warpgroups from 128 rows
-    grid = (k.cdiv(c.n, bn) * k.cdiv(c.m, bt),)
-    if pingpong:  # each consumer warpgroup a partition of its own, 128 rows
-        _hopper_ws.mma_pp[grid](
-            w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
-            c.out.stride(0), c.out.stride(1), c.alpha_value,
-            ALPHA=c.alpha_kind, BT=bt, BKW=bkw, STAGES=stages, GROUP=8,
-            num_warps=4, maxnreg=168,
-        )  # fmt: skip
-        return c.out
-    _hopper_ws.mma_ws[grid](
-        w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
-        c.out.stride(0), c.out.stride(1), c.alpha_value,
-        ALPHA=c.alpha_kind, BN=bn, BT=bt, BKW=bkw, STAGES=stages, GROUP=8,
-        **({"SMEM_A": True} if smem else {}), num_warps=warps, maxnreg=min(248, 65536 // (32 * (warps + 4)) // 8 * 8),
-    )  # fmt: skip
-    return c.out
+# hopper-ws' tiles beyond its tactics: (tokens, stages). Its first two forms (one consumer
+# partition, waiting for each step's MMA or not) are in git history (61a5875).
+WS = [(128, 4), (128, 3), (64, 4), (64, 3)]
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
@@ -329,21 +278,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 continue
             name = "deep " + " ".join(map(str, dataclasses.astuple(c)))
             out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
-    if m >= 64 and "ws" in families:  # the warp-specialized Gluon kernel (experiment)
-        for bn, bt, st in WS:
+    if m >= 32 and "ws" in families:  # hopper-ws's kernel at every tile, below its buckets too
+        for bt, st in WS:
             if bt <= 2 * m:
-                out[f"ws n{bn} t{bt} st{st}"] = functools.partial(run_ws, bn=bn, bt=bt, stages=st)
-        for bn, bt, st in WS[:2]:  # and the safe form of the first two: hopper-ws, shipped
-            if bt <= 2 * m:
-                cfg = hopper_configs.WsConfig(bn, bt, st)
-                out[f"ws safe n{bn} t{bt} st{st}"] = functools.partial(
-                    triton_hopper.run_ws, cfg=cfg
-                )
-        for bn, bt, st in WS_SMEM:
-            if bt <= 2 * m:
-                out[f"ws smem n{bn} t{bt} st{st}"] = functools.partial(
-                    run_ws, bn=bn, bt=bt, stages=st, smem=True
-                )
+                cfg = hopper_configs.WsConfig(bt, st)
+                out[f"ws {bt} {st}"] = functools.partial(triton_hopper.run_ws, cfg=cfg)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -356,7 +295,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 4 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
         kinds += [("prefill", triton_hopper.run_prefill)] if 64 <= m <= 2048 else []
-        kinds += [("ws", triton_hopper.run_ws)] if 65 <= m <= 512 else []
+        kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= 512 else []
         for kind, run in kinds:
             for c in hopper_configs.candidates(kind, m):
                 name = f"{kind} " + " ".join(map(str, dataclasses.astuple(c)))

@@ -87,6 +87,15 @@ def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
     assert validate.check(run(*args), inputs, problem.torch_out_dtype).ok
 
 
+def test_hopper_ws_hands_a_python_number_alpha_to_the_mma_kernel():
+    m = 200
+    problem = Problem(n=520, k=2080, m_bucket=m_bucket(m))
+    inputs = validate.make_inputs(problem, m, "cuda", seed=7)
+    args = list(inputs.args(problem))
+    args[4] = float(inputs.alpha.item())  # a number: kind 1, which the Gluon kernel does not take
+    assert validate.check(triton_hopper.run_ws(*args), inputs, problem.torch_out_dtype).ok
+
+
 def test_graph_capture_and_replay_give_the_same_bits():
     for run, m in (
         (triton_hopper.run_gemv, 2),
@@ -130,7 +139,7 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
         for m in (1, 300)
     ]
     cases += [
-        (triton_hopper.run_ws, cfg, m) for cfg in hopper_configs.WS_TACTICS for m in (65, 300)
+        (triton_hopper.run_ws, cfg, m) for cfg in hopper_configs.WS_TACTICS for m in (33, 300)
     ]
     dequant_tiles = (hopper_configs.DEQUANT_LARGE, hopper_configs.DEQUANT_SMALL)
     cases += [(dequant.run_hopper, cfg, 515) for cfg in dequant_tiles]

@@ -308,14 +308,14 @@ def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
 
 
 def _compile_ws(cfg, alpha: int):
-    """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` (Gluon, for sm90)."""
+    """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` with alpha of kind ``alpha``
+    (Gluon, for sm90)."""
     gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
     gl = pytest.importorskip("triton.experimental.gluon.language")
     from fp4select.backends import _hopper_ws
 
     _skip_without_sm90_toolchain()
-    bn, warps = cfg.block_n, 8 if cfg.block_n >= 128 else 4
-    words = _hopper_ws.STEP_WORDS
+    bn, words = _hopper_ws.BLOCK_N, _hopper_ws.STEP_WORDS
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, words], gl.int32)
     x_layout = gl.NVMMASharedLayout.get_default_for([8 * words, 64], gl.float16)
     signature = {
@@ -323,23 +323,29 @@ def _compile_ws(cfg, alpha: int):
         "x_desc": f"tensordesc<fp16[{8 * words}, 64],{x_layout!r}>",
         "sw_ptr": "*i32", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
         "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
-        "stride_on": "i32", "alpha_value": "fp32",
-    } | dict.fromkeys(("ALPHA", "BN", "BT", "BKW", "STAGES", "GROUP", "num_warps"), "constexpr")  # fmt: skip
-    constexprs = {"ALPHA": alpha, "BN": bn, "BT": cfg.block_t, "BKW": words}
-    constexprs |= {"STAGES": cfg.stages, "GROUP": 8, "num_warps": warps}
+        "stride_on": "i32", "alpha_stride": "i32",
+    } | dict.fromkeys(("BT", "BKW", "STAGES", "GROUP"), "constexpr")  # fmt: skip
+    constexprs = {"BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
+    stride = _hopper_ws.ALPHA_STRIDE[alpha]
+    if stride == 1:  # Triton specializes an int argument of 1 into a constant
+        signature["alpha_stride"] = "constexpr"
+        constexprs["alpha_stride"] = 1
     source = gluon_runtime.GluonASTSource(
         fn=_hopper_ws.mma_ws, signature=signature, constexprs=constexprs
     )
     target = backends_compiler.GPUTarget("cuda", 90, 32)
-    return triton.compile(source, target=target, options={"num_warps": warps})
+    return triton.compile(source, target=target, options={"num_warps": 4, "maxnreg": 168})
 
 
 @pytest.mark.parametrize("cfg", hopper_configs.WS_TACTICS, ids=str)
-@pytest.mark.parametrize("alpha", [0, 2])
+@pytest.mark.parametrize("alpha", [0, 2, 3])
 def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
     tool = _hazard_tool()
-    loop = tool.main_loop(tool._sass(_compile_ws(cfg, alpha)))
-    assert sum("HGMMA" in line for line in loop) == 16  # 8 planes x 2 token halves
-    waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
-    assert waits and all(line.endswith("gsb0, 0x0") for line in waits), waits
-    assert tool.hazards(loop) == []
+    loops = tool.mma_loops(tool._sass(_compile_ws(cfg, alpha)))
+    assert len(loops) == 2  # the two consumer partitions
+    for loop in loops:
+        # 8 planes x the token halves
+        assert sum("HGMMA" in line for line in loop) == 8 * cfg.block_t // 64
+        waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
+        assert waits and all(line.endswith("gsb0, 0x0") for line in waits), waits
+        assert tool.hazards(loop) == []

@@ -48,26 +48,37 @@ def _sass(kernel) -> str:
         ).stdout
 
 
-def main_loop(sass: str) -> list[str]:
-    """The instructions of the backward-branch loop with the most HGMMA, predicates kept."""
+def mma_loops(sass: str) -> list[list[str]]:
+    """The instructions of each backward-branch loop with an HGMMA, predicates kept (one per
+    consumer partition in a warp-specialized kernel)."""
     lines = sass.splitlines()
-    best: tuple[int, list[str]] = (-1, [])
+    spans = []
     for i, line in enumerate(lines):
-        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        # a loop's latch is a predicated branch back; the unpredicated ones back into a loop
+        # return from the out-of-line slow path of an mbarrier wait placed after it
+        m = re.search(r"@!?U?P\d+ BRA `\((\.L_x_\d+)\)", line)
         if not m:
             continue
         start = next((j for j, x in enumerate(lines) if x.startswith(m.group(1) + ":")), None)
-        if start is not None and start < i:
-            body = lines[start : i + 1]
-            count = sum("HGMMA" in x for x in body)
-            if count > best[0]:
-                best = (count, body)
+        if start is not None and start < i and any("HGMMA" in x for x in lines[start:i]):
+            spans.append((start, i))
+    # the innermost ones: a loop around a consumer's (a partition dispatch) is not one
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    bodies = [lines[a : b + 1] for a, b in inner]
     code = r"\s+/\*[0-9a-f]{4}\*/\s+\S"
     return [
-        re.sub(r"^\s*/\*\w+\*/\s*", "", x).split(";")[0].strip()
-        for x in best[1]
-        if re.match(code, x)
+        [
+            re.sub(r"^\s*/\*\w+\*/\s*", "", x).split(";")[0].strip()
+            for x in body
+            if re.match(code, x)
+        ]
+        for body in bodies
     ]
+
+
+def main_loop(sass: str) -> list[str]:
+    """The loop with the most HGMMA (``mma_loops``)."""
+    return max(mma_loops(sass), key=lambda loop: sum("HGMMA" in x for x in loop), default=[])
 
 
 def _width(opcode: str) -> int:
@@ -122,7 +133,7 @@ def main() -> int:
     kernels += [(cfg, lambda c: layout._compile_ws(c, 2)) for cfg in hopper_configs.WS_TACTICS]
     worst = 0
     for cfg, compile_kernel in kernels:
-        found = hazards(main_loop(_sass(compile_kernel(cfg))))
+        found = [w for loop in mma_loops(_sass(compile_kernel(cfg))) for w in hazards(loop)]
         worst = max(worst, len(found))
         shown = found if args.all else found[:3]
         print(f"{cfg}: {len(found)} writes to in-flight A registers {shown}")

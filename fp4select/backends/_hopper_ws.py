@@ -1,18 +1,24 @@
-"""``hopper-ws``'s kernel: ``mma_planes``' product, warp-specialized, in Gluon (SM90 only).
+"""``hopper-ws``'s kernel: ``mma_planes``' product, warp-specialized ping-pong, in Gluon (SM90).
 
-One loader warp streams the weight's words and a's decoded tiles into shared memory by TMA,
-several stages ahead; the consumer warpgroups decode the weight in the registers the MMA reads
-and multiply. The arithmetic is ``mma_planes``': a step of 16 words is decoded into 8 planes
-(``_PAIR_TO_F16``), plane p multiplies rows 16p .. 16p + 15 of a's workspace
-(``decode_planes``' order), so each plane is one k16 wgmma and a step one wgmma group per 64
-tokens. The 8 planes are joined in the registers the MMA reads; ``convert_layout(...,
-assert_trivial=True)`` holds that at compile time.
+A program computes 128 weight rows x 64 or 128 tokens. One loader warp streams the weight's
+words and a's decoded tiles into shared memory by TMA, several stages ahead; two consumer
+warpgroups, each a partition of its own with 64 of the rows, decode their words in the
+registers the MMA reads, multiply, and wait for the MMA before the next decode. The two run
+apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores without
+touching registers a wgmma in flight reads. The arithmetic is ``mma_planes``': a step of 16
+words is decoded into 8 planes (``_PAIR_TO_F16``), plane p multiplies rows 16p .. 16p + 15 of
+a's workspace (``decode_planes``' order), so each plane is one k16 wgmma. The planes are
+joined in the registers the MMA reads; ``convert_layout(..., assert_trivial=True)`` holds that
+at compile time.
 
 Design rules:
 
-* Each step's wgmma are waited for before the next step's decode writes a register: a wgmma
+* Each consumer waits for its step's wgmma before its next decode writes a register: a wgmma
   reads its register operand while it runs (``_hopper_kernels.retired`` says why Triton's own
   schedule is not trusted with that). ``tests/test_hopper_layout.py`` reads the SASS for it.
+* alpha reaches the consumers as the stride of one load (``ALPHA_STRIDE``): with its kind
+  branched on in a worker partition, or loaded as a scalar there, Triton 3.6's LLVM lowering
+  asserts. So a Python number for alpha is not taken (``run_ws`` hands it to hopper-mma).
 * Gluon's API moves between Triton releases; the one name that differs between 3.6 (the
   H200's) and 3.9 is aliased below, and both compile this for sm90 (the same test).
 * Imported only by ``triton_hopper.ws_kernels()``: importing fp4select never imports triton.
@@ -36,6 +42,9 @@ from fp4select.backends._hopper_kernels import _PAIR_TO_F16
 # name raises there).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 STEP_WORDS = 16  # words per step: one k16 wgmma per plane
+BLOCK_N = 128  # weight rows per program: 64 per consumer warpgroup
+# alpha kind (0 none, 2 a device scalar, 3 one per token) -> the stride of the consumers' load
+ALPHA_STRIDE = {0: -1, 2: 0, 3: 1}
 
 
 @gluon.jit
@@ -82,42 +91,41 @@ def _rows(off_n, N, cp, BN: gl.constexpr, BKW: gl.constexpr, op: gl.constexpr):
 
 
 @gluon.jit
-def _decode(w_bufs, ready, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
-    """Step i's weight words (waiting for the loader) decoded into one MMA operand: plane p
-    at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
-    STAGES: gl.constexpr = w_bufs.type.shape[0]
-    s = i % STAGES
+def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
+    """Step i's weight words (a [64, BKW] tile in shared memory) decoded into one MMA operand:
+    plane p at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
     sb = (sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]) & 0xFF
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    p0, p1, p2, p3, p4, p5, p6, p7 = _planes(w_bufs.index(s).load(op), sb)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words.load(op), sb)
     w = gl.join(
         gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7))
-    )  # [BN, BKW, 2, 2, 2]: plane p at index (p >> 2, (p >> 1) & 1, p & 1)
-    BN: gl.constexpr = w.shape[0]
-    w = gl.reshape(gl.permute(gl.reshape(w, [BN, BKW, 8]), [0, 2, 1]), [BN, 8 * BKW])
+    )  # [64, BKW, 2, 2, 2]: plane p at index (p >> 2, (p >> 1) & 1, p & 1)
+    w = gl.reshape(gl.permute(gl.reshape(w, [64, BKW, 8]), [0, 2, 1]), [64, 8 * BKW])
     return gl.convert_layout(w, op, assert_trivial=True)
 
 
 @gluon.jit
 def _consumer(
-    w_bufs, x_bufs, ready, empty, sw_ptr, off_n, N, KW, cp, steps,
-    BN: gl.constexpr, BKW: gl.constexpr, num_warps: gl.constexpr,
+    w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr,
+    off_n, off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_stride, ROLE: gl.constexpr,
 ):  # fmt: skip
-    """Each step: decode, issue the step's wgmma (one group a token half), wait for them, and
-    free the stage they read for the loader."""
+    """One warpgroup, weight rows off_n + 64 * ROLE .. + 63: each step decode, issue the step's
+    wgmma (one group a token half), wait for them, give the stage back; then its rows' store."""
+    BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 64, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    row_part, kw = _rows(off_n, N, cp, BN, BKW, op)
-    acc0 = gl.zeros((BN, 64), gl.float32, mma)
-    acc1 = gl.zeros((BN, 64), gl.float32, mma)
+    off_n = off_n + 64 * ROLE
+    row_part, kw = _rows(off_n, N, cp, 64, BKW, op)
+    acc0 = gl.zeros((64, 64), gl.float32, mma)
+    acc1 = gl.zeros((64, 64), gl.float32, mma)
     sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
     for i in range(steps):
         s = i % STAGES
-        a = _decode(w_bufs, ready, sw, i, kw, op, BKW)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        a = _decode(w_bufs.index(s).slice(64 * ROLE, 64), sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
         acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
         if HALVES == 2:
@@ -125,7 +133,19 @@ def _consumer(
         acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
         fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
         mbarrier.arrive(empty.index(s))
-    return acc0, acc1
+    offs_n = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    for h in gl.static_range(HALVES):
+        acc = acc0 if h == 0 else acc1
+        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
+        mask_t = offs_t < M
+        alpha = gl.load(
+            alpha_ptr + offs_t * alpha_stride, mask=mask_t & (alpha_stride >= 0), other=1.0
+        )
+        # 2**28 undoes both operands' 2**-14
+        val = acc * (alpha.to(gl.float32) * 268435456.0)[None, :]
+        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+        mask = (offs_n < N)[:, None] & mask_t[None, :]
+        gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -142,14 +162,18 @@ def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
 
 @gluon.jit
 def mma_ws(
-    w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
+    w_desc,  # int32 words of the weight (N, K/8), blocks [BLOCK_N, BKW]
     x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64]
     sw_ptr,  # int32 view of the weight's 128x4 scales
-    alpha_ptr, out_ptr, M, N, KW, cp, stride_om, stride_on, alpha_value,
-    ALPHA: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr,
-    STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
+    alpha_ptr, out_ptr, M, N, KW, cp, stride_om, stride_on,
+    alpha_stride,  # ALPHA_STRIDE of alpha's kind
+    BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
 ):  # fmt: skip
-    """out^T = W . A^T for one [BN, BT] tile (see the module docstring)."""
+    """out^T = W . A^T for one [BLOCK_N, BT] tile (see the module docstring); num_warps=4
+    (the default partition is the first consumer)."""
+    BN: gl.constexpr = 128
+    FIRST: gl.constexpr = 0  # the consumers' roles: which 64 of the BN rows
+    SECOND: gl.constexpr = 1
     HALVES: gl.constexpr = BT // 64
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     steps = gl.cdiv(KW, BKW)
@@ -159,46 +183,23 @@ def mma_ws(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers give the stage back
     fence_async_shared()
-    # The arguments written out in place: in a tuple variable they lose being constexpr.
-    acc0, acc1 = gl.warp_specialize(
+    # The arguments written out in place: in a tuple variable a constexpr loses being one.
+    gl.warp_specialize(
         [
             (
                 _consumer,
-                (w_bufs, x_bufs, ready, empty, sw_ptr, off_n, N, KW, cp, steps,
-                 BN, BKW, num_warps),
+                (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, off_n, off_t, M, N,
+                 KW, cp, steps, stride_om, stride_on, alpha_stride, FIRST),
+            ),
+            (
+                _consumer,
+                (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, off_n, off_t, M, N,
+                 KW, cp, steps, stride_om, stride_on, alpha_stride, SECOND),
             ),
             (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW)),
         ],
-        [1],
-        [40],
+        [4, 1],
+        [232, 40],
     )  # fmt: skip
-    _store(acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on,
-           alpha_value, ALPHA, BN, HALVES)  # fmt: skip
-
-
-@gluon.jit
-def _store(
-    acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on, alpha_value,
-    ALPHA: gl.constexpr, BN: gl.constexpr, HALVES: gl.constexpr,
-):  # fmt: skip
-    """The tile's two token halves scaled (2**28 undoes both operands' 2**-14; alpha) and
-    stored, masked to N and M."""
-    mma: gl.constexpr = acc0.type.layout
-    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    for h in gl.static_range(HALVES):
-        acc = acc0 if h == 0 else acc1
-        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
-        mask_t = offs_t < M
-        scale = gl.full([64], 268435456.0, gl.float32, gl.SliceLayout(0, mma))  # 2**28
-        if ALPHA == 1:
-            scale = scale * alpha_value
-        elif ALPHA == 2:
-            scale = scale * gl.load(alpha_ptr).to(gl.float32)
-        elif ALPHA == 3:
-            scale = scale * gl.load(alpha_ptr + offs_t, mask=mask_t, other=0.0).to(gl.float32)
-        val = acc * scale[None, :]
-        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
-        mask = (offs_n < N)[:, None] & mask_t[None, :]
-        gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)

@@ -48,9 +48,8 @@ class MmaConfig:
 
 @dataclass(frozen=True)
 class WsConfig:
-    """``hopper-ws``'s tile: weight rows, tokens (64 or 128) and TMA stages."""
+    """``hopper-ws``'s tile of 128 weight rows: tokens (64 or 128) and TMA stages."""
 
-    block_n: int
     block_t: int
     stages: int
 
@@ -173,9 +172,9 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 # Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
 PREFILL_TUNED_FROM = 128
-# hopper-ws: the safe form's two tiles that won points at M = 128-512 on the H200, beside the
-# waiting Triton loop and hopper-dequant (results/hopper_sweep_retire_wide.json).
-WS_TACTICS = (WsConfig(128, 128, 4), WsConfig(64, 128, 4))
+# hopper-ws: the ping-pong kernel's two tiles that won its points at M = 64-512 on the H200
+# (results/hopper_sweep_pp.json): 128 tokens with 3 stages, 64 with 4.
+WS_TACTICS = (WsConfig(128, 3), WsConfig(64, 4))
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:

@@ -13,8 +13,9 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 * ``hopper-prefill`` (buckets from M = 64; declined from SM90): the same kernel with large
   tiles and no split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
   and the weight inside the main loop, so no decoded copy of the weight exists in memory.
-* ``hopper-ws`` (SM90 only, buckets M = 65-512): the same product warp-specialized in Gluon
-  (``_hopper_ws``): a TMA loader warp feeds the decoding consumer warpgroups.
+* ``hopper-ws`` (SM90 only, buckets M = 33-512): the same product warp-specialized in Gluon
+  (``_hopper_ws``): a TMA loader warp feeds two consumer warpgroups that decode and multiply
+  in turn.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
@@ -60,10 +61,11 @@ FAMILY = "native"
 # sweep or record on the H200 (hopper-mma serves them). From SM90 it declines every bucket
 # (``prefill_declines``): with each step's wgmma waited for it won no point of the record.
 PREFILL_MIN_M = 64
-# hopper-ws takes the buckets from M = 65 to 512 (those ending below WS_MIN_M or starting
-# above WS_MAX_M are declined): measured at M = 128-512, where it won points, and it lost to
-# hopper-dequant at 2048 (results/hopper_sweep_retire_wide.json).
-WS_MIN_M = 128
+# hopper-ws takes the buckets from M = 33 to 512 (those ending below WS_MIN_M or starting
+# above WS_MAX_M are declined): its ping-pong form won points at M = 64-512 on the H200 and its
+# first form lost to hopper-dequant at 2048 (results/hopper_sweep_pp.json,
+# hopper_sweep_retire_wide.json).
+WS_MIN_M = 64
 WS_MAX_M = 512
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
 
@@ -316,23 +318,26 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
 
 
 @functools.cache
-def _ws_tile_layouts(block_n: int, bkw: int) -> tuple[Any, Any]:
-    """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed per
-    tile, so built once, not on every call."""
+def _ws_tile_layouts(bkw: int) -> tuple[Any, Any]:
+    """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed, so
+    built once, not on every call."""
     from triton.experimental.gluon import language as gl
 
+    block_n = ws_kernels().BLOCK_N
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, bkw], gl.int32)
     return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
 
 
 def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     """``hopper-ws``: mm_fp4's positional order (without backend). A call TMA cannot read (K
-    not a multiple of 32, a misaligned view) runs ``hopper-mma``'s kernel instead."""
+    not a multiple of 32, a misaligned view) or with alpha a Python number (see
+    ``_hopper_ws``) runs ``hopper-mma``'s kernel instead."""
     cfg = cfg or WS_TACTICS[0]
     c, a32, w32 = _checked_words(args, "hopper-ws", torch.int32)
     if c.m == 0 or c.n == 0:
         return c.out
     sw32 = _scale_words(args[3])
+    ws = ws_kernels()
     # TMA reads the weight's rows: its base and row stride must be multiples of 16 bytes, and
     # only whole 16-word steps were run on the GPU (K a multiple of 32).
     if (
@@ -342,25 +347,24 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         or c.kh % 16
         or (w32.stride(0) * 4) % 16
         or w32.data_ptr() % 16
+        or c.alpha_kind not in ws.ALPHA_STRIDE
     ):
         return _run_planes(args, "hopper-ws", for_m(MMA_BY_M, c.m))
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    k, ws = kernels(), ws_kernels()
-    kw, bkw = c.kh // 4, ws.STEP_WORDS
+    k = kernels()
+    kw, bkw, bn = c.kh // 4, ws.STEP_WORDS, ws.BLOCK_N
     steps = k.cdiv(kw, bkw)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
     x = _a_planes(c, a32, args[8], steps, bkw, mp, False)
-    bn = cfg.block_n
-    w_layout, x_layout = _ws_tile_layouts(bn, bkw)
+    w_layout, x_layout = _ws_tile_layouts(bkw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
-    warps = 8 if bn >= 128 else 4  # a consumer warpgroup per 64 weight rows
+    # 4 warps: the first consumer; the second and the loader warp are partitions of their own
     ws.mma_ws[(k.cdiv(c.n, bn) * k.cdiv(c.m, cfg.block_t),)](
         w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
-        c.out.stride(0), c.out.stride(1), c.alpha_value,
-        ALPHA=c.alpha_kind, BN=bn, BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8,
-        num_warps=warps, maxnreg=min(248, 65536 // (32 * (warps + 4)) // 8 * 8),
+        c.out.stride(0), c.out.stride(1), ws.ALPHA_STRIDE[c.alpha_kind],
+        BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8, num_warps=4, maxnreg=168,
     )  # fmt: skip
     return c.out
 
@@ -453,7 +457,7 @@ BACKENDS: tuple[Backend, ...] = (
         declines=ws_declines,
         preference=187,
         family=FAMILY,
-        description="NVFP4 GEMM for M = 65-512 on SM90: hopper-prefill's product, warp-specialized in Gluon",
+        description="NVFP4 GEMM for M = 33-512 on SM90: hopper-mma's product, warp-specialized ping-pong in Gluon",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
