@@ -123,9 +123,9 @@ DEEP = [
         (128, 64, 16, 5),
     ]
 ]
-# hopper-ws' tiles beyond its tactics: (tokens, stages). Its first two forms (one consumer
-# partition, waiting for each step's MMA or not) are in git history (61a5875).
-WS = [(128, 4), (128, 3), (64, 4), (64, 3)]
+# hopper-ws' tiles beyond its tactics: (weight rows, tokens, stages). Its first two forms (one
+# consumer partition, waiting for each step's MMA or not) are in git history (61a5875).
+WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
@@ -279,10 +279,10 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             name = "deep " + " ".join(map(str, dataclasses.astuple(c)))
             out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m >= 32 and "ws" in families:  # hopper-ws's kernel at every tile, below its buckets too
-        for bt, st in WS:
+        for bn, bt, st in WS:
             if bt <= 2 * m:
-                cfg = hopper_configs.WsConfig(bt, st)
-                out[f"ws {bt} {st}"] = functools.partial(triton_hopper.run_ws, cfg=cfg)
+                cfg = hopper_configs.WsConfig(bn, bt, st)
+                out[f"ws {bn} {bt} {st}"] = functools.partial(triton_hopper.run_ws, cfg=cfg)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)

@@ -315,7 +315,7 @@ def _compile_ws(cfg, alpha: int):
     from fp4select.backends import _hopper_ws
 
     _skip_without_sm90_toolchain()
-    bn, words = _hopper_ws.BLOCK_N, _hopper_ws.STEP_WORDS
+    bn, words = cfg.block_n, _hopper_ws.STEP_WORDS
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, words], gl.int32)
     x_layout = gl.NVMMASharedLayout.get_default_for([8 * words, 64], gl.float16)
     signature = {
@@ -324,8 +324,8 @@ def _compile_ws(cfg, alpha: int):
         "sw_ptr": "*i32", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
         "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
         "stride_on": "i32", "alpha_stride": "i32",
-    } | dict.fromkeys(("BT", "BKW", "STAGES", "GROUP"), "constexpr")  # fmt: skip
-    constexprs = {"BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
+    } | dict.fromkeys(("BN", "BT", "BKW", "STAGES", "GROUP"), "constexpr")  # fmt: skip
+    constexprs = {"BN": bn, "BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
     stride = _hopper_ws.ALPHA_STRIDE[alpha]
     if stride == 1:  # Triton specializes an int argument of 1 into a constant
         signature["alpha_stride"] = "constexpr"

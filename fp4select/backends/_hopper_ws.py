@@ -1,9 +1,11 @@
 """``hopper-ws``'s kernel: ``mma_planes``' product, warp-specialized ping-pong, in Gluon (SM90).
 
-A program computes 128 weight rows x 64 or 128 tokens. One loader warp streams the weight's
-words and a's decoded tiles into shared memory by TMA, several stages ahead; two consumer
-warpgroups, each a partition of its own with 64 of the rows, decode their words in the
-registers the MMA reads, multiply, and wait for the MMA before the next decode. The two run
+A program computes 128 or 64 weight rows x 64 or 128 tokens. One loader warp streams the
+weight's words and a's decoded tiles into shared memory by TMA, several stages ahead; two
+consumer warpgroups, each a partition of its own, decode their words in the registers the MMA
+reads, multiply, and wait for the MMA before their next decode. With 128 rows each consumer
+takes 64 of them; with 64 rows (twice the programs, for narrow layers) they take every other
+step and the first adds the second's sums through shared memory at the end. The two run
 apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores without
 touching registers a wgmma in flight reads. The arithmetic is ``mma_planes``': a step of 16
 words is decoded into 8 planes (``_PAIR_TO_F16``), plane p multiplies rows 16p .. 16p + 15 of
@@ -42,7 +44,6 @@ from fp4select.backends._hopper_kernels import _PAIR_TO_F16
 # name raises there).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 STEP_WORDS = 16  # words per step: one k16 wgmma per plane
-BLOCK_N = 128  # weight rows per program: 64 per consumer warpgroup
 # alpha kind (0 none, 2 a device scalar, 3 one per token) -> the stride of the consumers' load
 ALPHA_STRIDE = {0: -1, 2: 0, 3: 1}
 
@@ -105,11 +106,14 @@ def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
 
 @gluon.jit
 def _consumer(
-    w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr,
+    w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_stride, ROLE: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup, weight rows off_n + 64 * ROLE .. + 63: each step decode, issue the step's
-    wgmma (one group a token half), wait for them, give the stage back; then its rows' store."""
+    """One warpgroup: each of its steps decode, issue the step's wgmma (one group a token
+    half), wait for them, give the stage back. With 128-row tiles it takes every step of rows
+    off_n + 64 * ROLE .. + 63 and stores them; with 64-row tiles every other step (from ROLE),
+    and the first consumer adds the second's sums (``partial``, ``done``) and stores."""
+    BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
@@ -117,22 +121,49 @@ def _consumer(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    off_n = off_n + 64 * ROLE
+    SPLIT_ROWS: gl.constexpr = BN == 128
+    FIRST_STEP: gl.constexpr = 0 if SPLIT_ROWS else ROLE
+    EVERY: gl.constexpr = 1 if SPLIT_ROWS else 2
+    ROW0: gl.constexpr = 64 * ROLE if SPLIT_ROWS else 0
+    off_n = off_n + ROW0
     row_part, kw = _rows(off_n, N, cp, 64, BKW, op)
     acc0 = gl.zeros((64, 64), gl.float32, mma)
     acc1 = gl.zeros((64, 64), gl.float32, mma)
-    sw = _scale_words(sw_ptr, row_part, kw, 0, KW, BKW)
-    for i in range(steps):
+    sw = _scale_words(sw_ptr, row_part, kw, FIRST_STEP, KW, BKW)
+    for i in range(FIRST_STEP, steps, EVERY):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        a = _decode(w_bufs.index(s).slice(64 * ROLE, 64), sw, i, kw, op, BKW)
-        sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
+        a = _decode(w_bufs.index(s).slice(ROW0, 64), sw, i, kw, op, BKW)
+        sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
         acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
         if HALVES == 2:
             acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
         acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
         fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
         mbarrier.arrive(empty.index(s))
+    if not SPLIT_ROWS and ROLE == 1:
+        partial.index(0).store(acc0)
+        if HALVES == 2:
+            partial.index(1).store(acc1)
+        mbarrier.arrive(done)
+    else:
+        if not SPLIT_ROWS:
+            mbarrier.wait(done, 0)
+            acc0 += partial.index(0).load(mma)
+            if HALVES == 2:
+                acc1 += partial.index(1).load(mma)
+        _store(acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on,
+               alpha_stride, HALVES)  # fmt: skip
+
+
+@gluon.jit
+def _store(
+    acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on, alpha_stride,
+    HALVES: gl.constexpr,
+):  # fmt: skip
+    """64 weight rows' sums over the token halves, scaled (2**28 undoes both operands'
+    2**-14; alpha) and stored, masked to N and M."""
+    mma: gl.constexpr = acc0.type.layout
     offs_n = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     for h in gl.static_range(HALVES):
         acc = acc0 if h == 0 else acc1
@@ -141,7 +172,6 @@ def _consumer(
         alpha = gl.load(
             alpha_ptr + offs_t * alpha_stride, mask=mask_t & (alpha_stride >= 0), other=1.0
         )
-        # 2**28 undoes both operands' 2**-14
         val = acc * (alpha.to(gl.float32) * 268435456.0)[None, :]
         ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
         mask = (offs_n < N)[:, None] & mask_t[None, :]
@@ -162,17 +192,17 @@ def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
 
 @gluon.jit
 def mma_ws(
-    w_desc,  # int32 words of the weight (N, K/8), blocks [BLOCK_N, BKW]
+    w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
     x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64]
     sw_ptr,  # int32 view of the weight's 128x4 scales
     alpha_ptr, out_ptr, M, N, KW, cp, stride_om, stride_on,
     alpha_stride,  # ALPHA_STRIDE of alpha's kind
-    BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+    BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
+    GROUP: gl.constexpr,
 ):  # fmt: skip
-    """out^T = W . A^T for one [BLOCK_N, BT] tile (see the module docstring); num_warps=4
-    (the default partition is the first consumer)."""
-    BN: gl.constexpr = 128
-    FIRST: gl.constexpr = 0  # the consumers' roles: which 64 of the BN rows
+    """out^T = W . A^T for one [BN, BT] tile (see the module docstring); num_warps=4 (the
+    default partition is the first consumer)."""
+    FIRST: gl.constexpr = 0  # the consumers' roles (``_consumer``)
     SECOND: gl.constexpr = 1
     HALVES: gl.constexpr = BT // 64
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
@@ -181,22 +211,28 @@ def mma_ws(
     x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, 64], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # the second consumer's sums, for the first to add (64-row tiles only)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    partial = gl.allocate_shared_memory(gl.float32, [HALVES if BN == 64 else 1, 64, 64], plain)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers give the stage back
+        # with 128 rows both consumers read every stage; with 64 each stage is one's
+        mbarrier.init(empty.index(s), count=2 if BN == 128 else 1)
+    mbarrier.init(done, count=1)
     fence_async_shared()
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
     gl.warp_specialize(
         [
             (
                 _consumer,
-                (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, off_n, off_t, M, N,
-                 KW, cp, steps, stride_om, stride_on, alpha_stride, FIRST),
+                (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr, off_n,
+                 off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_stride, FIRST),
             ),
             (
                 _consumer,
-                (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, off_n, off_t, M, N,
-                 KW, cp, steps, stride_om, stride_on, alpha_stride, SECOND),
+                (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr, off_n,
+                 off_t, M, N, KW, cp, steps, stride_om, stride_on, alpha_stride, SECOND),
             ),
             (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, steps, BKW)),
         ],

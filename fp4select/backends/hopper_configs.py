@@ -48,8 +48,10 @@ class MmaConfig:
 
 @dataclass(frozen=True)
 class WsConfig:
-    """``hopper-ws``'s tile of 128 weight rows: tokens (64 or 128) and TMA stages."""
+    """``hopper-ws``'s tile: weight rows (128: one consumer warpgroup per 64; 64: the two take
+    alternate steps), tokens (64 or 128) and TMA stages."""
 
+    block_n: int
     block_t: int
     stages: int
 
@@ -172,9 +174,9 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 # Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
 PREFILL_TUNED_FROM = 128
-# hopper-ws: the ping-pong kernel's two tiles that won its points at M = 64-512 on the H200
-# (results/hopper_sweep_pp.json): 128 tokens with 3 stages, 64 with 4.
-WS_TACTICS = (WsConfig(128, 3), WsConfig(64, 4))
+# hopper-ws: the ping-pong kernel's two 128-row tiles that won its points at M = 64-512 on the
+# H200 (results/hopper_sweep_pp.json), and the 64-row form for layers with few 128-row tiles.
+WS_TACTICS = (WsConfig(128, 128, 3), WsConfig(128, 64, 4), WsConfig(64, 128, 3))
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:

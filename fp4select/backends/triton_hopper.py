@@ -318,12 +318,11 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
 
 
 @functools.cache
-def _ws_tile_layouts(bkw: int) -> tuple[Any, Any]:
-    """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed, so
-    built once, not on every call."""
+def _ws_tile_layouts(block_n: int, bkw: int) -> tuple[Any, Any]:
+    """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed per
+    tile, so built once, not on every call."""
     from triton.experimental.gluon import language as gl
 
-    block_n = ws_kernels().BLOCK_N
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, bkw], gl.int32)
     return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
 
@@ -353,18 +352,18 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     k = kernels()
-    kw, bkw, bn = c.kh // 4, ws.STEP_WORDS, ws.BLOCK_N
+    kw, bkw, bn = c.kh // 4, ws.STEP_WORDS, cfg.block_n
     steps = k.cdiv(kw, bkw)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
     x = _a_planes(c, a32, args[8], steps, bkw, mp, False)
-    w_layout, x_layout = _ws_tile_layouts(bkw)
+    w_layout, x_layout = _ws_tile_layouts(bn, bkw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
     # 4 warps: the first consumer; the second and the loader warp are partitions of their own
     ws.mma_ws[(k.cdiv(c.n, bn) * k.cdiv(c.m, cfg.block_t),)](
         w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
         c.out.stride(0), c.out.stride(1), ws.ALPHA_STRIDE[c.alpha_kind],
-        BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8, num_warps=4, maxnreg=168,
+        BN=bn, BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8, num_warps=4, maxnreg=168,
     )  # fmt: skip
     return c.out
 
