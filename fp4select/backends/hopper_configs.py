@@ -174,9 +174,10 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 # Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
 PREFILL_TUNED_FROM = 128
-# hopper-ws: the ping-pong kernel's two 128-row tiles that won its points at M = 64-512 on the
-# H200 (results/hopper_sweep_pp.json), and the 64-row form for layers with few 128-row tiles.
-WS_TACTICS = (WsConfig(128, 128, 3), WsConfig(128, 64, 4), WsConfig(64, 128, 3))
+# hopper-ws: the tiles that won its points on the H200 (results/hopper_sweep_ws64.json,
+# hopper_sweep_pp.json): 128 x 128 (3 stages) for wide layers at M = 256-512, the 64-row form
+# (consumers on alternate steps) at 64 and 128 tokens for the rest.
+WS_TACTICS = (WsConfig(128, 128, 3), WsConfig(64, 128, 4), WsConfig(64, 64, 4))
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
