@@ -1,8 +1,8 @@
-"""Do `hopper-mma`, `hopper-prefill` and `hopper-ws` ever give a different bit for the same call?
+"""Do `hopper-mma` and `hopper-ws` ever give a different bit for the same call?
 (the wgmma register hazard of triton-lang/triton#9433: ``tools/wgmma_hazards.py`` found it in
-the first two's SASS under Triton 3.6 until each step waited for its wgmma,
-``_hopper_kernels.retired``; run on both forms of those two, before ``hopper-ws`` existed, this
-saw no differing bit in either, docs/hopper_kernels.md).
+`hopper-mma`'s and the since retired `hopper-prefill`'s SASS under Triton 3.6 until each step
+waited for its wgmma, ``_hopper_kernels.retired``; run on both forms of those two, before
+``hopper-ws`` existed, this saw no differing bit in either, docs/hopper_kernels.md).
 
 Each tactic runs the same inputs many times, back to back in a CUDA graph, while a second
 stream keeps the memory system busy (the hazard depends on timing), and every output is
@@ -41,8 +41,8 @@ CASES = [
 
 def _tactics(m: int):
     """(backend, mm_fp4's call with the tactic, tactic) for every tactic the backends time at M
-    (hopper-ws: its buckets, M = 65-512)."""
-    kinds = [("mma", triton_hopper.run_mma), ("prefill", triton_hopper.run_prefill)]
+    (hopper-ws: its buckets, M = 33-512)."""
+    kinds = [("mma", triton_hopper.run_mma)]
     kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= triton_hopper.WS_MAX_M else []
     for kind, run in kinds:
         for cfg in hopper_configs.candidates(kind, m):

@@ -1,7 +1,7 @@
 """Sweep the Hopper kernels' configurations in one GPU run: correctness, then speed.
 
-For each shape and M, every configuration of ``hopper-gemv``, ``hopper-mma`` and
-``hopper-prefill`` that applies is checked against the exact reference (``validate.check``),
+For each shape and M, every configuration of ``hopper-gemv``, ``hopper-mma`` (``prefill``:
+its large tiles, the retired ``hopper-prefill``'s) and ``hopper-ws`` that applies is checked against the exact reference (``validate.check``),
 then all that passed are timed side by side with bf16 cuBLAS and the older ``triton-*`` and
 ``torch-dequant`` candidates (CUDA-graph replay, inputs rotated to keep L2 cold). Prints one
 line per point (the best configuration of each family, bf16, and the ratio) and writes
@@ -248,7 +248,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         for c in PREFILL:
             out[
                 f"prefill n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} g{c.group}"
-            ] = functools.partial(triton_hopper.run_prefill, cfg=c)
+            ] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m <= 16 and "floor" in families:
         for c in MMA:
             if c.block_t == 16 and c.num_warps >= 4:
@@ -266,7 +266,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         for c in WIDE:
             if c.block_t <= 2 * m:
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
-                out[name] = functools.partial(triton_hopper.run_prefill, cfg=c)
+                out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
         for c in hopper_configs.candidates("gemv", m):
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
@@ -294,7 +294,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 4 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
-        kinds += [("prefill", triton_hopper.run_prefill)] if 64 <= m <= 2048 else []
         kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= 512 else []
         for kind, run in kinds:
             for c in hopper_configs.candidates(kind, m):

@@ -52,7 +52,7 @@ def run_cases() -> None:
         (8192, 8192, 1, th.run_gemv, th.GemvConfig(8, 128, 2)),
         (8192, 8192, 16, th.run_mma, th.MmaConfig(128, 16, 32, 4, 3)),
         (8192, 8192, 128, th.run_mma, th.MmaConfig(64, 128, 16, 4, 4, 1)),
-        (8192, 8192, 256, th.run_prefill, th.MmaConfig(128, 128, 16, 4, 3, 1)),
+        (8192, 8192, 256, th.run_mma, th.MmaConfig(128, 128, 16, 4, 3, 1)),
     ]
     runs = []
     for n, k, m, run, cfg in cases:

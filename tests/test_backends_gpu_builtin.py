@@ -87,7 +87,7 @@ def test_scaled_mm_is_available_on_blackwell_iff_torch_has_the_api():
 def test_declarations_exclude_what_the_kernels_do_not_take():
     backends = discover(include_flashinfer=False).backends
     trtllm = Problem(n=256, k=256, m_bucket=1, b_layout="trtllm")
-    for name in ("hopper-gemv", "hopper-mma", "hopper-prefill", "hopper-ws"):
+    for name in ("hopper-gemv", "hopper-mma", "hopper-ws"):
         for problem in (trtllm, Problem(n=256, k=256, m_bucket=1, use_nvfp4=False, block_size=32)):
             assert backends[name].rejects(problem, H200), (name, problem)
     gemv = backends["hopper-gemv"]
@@ -97,12 +97,7 @@ def test_declarations_exclude_what_the_kernels_do_not_take():
     assert gemv.rejects(Problem(n=256, k=256, m_bucket=8), A100) is None  # not measured there
     assert backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=256), H200) is None
     assert "M <= 256" in backends["hopper-mma"].rejects(Problem(n=256, k=256, m_bucket=512), H200)
-    assert "M >= 64" in backends["hopper-prefill"].rejects(Problem(n=256, k=256, m_bucket=32), H200)
-    prefill = backends["hopper-prefill"]
-    assert "M >= 64" in prefill.rejects(Problem(n=256, k=256, m_bucket=32), A100)
-    for bucket in (64, 256, 2048, 8192):
-        assert "no point" in prefill.rejects(Problem(n=256, k=256, m_bucket=bucket), H200)
-        assert prefill.rejects(Problem(n=256, k=256, m_bucket=bucket), A100) is None
+    assert "hopper-prefill" not in backends  # retired: it won no point on the H200
     ws = backends["hopper-ws"]
     assert "M >= 64" in ws.rejects(Problem(n=256, k=256, m_bucket=32), H200)
     assert ws.rejects(Problem(n=256, k=256, m_bucket=64), H200) is None

@@ -50,7 +50,7 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     for run, cfg in [
         (th.run_gemv, hc.candidates("gemv", 1)[2]),
         (th.run_mma, hc.MMA_TACTICS[1][1][1]),
-        (th.run_prefill, hc.PREFILL_TACTICS[1]),
+        (th.run_ws, hc.WS_TACTICS[1]),
     ]:
         pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
@@ -66,8 +66,8 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
         assert ht.pin(th.run_gemv, bad) is th.run_gemv, bad
     assert ht.pin(th.run_gemv, _record(hc.MMA_TACTICS[0][1][0])) is th.run_gemv
     # Each backend pins only its own kind's candidates.
-    assert ht.pin(th.run_prefill, _record(hc.MMA_TACTICS[-1][1][0])) is th.run_prefill
-    assert ht.pin(th.run_mma, _record(hc.PREFILL_TACTICS[0])) is th.run_mma
+    assert ht.pin(th.run_ws, _record(hc.MMA_TACTICS[-1][1][0])) is th.run_ws
+    assert ht.pin(th.run_mma, _record(hc.WS_TACTICS[0])) is th.run_mma
 
 
 @pytest.mark.parametrize(
@@ -101,10 +101,8 @@ def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
     for limit, cfgs in hc.MMA_TACTICS:
         assert hc.for_m(hc.MMA_BY_M, limit) in cfgs
         assert all(c.block_t <= max(16, limit) for c in cfgs), limit
-    assert hc.default("prefill", 4096) == hc.PREFILL == hc.PREFILL_TACTICS[0]
-    assert all(c.split == 1 for c in hc.PREFILL_TACTICS)  # no partial sums at large M
-    assert hc.candidates("prefill", hc.PREFILL_TUNED_FROM) == hc.PREFILL_TACTICS
-    assert hc.candidates("prefill", hc.PREFILL_TUNED_FROM - 1) == ()  # never wins there
+    assert hc.default("ws", 300) == hc.WS_TACTICS[0]
+    assert hc.candidates("prefill", 4096) == ()  # retired: no kind of that name
 
 
 def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):

@@ -39,7 +39,7 @@ cases = [
     (th.run_gemv, th.GemvConfig(2, 2, 1, 0, 1), 10, 96, (4,), "128x4", "none", "float16"),
     (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 2), 40, 512, (5,), "128x4", "none", "bfloat16"),
     (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 0), 24, 160, (17,), "8x4", "per_token", "float16"),
-    (th.run_prefill, th.MmaConfig(16, 16, 16, 1, 1, 1, 2), 40, 288, (19,), "128x4", "scalar", "float16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 1, 2), 40, 288, (19,), "128x4", "scalar", "float16"),
 ]
 for run, cfg, n, k, ms, layout, alpha, out_dtype in cases:
     for m in ms:

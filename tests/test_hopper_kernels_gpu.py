@@ -33,7 +33,6 @@ COMBOS = [
 RUNNERS = {
     "hopper-gemv": (triton_hopper.run_gemv, (1, 2, 3, 5, 8)),
     "hopper-mma": (triton_hopper.run_mma, (1, 7, 16, 33, 128, 256)),
-    "hopper-prefill": (triton_hopper.run_prefill, (1, 64, 200, 515)),
     "hopper-ws": (triton_hopper.run_ws, (1, 64, 200, 515)),
     "hopper-dequant": (dequant.run_hopper, (1, 130, 515, 2100)),
 }
@@ -100,7 +99,6 @@ def test_graph_capture_and_replay_give_the_same_bits():
     for run, m in (
         (triton_hopper.run_gemv, 2),
         (triton_hopper.run_mma, 16),
-        (triton_hopper.run_prefill, 256),
         (triton_hopper.run_ws, 256),
         (dequant.run_hopper, 600),
     ):
@@ -134,11 +132,6 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
         cases += [(triton_hopper.run_mma, cfg, m) for cfg in cfgs for m in (low, limit)]
         low = limit + 1
     cases += [
-        (triton_hopper.run_prefill, cfg, m)
-        for cfg in hopper_configs.PREFILL_TACTICS
-        for m in (1, 300)
-    ]
-    cases += [
         (triton_hopper.run_ws, cfg, m) for cfg in hopper_configs.WS_TACTICS for m in (33, 300)
     ]
     dequant_tiles = (hopper_configs.DEQUANT_LARGE, hopper_configs.DEQUANT_SMALL)
@@ -152,12 +145,10 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
 
 def test_tuning_times_every_candidate_and_its_choice_is_exact():
     kinds = {triton_hopper.run_gemv: "gemv", triton_hopper.run_mma: "mma"}
-    kinds[triton_hopper.run_prefill] = "prefill"
     kinds[triton_hopper.run_ws] = "ws"
     for run, m in (
         (triton_hopper.run_gemv, 1),
         (triton_hopper.run_mma, 16),
-        (triton_hopper.run_prefill, 512),
         (triton_hopper.run_ws, 256),
     ):
         problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m))

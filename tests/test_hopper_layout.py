@@ -137,7 +137,7 @@ def _weight_tiles_in_shared_memory(ttgir: str, block_n: int, words: int) -> list
     [
         hopper_configs.MMA_TACTICS[0][1][0],
         hopper_configs.MMA_TACTICS[2][1][1],
-        hopper_configs.PREFILL,
+        hopper_configs.MMA_TACTICS[-1][1][0],
     ],
     ids=str,
 )
@@ -194,7 +194,7 @@ def _serialization_report(ptx: str, tmp_path) -> str:
 
 
 @pytest.mark.parametrize(
-    "cfg", [hopper_configs.MMA_TACTICS[0][1][0], hopper_configs.PREFILL], ids=str
+    "cfg", [hopper_configs.MMA_TACTICS[0][1][0], hopper_configs.MMA_TACTICS[-1][1][0]], ids=str
 )
 def test_the_main_loop_wgmma_are_not_serialized(cfg, tmp_path):
     assert _serialization_report(_compile_mma(cfg).asm["ptx"], tmp_path) == ""
@@ -291,7 +291,7 @@ def _hazard_tool():
 
 
 EVERY_TACTIC = sorted(
-    {c for _, cs in hopper_configs.MMA_TACTICS for c in cs} | set(hopper_configs.PREFILL_TACTICS),
+    {c for _, cs in hopper_configs.MMA_TACTICS for c in cs},
     key=str,
 )
 

@@ -3,8 +3,8 @@
 Why: a wgmma whose left operand is in registers reads them while it runs; PTX leaves writing
 them before the ``wgmma.wait_group`` that covers it undefined, and Triton's pipelining of such
 loops had exactly that hazard (triton-lang/triton#9433; fixed by triton#9514 together with
-ptxas 13.3). ``hopper-mma`` and ``hopper-prefill`` are such loops: this compiles their
-tactics, and ``hopper-ws``' Gluon kernel's, for sm90 on the CPU (Triton ships ptxas; no GPU
+ptxas 13.3). ``hopper-mma`` (and ``hopper-prefill``, retired since) is such a loop: this
+compiles its tactics, and ``hopper-ws``' Gluon kernel's, for sm90 on the CPU (Triton ships ptxas; no GPU
 needed) and reports the writes it finds in each. Since each step waits for its wgmma
 (``_hopper_kernels.retired``) it finds none; before, it found 79-467 per tactic with Triton
 3.6 (whose sm90 ptxas is 12.8), and some too with Triton 3.6 given ptxas 13.4 or Triton 3.9
@@ -128,7 +128,6 @@ def main() -> int:
     from fp4select.backends import hopper_configs
 
     configs = {c for _, cs in hopper_configs.MMA_TACTICS for c in cs}
-    configs |= set(hopper_configs.PREFILL_TACTICS)
     kernels = [(cfg, layout._compile_mma) for cfg in sorted(configs, key=str)]
     kernels += [(cfg, lambda c: layout._compile_ws(c, 2)) for cfg in hopper_configs.WS_TACTICS]
     worst = 0

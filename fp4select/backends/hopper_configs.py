@@ -74,7 +74,6 @@ MMA_BY_M = (
     (64, MmaConfig(128, 64, 16, 4, 4)),
     (None, MmaConfig(64, 128, 16, 4, 3)),
 )
-PREFILL = MmaConfig(64, 128, 16, 4, 3, split=1)
 
 
 def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
@@ -128,7 +127,7 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
         ),
     ),
     (64, (MmaConfig(128, 64, 16, 4, 4), MmaConfig(128, 64, 16, 4, 3), MmaConfig(64, 64, 16, 4, 3))),
-    # From M = 65 (and in hopper-prefill) the tiles chosen with each step's wgmma waited for
+    # From M = 65 the tiles chosen with each step's wgmma waited for
     # (``_hopper_kernels.retired``): 128 tokens wide, they took 1.1-1.45x their time with the
     # wait and lost to 64 x 128 and 128 x 64 (results/hopper_sweep_retire_wide.json).
     (
@@ -139,11 +138,6 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
             MmaConfig(64, 64, 16, 4, 4, split=1),
         ),
     ),
-)
-PREFILL_TACTICS = (
-    PREFILL,
-    MmaConfig(128, 128, 16, 8, 3, split=1),
-    MmaConfig(128, 256, 16, 8, 3, split=1),
 )
 # hopper-dequant's persistent GEMM: 128 x 256 tiles, or 128 x 128 where those fill the last
 # wave of SMs so much better that it outweighs the large tile's own speed (``dequant_tile``).
@@ -172,8 +166,6 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
     return DEQUANT_SMALL if small_wins else DEQUANT_LARGE
 
 
-# Below this M hopper-prefill never won a sweep point: timing its tiles would only cost warm-up.
-PREFILL_TUNED_FROM = 128
 # hopper-ws: the tiles that won its points on the H200 (results/hopper_sweep_ws64.json,
 # hopper_sweep_pp.json): 128 x 128 (3 stages) for wide layers at M = 256-512, the 64-row form
 # (consumers on alternate steps) at 64 and 128 tokens for the rest.
@@ -181,10 +173,8 @@ WS_TACTICS = (WsConfig(128, 128, 3), WsConfig(64, 128, 4), WsConfig(64, 64, 4))
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
-    """The tactic candidates of ``kind`` ("gemv", "mma", "prefill" or "ws") at M = m; every one
-    when m is None."""
-    if kind == "prefill":
-        return PREFILL_TACTICS if m is None or m >= PREFILL_TUNED_FROM else ()
+    """The tactic candidates of ``kind`` ("gemv", "mma" or "ws") at M = m; every one when m is
+    None."""
     if kind == "ws":
         return WS_TACTICS
     if kind not in ("gemv", "mma"):
@@ -200,8 +190,6 @@ def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
 
 def default(kind: str, m: int) -> Any:
     """The table's configuration of ``kind`` at M = m."""
-    if kind == "prefill":
-        return PREFILL
     if kind == "ws":
         return WS_TACTICS[0]
     return for_m(GEMV_BY_M if kind == "gemv" else MMA_BY_M, m)

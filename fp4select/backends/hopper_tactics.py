@@ -44,7 +44,6 @@ OP = "hopper"
 _KINDS = {
     "run_gemv": "gemv",
     "run_mma": "mma",
-    "run_prefill": "prefill",
     "run_ws": "ws",
 }  # the runners of triton_hopper that take cfg=
 _TUNE_BUDGET_S = 0.05  # per candidate, after its first (compiling) call

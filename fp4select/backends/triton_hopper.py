@@ -9,10 +9,11 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   the selector does not spend warm-up time on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
-  with split-K where N alone leaves SMs idle.
-* ``hopper-prefill`` (buckets from M = 64; declined from SM90): the same kernel with large
-  tiles and no split. In both, a is decoded once per call into a float16 workspace in the kernel's K order
-  and the weight inside the main loop, so no decoded copy of the weight exists in memory.
+  with split-K where N alone leaves SMs idle. a is decoded once per call into a float16
+  workspace in the kernel's K order and the weight inside the main loop, so no decoded copy
+  of the weight exists in memory. (Its large-tile twin, ``hopper-prefill``, won no point on
+  the H200 and was retired; ``benchmarks/hopper_sweep.py``'s ``prefill`` family times those
+  tiles as ``hopper-mma``.)
 * ``hopper-ws`` (SM90 only, buckets M = 33-512): the same product warp-specialized in Gluon
   (``_hopper_ws``): a TMA loader warp feeds two consumer warpgroups that decode and multiply
   in turn.
@@ -47,7 +48,6 @@ from fp4select.backends.hopper_configs import (
     _SHIFTS,
     GEMV_BY_M,
     MMA_BY_M,
-    PREFILL,
     WS_TACTICS,
     GemvConfig,
     MmaConfig,
@@ -57,10 +57,6 @@ from fp4select.backends.hopper_configs import (
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
-# hopper-prefill declines buckets ending below this: it won no point under M = 64 in any
-# sweep or record on the H200 (hopper-mma serves them). From SM90 it declines every bucket
-# (``prefill_declines``): with each step's wgmma waited for it won no point of the record.
-PREFILL_MIN_M = 64
 # hopper-ws takes the buckets from M = 33 to 512 (those ending below WS_MIN_M or starting
 # above WS_MAX_M are declined): its ping-pong form won points at M = 64-512 on the H200 and its
 # first form lost to hopper-dequant at 2048 (results/hopper_sweep_pp.json,
@@ -373,11 +369,6 @@ def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     return _run_planes(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
 
 
-def run_prefill(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
-    """``hopper-prefill``: mm_fp4's positional order (without backend)."""
-    return _run_planes(args, "hopper-prefill", cfg or PREFILL)
-
-
 def _rows(args: tuple[Any, ...]) -> int:
     a = args[0]
     return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
@@ -390,12 +381,6 @@ MEASURED_FROM_CC = 90  # the H200's measurements narrow the field from here on o
 def gemv_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
     if cuda_from(env, MEASURED_FROM_CC) and problem.m_range[0] > GEMV_MAX_M:
         return f"from SM90, above M = {GEMV_MAX_M} hopper-mma serves (faster at every point)"
-    return None
-
-
-def prefill_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
-    if cuda_from(env, MEASURED_FROM_CC):
-        return "from SM90 it won no point of the H200 record (61a5875): hopper-mma, hopper-ws and the dequant candidates serve"
     return None
 
 
@@ -433,18 +418,6 @@ BACKENDS: tuple[Backend, ...] = (
         preference=185,
         family=FAMILY,
         description="NVFP4 tensor-core GEMM for M <= 256, operands swapped, split-K",
-        tune=hopper_tactics.tune,
-        pin=hopper_tactics.pin,
-    ),
-    Backend(
-        name="hopper-prefill",
-        checked_runner=run_prefill,
-        why_unavailable=why_unavailable,
-        caps=_caps(None, min_m=PREFILL_MIN_M),
-        declines=prefill_declines,
-        preference=188,
-        family=FAMILY,
-        description="NVFP4 GEMM for large M: a decoded once, the weight decoded in the main loop",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
