@@ -126,6 +126,10 @@ DEEP = [
 # hopper-ws' tiles beyond its tactics: (weight rows, tokens, stages). Its first two forms (one
 # consumer partition, waiting for each step's MMA or not) are in git history (61a5875).
 WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
+# 256 rows: a's tiles read once for twice the weight rows (not run on a GPU yet). At M = 256-512
+# the 128-row tiles move about 5 TB/s from L2 into shared memory, four fifths of it a's float16
+# tiles (docs/hopper_kernels.md), which these halve per weight row.
+WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",

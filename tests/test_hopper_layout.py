@@ -337,15 +337,20 @@ def _compile_ws(cfg, alpha: int):
     return triton.compile(source, target=target, options={"num_warps": 4, "maxnreg": 168})
 
 
-@pytest.mark.parametrize("cfg", hopper_configs.WS_TACTICS, ids=str)
+# and the 256-row tile the sweep times (no tactic yet)
+WS_TILES = (*hopper_configs.WS_TACTICS, hopper_configs.WsConfig(256, 128, 3))
+
+
+@pytest.mark.parametrize("cfg", WS_TILES, ids=str)
 @pytest.mark.parametrize("alpha", [0, 2, 3])
 def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
     tool = _hazard_tool()
     loops = tool.mma_loops(tool._sass(_compile_ws(cfg, alpha)))
     assert len(loops) == 2  # the two consumer partitions
     for loop in loops:
-        # 8 planes x the token halves
-        assert sum("HGMMA" in line for line in loop) == 8 * cfg.block_t // 64
+        # 8 planes x the token halves x the consumer's 64-row MMA tiles
+        rows = cfg.block_n // 2 if cfg.block_n >= 128 else cfg.block_n
+        assert sum("HGMMA" in line for line in loop) == 8 * cfg.block_t // 64 * rows // 64
         waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
         assert waits and all(line.endswith("gsb0, 0x0") for line in waits), waits
         assert tool.hazards(loop) == []

@@ -1,11 +1,14 @@
 """``hopper-ws``'s kernel: ``mma_planes``' product, warp-specialized ping-pong, in Gluon (SM90).
 
-A program computes 128 or 64 weight rows x 64 or 128 tokens. One loader warp streams the
-weight's words and a's decoded tiles into shared memory by TMA, several stages ahead; two
+A program computes 64, 128 or 256 weight rows x 64 or 128 tokens. One loader warp streams
+the weight's words and a's decoded tiles into shared memory by TMA, several stages ahead; two
 consumer warpgroups, each a partition of its own, decode their words in the registers the MMA
-reads, multiply, and wait for the MMA before their next decode. With 128 rows each consumer
-takes 64 of them; with 64 rows (twice the programs, for narrow layers) they take every other
-step and the first adds the second's sums through shared memory at the end. The two run
+reads, multiply, and wait for the MMA before their next decode. With 128 or 256 rows each
+consumer takes half of them; with 64 rows (twice the programs, for narrow layers) they take
+every other step and the first adds the second's sums through shared memory at the end. (256
+rows, which read a's tiles once for twice the weight rows, compile but have not run on a
+GPU: no tactic uses them; ``benchmarks/hopper_sweep.py --families ws`` checks and times
+them.) The two run
 apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores without
 touching registers a wgmma in flight reads. The arithmetic is ``mma_planes``': a step of 16
 words is decoded into 8 planes (``_PAIR_TO_F16``), plane p multiplies rows 16p .. 16p + 15 of
@@ -93,14 +96,15 @@ def _rows(off_n, N, cp, BN: gl.constexpr, BKW: gl.constexpr, op: gl.constexpr):
 
 @gluon.jit
 def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
-    """Step i's weight words (a [64, BKW] tile in shared memory) decoded into one MMA operand:
+    """Step i's weight words (a [rows, BKW] tile in shared memory) decoded into one MMA operand:
     plane p at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
     sb = (sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]) & 0xFF
+    ROWS: gl.constexpr = words.type.shape[0]
     p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words.load(op), sb)
     w = gl.join(
         gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7))
-    )  # [64, BKW, 2, 2, 2]: plane p at index (p >> 2, (p >> 1) & 1, p & 1)
-    w = gl.reshape(gl.permute(gl.reshape(w, [64, BKW, 8]), [0, 2, 1]), [64, 8 * BKW])
+    )  # [ROWS, BKW, 2, 2, 2]: plane p at index (p >> 2, (p >> 1) & 1, p & 1)
+    w = gl.reshape(gl.permute(gl.reshape(w, [ROWS, BKW, 8]), [0, 2, 1]), [ROWS, 8 * BKW])
     return gl.convert_layout(w, op, assert_trivial=True)
 
 
@@ -121,19 +125,20 @@ def _consumer(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    SPLIT_ROWS: gl.constexpr = BN == 128
+    SPLIT_ROWS: gl.constexpr = BN >= 128
+    ROWS: gl.constexpr = BN // 2 if SPLIT_ROWS else BN  # this consumer's
     FIRST_STEP: gl.constexpr = 0 if SPLIT_ROWS else ROLE
     EVERY: gl.constexpr = 1 if SPLIT_ROWS else 2
-    ROW0: gl.constexpr = 64 * ROLE if SPLIT_ROWS else 0
+    ROW0: gl.constexpr = ROWS * ROLE if SPLIT_ROWS else 0
     off_n = off_n + ROW0
-    row_part, kw = _rows(off_n, N, cp, 64, BKW, op)
-    acc0 = gl.zeros((64, 64), gl.float32, mma)
-    acc1 = gl.zeros((64, 64), gl.float32, mma)
+    row_part, kw = _rows(off_n, N, cp, ROWS, BKW, op)
+    acc0 = gl.zeros((ROWS, 64), gl.float32, mma)
+    acc1 = gl.zeros((ROWS, 64), gl.float32, mma)
     sw = _scale_words(sw_ptr, row_part, kw, FIRST_STEP, KW, BKW)
     for i in range(FIRST_STEP, steps, EVERY):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        a = _decode(w_bufs.index(s).slice(ROW0, 64), sw, i, kw, op, BKW)
+        a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
         acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
         if HALVES == 2:
@@ -161,10 +166,10 @@ def _store(
     acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on, alpha_stride,
     HALVES: gl.constexpr,
 ):  # fmt: skip
-    """64 weight rows' sums over the token halves, scaled (2**28 undoes both operands'
+    """A consumer's rows' sums over the token halves, scaled (2**28 undoes both operands'
     2**-14; alpha) and stored, masked to N and M."""
     mma: gl.constexpr = acc0.type.layout
-    offs_n = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    offs_n = off_n + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, mma))
     for h in gl.static_range(HALVES):
         acc = acc0 if h == 0 else acc1
         offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
@@ -217,8 +222,8 @@ def mma_ws(
     partial = gl.allocate_shared_memory(gl.float32, [HALVES if BN == 64 else 1, 64, 64], plain)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        # with 128 rows both consumers read every stage; with 64 each stage is one's
-        mbarrier.init(empty.index(s), count=2 if BN == 128 else 1)
+        # with 128 rows or more both consumers read every stage; with 64 each stage is one's
+        mbarrier.init(empty.index(s), count=2 if BN >= 128 else 1)
     mbarrier.init(done, count=1)
     fence_async_shared()
     # The arguments written out in place: in a tuple variable a constexpr loses being one.

@@ -48,8 +48,8 @@ class MmaConfig:
 
 @dataclass(frozen=True)
 class WsConfig:
-    """``hopper-ws``'s tile: weight rows (128: one consumer warpgroup per 64; 64: the two take
-    alternate steps), tokens (64 or 128) and TMA stages."""
+    """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
+    the two take alternate steps), tokens (64 or 128) and TMA stages."""
 
     block_n: int
     block_t: int
