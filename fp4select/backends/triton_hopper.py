@@ -332,7 +332,6 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     if c.m == 0 or c.n == 0:
         return c.out
     sw32 = _scale_words(args[3])
-    ws = ws_kernels()
     # TMA reads the weight's rows: its base and row stride must be multiples of 16 bytes, and
     # only whole 16-word steps were run on the GPU (K a multiple of 32).
     if (
@@ -342,12 +341,12 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         or c.kh % 16
         or (w32.stride(0) * 4) % 16
         or w32.data_ptr() % 16
-        or c.alpha_kind not in ws.ALPHA_STRIDE
+        or c.alpha_kind == 1  # a Python number, which the kernel does not take (_hopper_ws)
     ):
         return _run_planes(args, "hopper-ws", for_m(MMA_BY_M, c.m))
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    k = kernels()
+    k, ws = kernels(), ws_kernels()
     kw, bkw, bn = c.kh // 4, ws.STEP_WORDS, cfg.block_n
     steps = k.cdiv(kw, bkw)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
