@@ -35,6 +35,7 @@ backends_compiler = pytest.importorskip("triton.backends.compiler")
 import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -345,7 +346,10 @@ WS_TILES = (*hopper_configs.WS_TACTICS, hopper_configs.WsConfig(256, 128, 3))
 @pytest.mark.parametrize("alpha", [0, 2, 3])
 def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
     tool = _hazard_tool()
-    loops = tool.mma_loops(tool._sass(_compile_ws(cfg, alpha)))
+    sass = tool._sass(_compile_ws(cfg, alpha))
+    # within the registers run_ws launches it with: nothing spilled to local memory
+    assert not [line for line in sass.splitlines() if re.search(r"\b(STL|LDL)\b", line)]
+    loops = tool.mma_loops(sass)
     assert len(loops) == 2  # the two consumer partitions
     for loop in loops:
         # 8 planes x the token halves x the consumer's 64-row MMA tiles
