@@ -335,7 +335,9 @@ def _compile_ws(cfg, alpha: int):
         fn=_hopper_ws.mma_ws, signature=signature, constexprs=constexprs
     )
     target = backends_compiler.GPUTarget("cuda", 90, 32)
-    return triton.compile(source, target=target, options={"num_warps": 4, "maxnreg": 168})
+    return triton.compile(
+        source, target=target, options={"num_warps": 4, "maxnreg": _hopper_ws.MAXNREG}
+    )
 
 
 # and the 256-row tile the sweep times (no tactic yet)

@@ -47,6 +47,9 @@ from fp4select.backends._hopper_kernels import _PAIR_TO_F16
 # name raises there).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 STEP_WORDS = 16  # words per step: one k16 wgmma per plane
+# registers a thread at launch (the first consumer's; the partitions then set their own): no
+# tile spills at this (tests/test_hopper_layout.py)
+MAXNREG = 168
 # alpha kind (0 none, 2 a device scalar, 3 one per token) -> the stride of the consumers' load
 ALPHA_STRIDE = {0: -1, 2: 0, 3: 1}
 

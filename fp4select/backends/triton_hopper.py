@@ -358,7 +358,8 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     ws.mma_ws[(k.cdiv(c.n, bn) * k.cdiv(c.m, cfg.block_t),)](
         w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
         c.out.stride(0), c.out.stride(1), ws.ALPHA_STRIDE[c.alpha_kind],
-        BN=bn, BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8, num_warps=4, maxnreg=168,
+        BN=bn, BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8,
+        num_warps=4, maxnreg=ws.MAXNREG,
     )  # fmt: skip
     return c.out
 
