@@ -86,6 +86,32 @@ def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
     assert validate.check(run(*args), inputs, problem.torch_out_dtype).ok
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        hopper_configs.WsConfig(128, 16, 8, 0, 2),
+        hopper_configs.WsConfig(64, 16, 8, 0, 1),
+        hopper_configs.WsConfig(128, 32, 6, 3, 2),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("n,k", [(520, 2080), (4096, 4096)])
+@pytest.mark.parametrize("layout,alpha,out_dtype", COMBOS)
+def test_hopper_ws_small_token_tiles_and_k_splits(cfg, n, k, layout, alpha, out_dtype):
+    """Tiles of 16-32 tokens, K split across programs (the partial sums reduced with alpha),
+    two programs an SM: every M up to the tile and past it, a last step past K."""
+    for m in (1, 5, 16, 30, 33):
+        problem = Problem(
+            n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha,
+            out_dtype=out_dtype,
+        )  # fmt: skip
+        inputs = validate.make_inputs(problem, m, "cuda", seed=m + n)
+        out = torch.full((m, n), float("nan"), dtype=problem.torch_out_dtype, device="cuda")
+        got = triton_hopper.run_ws(*inputs.args(problem, out), cfg=cfg)
+        res = validate.check(got, inputs, problem.torch_out_dtype)
+        assert got is out and res.ok, (cfg, m, n, k, layout, alpha, out_dtype, res.reason)
+
+
 def test_hopper_ws_hands_a_python_number_alpha_to_the_mma_kernel():
     m = 200
     problem = Problem(n=520, k=2080, m_bucket=m_bucket(m))

@@ -49,11 +49,15 @@ class MmaConfig:
 @dataclass(frozen=True)
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
-    the two take alternate steps), tokens (64 or 128) and TMA stages."""
+    the two take alternate steps), tokens (16, 32, 64 or 128), TMA stages, the K split (1:
+    none; 0: choose from the SM count), and programs an SM holds (2: with fewer registers
+    each, for tiles of 16-32 tokens; ``_hopper_ws.REGS``)."""
 
     block_n: int
     block_t: int
     stages: int
+    split: int = 1
+    per_sm: int = 1
 
 
 @dataclass(frozen=True)

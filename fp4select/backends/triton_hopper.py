@@ -314,13 +314,22 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
 
 
 @functools.cache
-def _ws_tile_layouts(block_n: int, bkw: int) -> tuple[Any, Any]:
+def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
     """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed per
     tile, so built once, not on every call."""
     from triton.experimental.gluon import language as gl
 
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, bkw], gl.int32)
-    return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
+    return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, tokens], gl.float16)
+
+
+def _ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
+    """K split so that the programs fill the SMs about once (each SM holds ``cfg.per_sm``),
+    each keeping at least 8 steps."""
+    slots = sms * cfg.per_sm
+    split = cfg.split or max(1, min(16, steps // 8, round(slots / max(tiles, 1))))
+    per = math.ceil(steps / split)
+    return math.ceil(steps / per)  # no program without a step
 
 
 def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
@@ -347,20 +356,38 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     k, ws = kernels(), ws_kernels()
-    kw, bkw, bn = c.kh // 4, ws.STEP_WORDS, cfg.block_n
+    kw, bkw, bn, bt = c.kh // 4, ws.STEP_WORDS, cfg.block_n, cfg.block_t
     steps = k.cdiv(kw, bkw)
-    mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
+    tiles = k.cdiv(c.n, bn) * k.cdiv(c.m, bt)
+    sms = triton_fp4._sms(c.out.device)
+    split = _ws_split(tiles, steps, cfg, sms)
+    parts = triton_fp4._workspace(c.out.device, c.n, split, max(c.m, 128)) if split > 1 else None
+    if parts is None:
+        split = 1  # (inside a graph capture no workspace is made: one program per tile)
+    per_split = k.cdiv(steps, split)
+    mp = k.cdiv(c.m, bt) * bt
     x = _a_planes(c, a32, args[8], steps, bkw, mp, False)
-    w_layout, x_layout = _ws_tile_layouts(bn, bkw)
+    tw = min(bt, 64)
+    w_layout, x_layout = _ws_tile_layouts(bn, bkw, tw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, tw], x_layout)
+    if parts is None:  # scaled by alpha and stored in out
+        dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
+    else:  # float32 partial sums, (split, M, N), as reduce_split reads them
+        dst, strides, alpha_stride = parts, (c.n, 1), -1
+    maxnreg, consumer_regs, loader_regs = ws.REGS[cfg.per_sm]
     # 4 warps: the first consumer; the second and the loader warp are partitions of their own
-    ws.mma_ws[(k.cdiv(c.n, bn) * k.cdiv(c.m, cfg.block_t),)](
-        w_desc, x_desc, sw32, c.alpha_ptr, c.out, c.m, c.n, kw, c.cp,
-        c.out.stride(0), c.out.stride(1), ws.ALPHA_STRIDE[c.alpha_kind],
-        BN=bn, BT=cfg.block_t, BKW=bkw, STAGES=cfg.stages, GROUP=8,
-        num_warps=4, maxnreg=ws.MAXNREG,
+    ws.mma_ws[(tiles, split)](
+        w_desc, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, strides[0], strides[1],
+        alpha_stride, per_split, c.m * c.n,
+        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=8, CONSUMER_REGS=consumer_regs,
+        LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg,
     )  # fmt: skip
+    if parts is not None:
+        triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
+            parts, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), c.alpha_value,
+            split, ALPHA=c.alpha_kind, BM=16, BN=128, num_warps=4,
+        )  # fmt: skip
     return c.out
 
 
