@@ -130,27 +130,25 @@ WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (6
 # the 128-row tiles move about 5 TB/s from L2 into shared memory, four fifths of it a's float16
 # tiles (docs/hopper_kernels.md), which these halve per weight row.
 WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
-# hopper-ws at M <= 32 (family "wss"): tiles of 16 or 32 tokens, K split to fill the SMs
-# (split 0: run_ws chooses), one or two programs an SM (WsConfig's fields). Meant to stream the
-# weight from many TMA stages where hopper-mma's cp.async tilings read it at 35-44% of HBM's
-# rate (their loads alone, without decode or MMA, took 20 of 25 us at N = K = 8192).
-WSS = [
+# hopper-ws with K split (family "wsk"; split 0: run_ws chooses), for narrow layers, whose
+# tiles alone leave SMs idle. (Its tiles of 16-32 tokens, family "wss", are in commit 15e63df.)
+WSK = [
     hopper_configs.WsConfig(*t)
     for t in [
-        (128, 16, 8, 0, 1),
-        (128, 16, 4, 0, 1),
-        (64, 16, 8, 0, 1),
-        (128, 16, 4, 0, 2),
-        (64, 16, 6, 0, 2),
-        (128, 16, 8, 1, 1),
-        (128, 32, 6, 0, 1),
-        (128, 32, 4, 0, 2),
+        (64, 128, 4, 0),
+        (64, 128, 4, 2),
+        (64, 128, 4, 3),
+        (128, 128, 2, 0),
+        (128, 128, 2, 2),
+        (256, 128, 2, 0),
+        (64, 64, 4, 0),
+        (64, 64, 4, 2),
     ]
 ]
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws" and "wss".
+# "evict", "deep", "ws" and "wsk".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -304,10 +302,10 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if bt <= 2 * m:
                 cfg = hopper_configs.WsConfig(bn, bt, st)
                 out[f"ws {bn} {bt} {st}"] = functools.partial(triton_hopper.run_ws, cfg=cfg)
-    if m <= 32 and "wss" in families:
-        for c in WSS:
-            if c.block_t < 2 * max(m, 16):
-                name = "wss " + " ".join(map(str, dataclasses.astuple(c)))
+    if m >= 33 and "wsk" in families:
+        for c in WSK:
+            if c.block_t <= 2 * m:
+                name = "wsk " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if m >= 512 and "dq" in families:
         for t in DQ:
@@ -441,7 +439,7 @@ def main() -> None:
                         "evict",
                         "deep",
                         "ws",
-                        "wss",
+                        "wsk",
                     )
                 ),
                 default=float("nan"),

@@ -35,19 +35,20 @@ def test_split_k_aims_at_two_programs_per_sm():
     assert th._mma_split(16, 8192, kw, th.MmaConfig(128, 16, 32, 4, 3, 3), 132) == 3  # pinned
 
 
-def test_hopper_ws_splits_k_to_fill_each_sm_once_per_program_it_holds():
-    small, double = hc.WsConfig(128, 16, 8, 0), hc.WsConfig(128, 16, 8, 0, per_sm=2)
-    steps = 8192 // 8 // 16  # N = K = 8192: 64 tiles of 128 rows, 64 steps of 16 words
+def test_hopper_ws_splits_k_to_fill_the_sms_once():
+    small = hc.WsConfig(128, 128, 2, 0)
+    steps = 8192 // 8 // 16  # N = K = 8192, M = 128: 64 tiles of 128 rows, 64 steps
     assert th._ws_split(64, steps, small, 132) == 2
-    assert th._ws_split(64, steps, double, 132) == 4
-    assert th._ws_split(224, 4096 // 128, double, 132) == 1  # N = 28672: tiles enough
+    assert th._ws_split(36, 7168 // 128, small, 132) == 3  # 4608 x 7168
+    assert th._ws_split(72, 7168 // 128, small, 132) == 1  # rounded down: not two of 72
+    assert th._ws_split(224, 4096 // 128, small, 132) == 1  # N = 28672: tiles enough
     assert th._ws_split(2, steps, small, 132) == 8  # every split keeps 8 steps or more
     assert th._ws_split(2, 20, small, 132) == 2
     assert th._ws_split(64, steps, hc.WsConfig(128, 16, 8, 3), 132) == 3  # pinned
     # never a program without a step: 7 steps in 4 splits would leave one empty
     assert th._ws_split(1, 7, hc.WsConfig(128, 16, 8, 4), 132) == 4
     assert th._ws_split(1, 5, hc.WsConfig(128, 16, 8, 4), 132) == 3
-    assert hc.WS_TACTICS[0].split == 1  # the 64-128-token tactics never split
+    assert all(c.split == 0 for c in hc.WS_TACTICS)  # every tactic chooses its split
 
 
 def test_word_views_refuse_rows_that_are_not_aligned():

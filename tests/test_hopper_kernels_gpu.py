@@ -89,18 +89,18 @@ def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
 @pytest.mark.parametrize(
     "cfg",
     [
-        hopper_configs.WsConfig(128, 16, 8, 0, 2),
-        hopper_configs.WsConfig(64, 16, 8, 0, 1),
-        hopper_configs.WsConfig(128, 32, 6, 3, 2),
+        hopper_configs.WsConfig(64, 128, 4, 2),
+        hopper_configs.WsConfig(128, 128, 2, 0),
+        hopper_configs.WsConfig(256, 128, 2, 3),
     ],
     ids=str,
 )
 @pytest.mark.parametrize("n,k", [(520, 2080), (4096, 4096)])
 @pytest.mark.parametrize("layout,alpha,out_dtype", COMBOS)
-def test_hopper_ws_small_token_tiles_and_k_splits(cfg, n, k, layout, alpha, out_dtype):
-    """Tiles of 16-32 tokens, K split across programs (the partial sums reduced with alpha),
-    two programs an SM: every M up to the tile and past it, a last step past K."""
-    for m in (1, 5, 16, 30, 33):
+def test_hopper_ws_with_k_split(cfg, n, k, layout, alpha, out_dtype):
+    """K split across programs, the partial sums reduced with alpha: M within a tile and past
+    it, a last step past K (K = 2080), into a NaN-poisoned ``out``."""
+    for m in (1, 64, 130, 300):
         problem = Problem(
             n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha,
             out_dtype=out_dtype,

@@ -1,16 +1,17 @@
 """``hopper-ws``'s kernel: ``mma_planes``' product, warp-specialized ping-pong, in Gluon (SM90).
 
-A program computes 64, 128 or 256 weight rows x 64 or 128 tokens. One loader warp streams
-the weight's words and a's decoded tiles into shared memory by TMA, several stages ahead; two
-consumer warpgroups, each a partition of its own, decode their words in the registers the MMA
-reads, multiply, and wait for the MMA before their next decode. With 128 or 256 rows each
-consumer takes half of them; with 64 rows (twice the programs, for narrow layers) they take
-every other step and the first adds the second's sums through shared memory at the end. (256
-rows, which read a's tiles once for twice the weight rows, compile but have not run on a
-GPU: no tactic uses them; ``benchmarks/hopper_sweep.py --families ws`` checks and times
-them.) The two run
-apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores without
-touching registers a wgmma in flight reads. The arithmetic is ``mma_planes``': a step of 16
+A program computes 64, 128 or 256 weight rows x 64 or 128 tokens over all of K or, split
+(program axis 1), over a range of it into float32 partial sums that ``reduce_split`` adds.
+One loader warp streams the weight's words and a's decoded tiles into shared memory by TMA,
+several stages ahead; two consumer warpgroups, each a partition of its own, decode their
+words in the registers the MMA reads, multiply, and wait for the MMA before their next
+decode. With 128 or 256 rows each consumer takes half of them (256 read a's tiles once for
+twice the weight rows); with 64 rows (twice the programs, for narrow layers) they take every
+other step and the first adds the second's sums through shared memory at the end. The two
+run apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores
+without touching registers a wgmma in flight reads. (Tiles of 16-32 tokens, for M <= 32,
+were slower than ``hopper-mma`` at every point timed: commit 15e63df,
+results/hopper_sweep_wss.json.) The arithmetic is ``mma_planes``': a step of 16
 words is decoded into 8 planes (``_PAIR_TO_F16``), plane p multiplies rows 16p .. 16p + 15 of
 a's workspace (``decode_planes``' order), so each plane is one k16 wgmma. The planes are
 joined in the registers the MMA reads; ``convert_layout(..., assert_trivial=True)`` holds that
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -48,13 +48,9 @@ from fp4select.backends._hopper_kernels import _PAIR_TO_F16
 # name raises there).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 STEP_WORDS = 16  # words per step: one k16 wgmma per plane
-# Registers a thread at launch, and then the second consumer's and the loader's (the first
-# consumer keeps what is left), by programs an SM holds: one (every tile), or two (tiles of
-# 16-32 tokens, whose sums are small). No tile spills at these (tests/test_hopper_layout.py).
-REGS = {1: (168, 232, 40), 2: (88, 120, 24)}
-# Steps of scale words a consumer has in flight (cp.async into a ring of its own): the scales
-# come from HBM, and a step at 16-64 tokens is shorter than that load's latency.
-SCALES_AHEAD = gl.constexpr(4)
+# registers a thread at launch (the first consumer's; the partitions then set their own): no
+# tile spills at this (tests/test_hopper_layout.py)
+MAXNREG = 168
 # alpha kind (0 none, 2 a device scalar, 3 one per token) -> the stride of the consumers' load
 ALPHA_STRIDE = {0: -1, 2: 0, 3: 1}
 
@@ -66,7 +62,6 @@ def _loader(
     """Steps first .. first + steps - 1 of K, each into stage j % STAGES (j counts from 0)."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
-    TW: gl.constexpr = x_bufs.type.shape[2]
     nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
     for j in range(steps):
         s = j % STAGES
@@ -76,7 +71,7 @@ def _loader(
         _tma_load(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
         for h in gl.static_range(HALVES):
             _tma_load(
-                x_desc, [i * 8 * BKW, off_t + TW * h], ready.index(s), x_bufs.index(s * HALVES + h)
+                x_desc, [i * 8 * BKW, off_t + 64 * h], ready.index(s), x_bufs.index(s * HALVES + h)
             )
 
 
@@ -89,16 +84,14 @@ def _planes(wq, sb):
 
 
 @gluon.jit
-def _fetch_scales(ring, t, sw_ptr, row_part, kw, i, KW, BKW: gl.constexpr):
-    """Start copying, into slot t of ``ring``, the 128x4 scale word of each word of step i
-    (block (i * BKW + w) // 2 of its row; block 0's past K): an eighth of the weight's bytes.
-    Each thread later reads back only the elements it copied (the same layout), so its own
-    ``wait_group`` is all the ordering needed."""
+def _scale_words(sw_ptr, row_part, kw, i, KW, BKW: gl.constexpr):
+    """For each word of step i, the 128x4 scale word holding its block's scale (block
+    (i * BKW + w) // 2 of its row; block 0's past K). L2 serves these: an eighth of the
+    weight's bytes. (Loaded further ahead, through a cp.async ring, the 128-token tiles were
+    slower and 16-token tiles no faster: commit 15e63df, results/hopper_sweep_ring.json.)"""
     blk = (i * BKW + kw) // 2
     blk = gl.where(blk * 2 < KW, blk, 0)
-    ptrs = sw_ptr + ((row_part[:, None] + (blk >> 2)[None, :] * 512) >> 2)
-    async_copy.async_copy_global_to_shared(ring.index(t % ring.type.shape[0]), ptrs)
-    async_copy.commit_group()
+    return gl.load(sw_ptr + ((row_part[:, None] + (blk >> 2)[None, :] * 512) >> 2))
 
 
 @gluon.jit
@@ -126,7 +119,7 @@ def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
 
 @gluon.jit
 def _consumer(
-    w_bufs, x_bufs, ready, empty, partial, done, ring, sw_ptr, alpha_ptr, out_ptr,
+    w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
     ROLE: gl.constexpr,
 ):  # fmt: skip
@@ -138,9 +131,8 @@ def _consumer(
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
-    TW: gl.constexpr = x_bufs.type.shape[2]  # tokens a wgmma takes: 64, or the whole tile
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TW, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     SPLIT_ROWS: gl.constexpr = BN >= 128
@@ -150,21 +142,15 @@ def _consumer(
     ROW0: gl.constexpr = ROWS * ROLE if SPLIT_ROWS else 0
     off_n = off_n + ROW0
     row_part, kw = _rows(off_n, N, cp, ROWS, BKW, op)
-    acc0 = gl.zeros((ROWS, TW), gl.float32, mma)
-    acc1 = gl.zeros((ROWS, TW), gl.float32, mma)
-    AHEAD: gl.constexpr = ring.type.shape[0]
-    for u in gl.static_range(AHEAD - 1):  # the scales of this consumer's first steps
-        _fetch_scales(ring, u, sw_ptr, row_part, kw, first + FIRST_STEP + u * EVERY, KW, BKW)
+    acc0 = gl.zeros((ROWS, 64), gl.float32, mma)
+    acc1 = gl.zeros((ROWS, 64), gl.float32, mma)
+    sw = _scale_words(sw_ptr, row_part, kw, first + FIRST_STEP, KW, BKW)
     for j in range(FIRST_STEP, steps, EVERY):
         s = j % STAGES
         i = first + j  # the step of K; j counts this program's steps
-        t = j // EVERY  # and t this consumer's
-        # the slot step t - 1 read: AHEAD - 1 steps ahead of its use
-        _fetch_scales(ring, t + AHEAD - 1, sw_ptr, row_part, kw, i + (AHEAD - 1) * EVERY, KW, BKW)
-        async_copy.wait_group(AHEAD - 1)  # step t's copies are done
-        sw = ring.index(t % AHEAD).load(op)
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
+        sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
         acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
         if HALVES == 2:
             acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
@@ -194,11 +180,10 @@ def _store(
     """A consumer's rows' sums over the token halves, scaled (2**28 undoes both operands'
     2**-14; alpha) and stored, masked to N and M."""
     mma: gl.constexpr = acc0.type.layout
-    TW: gl.constexpr = acc0.shape[1]
     offs_n = off_n + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, mma))
     for h in gl.static_range(HALVES):
         acc = acc0 if h == 0 else acc1
-        offs_t = off_t + TW * h + gl.arange(0, TW, layout=gl.SliceLayout(0, mma))
+        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
         mask_t = offs_t < M
         alpha = gl.load(
             alpha_ptr + offs_t * alpha_stride, mask=mask_t & (alpha_stride >= 0), other=1.0
@@ -224,7 +209,7 @@ def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
 @gluon.jit
 def mma_ws(
     w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
-    x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, min(BT, 64)]
+    x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64]
     sw_ptr,  # int32 view of the weight's 128x4 scales
     alpha_ptr,
     out_ptr,  # the output; with a K split, float32 partial sums (split_stride apart)
@@ -233,31 +218,26 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr = 232, LOADER_REGS: gl.constexpr = 40,
+    GROUP: gl.constexpr,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
     FIRST: gl.constexpr = 0  # the consumers' roles (``_consumer``)
     SECOND: gl.constexpr = 1
-    TW: gl.constexpr = BT if BT < 64 else 64
-    HALVES: gl.constexpr = BT // TW
+    HALVES: gl.constexpr = BT // 64
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     pid_k = gl.program_id(1)
     first = pid_k * per_split
     steps = gl.minimum(gl.cdiv(KW, BKW) - first, per_split)
     out_ptr += pid_k * split_stride
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
-    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, TW], x_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, 64], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # the second consumer's sums, for the first to add (64-row tiles only)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    # each consumer's ring of scale words (``_fetch_scales``)
-    ROWS: gl.constexpr = BN // 2 if BN >= 128 else BN
-    ring0 = gl.allocate_shared_memory(gl.int32, [SCALES_AHEAD, ROWS, BKW], plain)
-    ring1 = gl.allocate_shared_memory(gl.int32, [SCALES_AHEAD, ROWS, BKW], plain)
-    partial = gl.allocate_shared_memory(gl.float32, [HALVES if BN == 64 else 1, 64, TW], plain)
+    partial = gl.allocate_shared_memory(gl.float32, [HALVES if BN == 64 else 1, 64, 64], plain)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         # with 128 rows or more both consumers read every stage; with 64 each stage is one's
@@ -269,15 +249,13 @@ def mma_ws(
         [
             (
                 _consumer,
-                (w_bufs, x_bufs, ready, empty, partial, done, ring0, sw_ptr, alpha_ptr, out_ptr,
-                 off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
-                 FIRST),
+                (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr, off_n,
+                 off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride, FIRST),
             ),
             (
                 _consumer,
-                (w_bufs, x_bufs, ready, empty, partial, done, ring1, sw_ptr, alpha_ptr, out_ptr,
-                 off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
-                 SECOND),
+                (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr, off_n,
+                 off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride, SECOND),
             ),
             (
                 _loader,
@@ -285,5 +263,5 @@ def mma_ws(
             ),
         ],
         [4, 1],
-        [CONSUMER_REGS, LOADER_REGS],
+        [232, 40],
     )  # fmt: skip

@@ -49,15 +49,13 @@ class MmaConfig:
 @dataclass(frozen=True)
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
-    the two take alternate steps), tokens (16, 32, 64 or 128), TMA stages, the K split (1:
-    none; 0: choose from the SM count), and programs an SM holds (2: with fewer registers
-    each, for tiles of 16-32 tokens; ``_hopper_ws.REGS``)."""
+    the two take alternate steps), tokens (64 or 128), TMA stages, and the K split (1: none;
+    0: choose from the SM count)."""
 
     block_n: int
     block_t: int
     stages: int
     split: int = 1
-    per_sm: int = 1
 
 
 @dataclass(frozen=True)
@@ -171,9 +169,16 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 
 # hopper-ws: the tiles that won its points on the H200 (results/hopper_sweep_ws64.json,
-# hopper_sweep_pp.json): 128 x 128 (3 stages) for wide layers at M = 256-512, the 64-row form
-# (consumers on alternate steps) at 64 and 128 tokens for the rest.
-WS_TACTICS = (WsConfig(128, 128, 3), WsConfig(64, 128, 4), WsConfig(64, 64, 4))
+# hopper_sweep_ws256.json): 128 x 128 and 256 x 128 for wide layers at M = 256-512 (2 stages:
+# 2-5% faster than 3 at every point timed), the 64-row form (consumers on alternate steps) at
+# 64 and 128 tokens for the rest. Each splits K where its tiles leave SMs idle (split 0:
+# ``triton_hopper._ws_split``), which narrow layers need (results/hopper_sweep_wsk.json).
+WS_TACTICS = (
+    WsConfig(128, 128, 2, 0),
+    WsConfig(256, 128, 2, 0),
+    WsConfig(64, 128, 4, 0),
+    WsConfig(64, 64, 4, 0),
+)
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:

@@ -314,20 +314,21 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
 
 
 @functools.cache
-def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
+def _ws_tile_layouts(block_n: int, bkw: int) -> tuple[Any, Any]:
     """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed per
     tile, so built once, not on every call."""
     from triton.experimental.gluon import language as gl
 
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, bkw], gl.int32)
-    return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, tokens], gl.float16)
+    return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
 
 
 def _ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
-    """K split so that the programs fill the SMs about once (each SM holds ``cfg.per_sm``),
-    each keeping at least 8 steps."""
-    slots = sms * cfg.per_sm
-    split = cfg.split or max(1, min(16, steps // 8, round(slots / max(tiles, 1))))
+    """K split so that the programs fill the SMs at most once (one program holds an SM: its
+    registers), each keeping at least 8 steps. Rounded down: on the H200, splitting 66-88
+    tiles in two (132 SMs) cost up to 1.26x, and fewer tiles gained up to 4x
+    (results/hopper_sweep_wsk.json)."""
+    split = cfg.split or max(1, min(16, steps // 8, sms // max(tiles, 1)))
     per = math.ceil(steps / split)
     return math.ceil(steps / per)  # no program without a step
 
@@ -367,21 +368,18 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(c.m, bt) * bt
     x = _a_planes(c, a32, args[8], steps, bkw, mp, False)
-    tw = min(bt, 64)
-    w_layout, x_layout = _ws_tile_layouts(bn, bkw, tw)
+    w_layout, x_layout = _ws_tile_layouts(bn, bkw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, tw], x_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
     if parts is None:  # scaled by alpha and stored in out
         dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
     else:  # float32 partial sums, (split, M, N), as reduce_split reads them
         dst, strides, alpha_stride = parts, (c.n, 1), -1
-    maxnreg, consumer_regs, loader_regs = ws.REGS[cfg.per_sm]
     # 4 warps: the first consumer; the second and the loader warp are partitions of their own
     ws.mma_ws[(tiles, split)](
         w_desc, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, strides[0], strides[1],
         alpha_stride, per_split, c.m * c.n,
-        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=8, CONSUMER_REGS=consumer_regs,
-        LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg,
+        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=8, num_warps=4, maxnreg=ws.MAXNREG,
     )  # fmt: skip
     if parts is not None:
         triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
