@@ -22,9 +22,9 @@
 #          runs it, from nothing and again with the kernels compiled (the JIT share); then
 #          benchmarks/bench_cold.py, where that time goes (seconds per backend and phase,
 #          kernels compiled); about 4 minutes; not part of all
-#   hazard benchmarks/hazard_stress.py: each hopper-mma/-prefill tactic many times on the same
-#          inputs, under load, compared bit for bit (the wgmma register hazard that
-#          tools/wgmma_hazards.py finds in their Triton 3.6 SASS); not part of all
+#   hazard benchmarks/hazard_stress.py: each hopper-mma and hopper-ws tactic many times on the
+#          same inputs, under load, compared bit for bit (the wgmma register hazard that
+#          tools/wgmma_hazards.py found in hopper-mma's Triton 3.6 SASS); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 130 s), bench_deploy.py (about 130 s), then the tests marked gpu in
 #          the time left (about 270 s on the H200; each step's limit shrinks to fit 560 s);

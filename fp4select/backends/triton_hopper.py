@@ -16,7 +16,7 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   tiles as ``hopper-mma``.)
 * ``hopper-ws`` (SM90 only, buckets M = 33-512): the same product warp-specialized in Gluon
   (``_hopper_ws``): a TMA loader warp feeds two consumer warpgroups that decode and multiply
-  in turn.
+  in turn, with split-K (``_ws_split``) where its tiles alone leave SMs idle.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
