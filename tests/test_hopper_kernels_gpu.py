@@ -204,7 +204,11 @@ def test_a_candidate_too_large_for_the_gpu_is_skipped_and_named(monkeypatch):
 def test_programmatic_dependent_launch_changes_no_bit():
     """enable_pdl=True (the default, PDL on SM90) and False give the same output, eagerly and
     replayed from a graph, where the kernels of a call follow each other without a gap."""
-    for run, m in ((triton_hopper.run_gemv, 1), (triton_hopper.run_mma, 9)):
+    for run, m in (
+        (triton_hopper.run_gemv, 1),
+        (triton_hopper.run_mma, 9),
+        (triton_hopper.run_ws, 130),  # K split in two: decode, main loop, reduction
+    ):
         problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m), alpha_kind="per_token")
         inputs = validate.make_inputs(problem, m, "cuda", seed=7)
         args = inputs.args(problem)

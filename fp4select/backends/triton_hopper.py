@@ -367,7 +367,11 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         split = 1  # (inside a graph capture no workspace is made: one program per tile)
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(c.m, bt) * bt
-    x = _a_planes(c, a32, args[8], steps, bkw, mp, False)
+    # As in hopper-mma, the a decode and the split-K reduction take PDL whenever the call asks
+    # (they are hopper-mma's compiled kernels then, no second variant to compile); the Gluon
+    # main loop launches without it, so it still starts after the decode has finished.
+    pdl = _pdl(args, c.out.device)
+    x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl)
     w_layout, x_layout = _ws_tile_layouts(bn, bkw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
@@ -384,7 +388,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     if parts is not None:
         triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
             parts, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), c.alpha_value,
-            split, ALPHA=c.alpha_kind, BM=16, BN=128, num_warps=4,
+            split, ALPHA=c.alpha_kind, BM=16, BN=128, **_with_pdl(pdl), num_warps=4,
         )  # fmt: skip
     return c.out
 
