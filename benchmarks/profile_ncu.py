@@ -53,6 +53,10 @@ def run_cases() -> None:
         (8192, 8192, 16, th.run_mma, th.MmaConfig(128, 16, 32, 4, 3)),
         (8192, 8192, 128, th.run_mma, th.MmaConfig(64, 128, 16, 4, 4, 1)),
         (8192, 8192, 256, th.run_mma, th.MmaConfig(128, 128, 16, 4, 3, 1)),
+        # hopper-ws, the pick at M = 128-512 since its record (ea1753a), with its tiles there
+        (8192, 8192, 128, th.run_ws, th.WsConfig(64, 128, 4, 0)),
+        (8192, 8192, 256, th.run_ws, th.WsConfig(128, 128, 2, 0)),
+        (8192, 8192, 512, th.run_ws, th.WsConfig(256, 128, 2, 0)),
     ]
     runs = []
     for n, k, m, run, cfg in cases:
