@@ -264,6 +264,24 @@ def _a_planes(
     return x
 
 
+def _partials(c: triton_fp4.Checked, split: int) -> torch.Tensor | None:
+    """The float32 workspace a K split of ``split`` writes its partial sums to ((split, M, N),
+    as ``reduce_split`` reads them), or None: no split, or none can be made here (inside a
+    graph capture), and then the caller runs unsplit."""
+    if split <= 1:
+        return None
+    return triton_fp4._workspace(c.out.device, c.n, split, max(c.m, 128))
+
+
+def _reduce_partials(parts: torch.Tensor, c: triton_fp4.Checked, split: int, pdl: bool) -> None:
+    """out = alpha * the sum of the splits' partial sums, in a fixed order."""
+    k = kernels()
+    triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
+        parts, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), c.alpha_value,
+        split, ALPHA=c.alpha_kind, BM=16, BN=128, **_with_pdl(pdl), num_warps=4,
+    )  # fmt: skip
+
+
 def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tensor:
     """a decoded once into float16 planes, then the weight decoded in the tensor-core loop."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
@@ -285,31 +303,24 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     bkw = cfg.words_per_step
     sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
     split = _mma_split(c.m, c.n, kw, cfg, sms)
-    ws = c.out
-    if split > 1:
-        got = triton_fp4._workspace(c.out.device, c.n, split, max(c.m, 128))
-        if got is None:
-            split = 1
-        else:
-            ws = got
+    parts = _partials(c, split)
+    if parts is None:
+        split = 1
     per_split = k.cdiv(k.cdiv(kw, bkw), split)
     steps = per_split * split  # what the programs read, past K included (zeros)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
     x = _a_planes(c, a32, a8x4, steps, bkw, mp, pdl)
     grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t), split)
     k.mma_planes[grid](
-        x, w32, sw32, shifts, c.alpha_ptr, c.out, ws,
+        x, w32, sw32, shifts, c.alpha_ptr, c.out, c.out if parts is None else parts,
         c.m, c.n, kw, mp, w32.stride(0), c.out.stride(0), c.out.stride(1), c.cp,
         per_split, c.alpha_value,
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, **_with_pdl(pdl_main),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
-        triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
-            ws, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), c.alpha_value,
-            split, ALPHA=c.alpha_kind, BM=16, BN=128, **_with_pdl(pdl), num_warps=4,
-        )  # fmt: skip
+    if parts is not None:
+        _reduce_partials(parts, c, split, pdl)
     return c.out
 
 
@@ -362,9 +373,9 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     tiles = k.cdiv(c.n, bn) * k.cdiv(c.m, bt)
     sms = triton_fp4._sms(c.out.device)
     split = _ws_split(tiles, steps, cfg, sms)
-    parts = triton_fp4._workspace(c.out.device, c.n, split, max(c.m, 128)) if split > 1 else None
+    parts = _partials(c, split)
     if parts is None:
-        split = 1  # (inside a graph capture no workspace is made: one program per tile)
+        split = 1
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(c.m, bt) * bt
     # As in hopper-mma, the a decode and the split-K reduction take PDL whenever the call asks
@@ -386,10 +397,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=8, num_warps=4, maxnreg=ws.MAXNREG,
     )  # fmt: skip
     if parts is not None:
-        triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
-            parts, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), c.alpha_value,
-            split, ALPHA=c.alpha_kind, BM=16, BN=128, **_with_pdl(pdl), num_warps=4,
-        )  # fmt: skip
+        _reduce_partials(parts, c, split, pdl)
     return c.out
 
 
