@@ -196,6 +196,51 @@ GEMV2 = [
 ] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
 
 
+# hopper-gemv beyond its tactics, with its scale tiles in the weight's register layout (no
+# step converts a layout through shared memory where a program's threads span at most BK / 2
+# words of a row); "gemvb" runs the tactics with the kernel before that change (make the copy
+# with `git show e4fd234:fp4select/backends/_hopper_kernels.py > benchmarks/_hk_before.py`),
+# "hw" with the GPU's e4m3 conversion of the scales (results/hopper_sweep_gemv3.json).
+GEMV3 = [
+    triton_hopper.GemvConfig(*t)
+    for t in [
+        (16, 128, 2),
+        (16, 256, 4),
+        (8, 256, 4),
+        (8, 256, 2),
+        (4, 256, 2),
+        (4, 128, 1),
+        (16, 64, 1),
+        (8, 64, 1),
+        (8, 128, 2, 1),
+        (4, 256, 4, 1),
+        (4, 64, 1),
+        (2, 128, 1),
+    ]
+]
+
+
+def run_gemv_as(*args, cfg: triton_hopper.GemvConfig, module=None, hw: bool = False):
+    """``run_gemv``'s launch with the kernel of ``module`` (default: the product's) and, with
+    ``hw``, the GPU's e4m3 conversion."""
+    c, a64, w64 = triton_hopper._checked_words(args, "hopper-gemv", torch.int64)
+    kern = (module or triton_hopper.kernels()).gemv_dp4a
+    pdl = triton_hopper._pdl(args, c.out.device)
+    extra = {"HW_E4M3": True} if hw else {}
+    if cfg.evict_first:
+        extra["EVICT_FIRST"] = True
+    kern[(triton.cdiv(c.n, cfg.rows_per_program),)](
+        a64, w64, c.a_descale, args[3], c.alpha_ptr, c.out,
+        c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
+        c.cp, c.alpha_value,
+        A_8X4=args[8], ALPHA=c.alpha_kind, BM=triton_hopper._next_pow2(c.m),
+        R=cfg.rows_per_program, BK=cfg.blocks_per_step, ASM=triton_hopper.ASM,
+        PREFETCH=bool(cfg.prefetch), **triton_hopper._with_pdl(pdl), **extra,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return c.out
+
+
 @triton.jit
 def _floor(
     x_ptr, w_ptr, sw_ptr, out_ptr, N, KW, MP, stride_wn, cp, iters,
@@ -281,6 +326,19 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out[
                 f"gemv2 r{c.rows_per_program} bk{c.blocks_per_step} w{c.num_warps} pf{c.prefetch}"
             ] = functools.partial(triton_hopper.run_gemv, cfg=c)
+    if m <= 8 and "gemv3" in families:
+        for c in GEMV3:
+            name = "gemv3 " + " ".join(map(str, dataclasses.astuple(c)))
+            out[name] = functools.partial(run_gemv_as, cfg=c)
+    if m <= 8 and ("gemvb" in families or "hw" in families):
+        import _hk_before  # the kernel before the scale tiles' layout change
+
+        for c in hopper_configs.candidates("gemv", m):
+            tail = " ".join(map(str, dataclasses.astuple(c)))
+            if "gemvb" in families:
+                out["gemvb " + tail] = functools.partial(run_gemv_as, cfg=c, module=_hk_before)
+            if "hw" in families:
+                out["hw " + tail] = functools.partial(run_gemv_as, cfg=c, hw=True)
     if m >= 64 and "wide" in families:
         for c in WIDE:
             if c.block_t <= 2 * m:
@@ -316,7 +374,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
     if "tactics" in families:  # the product's own tactic candidates at this M
-        kinds = [("gemv", triton_hopper.run_gemv)] if m <= 4 else []
+        kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
         kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= 512 else []
         for kind, run in kinds:
@@ -436,6 +494,8 @@ def main() -> None:
                         "wide",
                         "dq",
                         "gemv2",
+                        "gemv3",
+                        "hw",
                         "evict",
                         "deep",
                         "ws",

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from fp4select import validate
+from fp4select import formats, validate
 from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_hopper
 from fp4select.keys import Problem, m_bucket
 
@@ -70,6 +70,32 @@ def test_hopper_dequant_takes_mxfp4(out_dtype):
         inputs = validate.make_inputs(problem, m, "cuda", seed=m)
         out = dequant.run_hopper(*inputs.args(problem))
         assert validate.check(out, inputs, problem.torch_out_dtype).ok
+
+
+def _poison_padding(buffer: torch.Tensor, rows: int, cols: int, layout: str) -> None:
+    """Every byte of a swizzled scale buffer outside the (rows, cols) grid set to 0x7F (e4m3
+    NaN): the padding belongs to whoever wrote the checkpoint, and may hold anything."""
+    flat = buffer.view(torch.uint8).view(-1)  # a view: raises if the buffer is not one block
+    keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    keep[formats.sf_index(rows, cols, layout, flat.device).reshape(-1)] = True
+    flat[~keep] = 0x7F
+
+
+@pytest.mark.parametrize("layout", ["128x4", "8x4"])
+def test_the_gemv_ignores_what_the_scale_padding_holds(layout):
+    """With an odd number of blocks the GEMV reads its last scale pair into the padding column
+    (``_hopper_kernels._scale_cols``); the weight words there are zeros, and no value of the
+    padding may change a bit."""
+    n, k = 520, 2064  # 129 blocks a row
+    for m in (1, 3):
+        problem = Problem(n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout)
+        inputs = validate.make_inputs(problem, m, "cuda", seed=m)
+        clean = triton_hopper.run_gemv(*inputs.args(problem))
+        _poison_padding(inputs.b_descale.T, n, k // 16, "128x4")
+        _poison_padding(inputs.a_descale, m, k // 16, layout)
+        out = triton_hopper.run_gemv(*inputs.args(problem))
+        assert validate.check(out, inputs, problem.torch_out_dtype).ok
+        assert torch.equal(out, clean)
 
 
 @pytest.mark.parametrize("name", sorted(RUNNERS))

@@ -435,6 +435,18 @@ def e4m3_bytes_f32(b):
 
 
 @triton.jit
+def e4m3_f32(b, HW: tl.constexpr):
+    """e4m3 scale bytes (8-bit) -> float32. HW: the GPU's conversion (SM89+, two bytes per
+    instruction; 0x7F and 0xFF are NaN, as in the reference), else ``e4m3_bytes_f32`` (the
+    interpreter's path, and SM80's: Triton refuses float8e4nv there), which reads them as 480.
+    """
+    if HW:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_bytes_f32(b.to(tl.uint8, bitcast=True))
+
+
+@triton.jit
 def _gemv_row(
     p0,
     p1,
@@ -457,6 +469,7 @@ def _gemv_row(
     A_8X4: tl.constexpr,
     ASM: tl.constexpr,
     SPLIT: tl.constexpr,
+    HW_E4M3: tl.constexpr = False,
 ):
     """One row of a against the decoded weight tile: float32 (R, BK) block contributions.
 
@@ -465,8 +478,8 @@ def _gemv_row(
     """
     row = tl.minimum(r, M - 1)
     x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
-    sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col)
-    sa = e4m3_bytes_f32(sa.to(tl.uint8, bitcast=True))
+    sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col, mask=k_ok[None, :], other=0)
+    sa = e4m3_f32(sa, HW_E4M3)
     x0, x1, x2, x3 = decode_s8(x, ASM)
     if SPLIT:
         d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
@@ -492,8 +505,27 @@ def _gemv_store(
 
 
 @triton.jit
+def _scale_cols(k, KW, LAYOUT_8X4: tl.constexpr):
+    """Scale byte offsets of blocks ``k``, declared to Triton in aligned pairs.
+
+    Blocks 2j and 2j + 1 have neighbouring scale bytes in both layouts, so the scale tile
+    loads two bytes at a time, in the same register layout as the weight's 16-byte loads (two
+    words): declared so, no step converts a tile's layout through shared memory. Before, each
+    step stored and reloaded the scale tile and the products behind four barriers; without
+    them the tactics took 0.57-1.19x their time at M = 1-8 on ten shapes, median 0.88x
+    (results/hopper_sweep_gemv3.json). Past K the offsets point
+    at the padding column beside the last block (the scale grids pad columns to 4) or at
+    blocks 0 and 1, so that the declaration holds everywhere; the loads there are masked.
+    """
+    kc = tl.where(k < (KW + 1) // 2 * 2, k, k & 1)
+    # sf_col_part spelled out: a hint on a helper's result is lost when the call is inlined
+    col = (kc >> 2) * (32 if LAYOUT_8X4 else 512) + (kc & 3)
+    return tl.max_contiguous(tl.multiple_of(col, 2), 2)
+
+
+@triton.jit
 def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
-    """A step's weight words and their scale bytes (zeros and block 0's scales past K).
+    """A step's weight words and their scale bytes (zeros past K).
 
     EVICT_FIRST: the weight streams past L2 (read once) ahead of a's rows, which every program
     reads again. With it, the steps without prefetch took 0.78-0.98x their time without it at
@@ -501,13 +533,13 @@ def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
     where the tactics keep the plain loads (H200, results/hopper_sweep_evict.json).
     """
     k_ok = k < KW
-    scales = sw_rows + sf_col_part(tl.where(k_ok, k, 0), False)[None, :]
+    scales = sw_rows + _scale_cols(k, KW, False)[None, :]
     if EVICT_FIRST:
         w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0, eviction_policy="evict_first")
-        sw = tl.load(scales, eviction_policy="evict_first")
+        sw = tl.load(scales, mask=k_ok[None, :], other=0, eviction_policy="evict_first")
     else:
         w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0)
-        sw = tl.load(scales)
+        sw = tl.load(scales, mask=k_ok[None, :], other=0)
     return w, sw
 
 
@@ -537,6 +569,7 @@ def gemv_dp4a(
     PREFETCH: tl.constexpr = False,  # load the next step's weight before this step's math
     PDL: tl.constexpr = False,
     EVICT_FIRST: tl.constexpr = False,
+    HW_E4M3: tl.constexpr = False,
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -565,12 +598,11 @@ def gemv_dp4a(
     for k0 in range(0, KW, BK):
         k = k0 + kk
         k_ok = k < KW
-        kc = tl.where(k_ok, k, 0)
         if PREFETCH:
             w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)
         else:
             w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
-        swf = e4m3_bytes_f32(sw.to(tl.uint8, bitcast=True))
+        swf = e4m3_f32(sw, HW_E4M3)
         # One row of a: split magnitudes (fewer integer ops, twice the dp4a). Several rows
         # share the weight's decode, so each dp4a counts more: signed values.
         if BM == 1:
@@ -578,42 +610,42 @@ def gemv_dp4a(
         else:
             p0, p1, p2, p3 = decode_s8(w, ASM)
             n0, n1, n2, n3 = p0, p1, p2, p3
-        a_col = sf_col_part(kc, A_8X4)[None, :]
+        a_col = _scale_cols(k, KW, A_8X4)[None, :]
         # Row r of a against the weight tile, one accumulator per row (BM is at most 8).
         acc0 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 0,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
         if BM > 1:
             acc1 += _gemv_row(
                 p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 1,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
             )  # fmt: skip
         if BM > 2:
             acc2 += _gemv_row(
                 p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 2,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
             )  # fmt: skip
             acc3 += _gemv_row(
                 p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 3,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
             )  # fmt: skip
         if BM > 4:
             acc4 += _gemv_row(
                 p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 4,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
             )  # fmt: skip
             acc5 += _gemv_row(
                 p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 5,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
             )  # fmt: skip
             acc6 += _gemv_row(
                 p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 6,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
             )  # fmt: skip
             acc7 += _gemv_row(
                 p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 7,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1,
+                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
             )  # fmt: skip
         if PREFETCH:
             w, sw = w_next, sw_next

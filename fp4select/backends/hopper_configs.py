@@ -69,7 +69,7 @@ class GemmTile:
     num_stages: int
 
 
-GEMV_BY_M = ((1, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1, 1)))
+GEMV_BY_M = ((2, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1, 1)))
 MMA_BY_M = (
     (16, MmaConfig(128, 16, 32, 4, 3)),
     (32, MmaConfig(128, 32, 16, 4, 3)),
@@ -85,20 +85,19 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
     return table[-1][1]
 
 
-# By M, as the tensor-core ones. At M = 4 the prefetching 64-block steps (8 or 4 rows) were the
-# fastest at 4 of the 6 sweep shapes and within 4% at a fifth (results/hopper_sweep_pdl.json);
-# at M = 1-2 the wider steps. Four each: each bucket compiles and times four. At M = 3-8 the
-# steps without prefetch load the weight with evict_first (0.78-0.98x the time without it at
-# M = 4 on six shapes, results/hopper_sweep_evict.json); at M = 1-2 it moved them by
-# 0.91-1.04x, under 0.97 only on 1280 x 8192, whose times move that much between runs.
+# By M, as the tensor-core ones. At M = 1-2 the four whose best is closest to the best of 16
+# configurations at each of ten shapes (geomean 1.014x, results/hopper_sweep_gemv3.json); at
+# M = 3-8 the prefetching 64-block steps (8 or 4 rows) and the 128-block steps that load the
+# weight with evict_first (results/hopper_sweep_pdl.json, _evict.json), still the best four of
+# the 16 there (geomean 1.005x). Four each: each bucket compiles and times four.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
         (
             GemvConfig(8, 128, 2),
-            GemvConfig(4, 128, 2),
             GemvConfig(4, 256, 4),
-            GemvConfig(8, 64, 1, 1),
+            GemvConfig(8, 256, 4),
+            GemvConfig(8, 64, 1),
         ),
     ),
     (
