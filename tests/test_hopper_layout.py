@@ -255,7 +255,9 @@ def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
     constexprs = {"A_8X4": a_8x4, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
     constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
     constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
+    # the scales as validate.make_inputs and flashinfer's quantizer hand them: float8_e4m3fn
     signature = GEMV_SIGNATURE | {"HW_E4M3": "constexpr"}
+    signature |= {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
     ttgir = _ttgir(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3)
     loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
     return [line.strip() for line in loop.splitlines() if "convert_layout" in line]

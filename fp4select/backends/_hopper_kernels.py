@@ -436,7 +436,7 @@ def e4m3_bytes_f32(b):
 
 @triton.jit
 def e4m3_f32(b, HW: tl.constexpr):
-    """e4m3 scale bytes (8-bit) -> float32. HW: the GPU's conversion (SM89+, two bytes per
+    """e4m3 scale bytes (uint8) -> float32. HW: the GPU's conversion (SM89+, two bytes per
     instruction; 0x7F and 0xFF are NaN, as in the reference), else ``e4m3_bytes_f32`` (the
     interpreter's path, and SM80's: Triton refuses float8e4nv there), which reads them as 480.
     """
@@ -579,6 +579,10 @@ def gemv_dp4a(
     cores, no shared memory, no split-K.
     """
     pdl_start(PDL, True)
+    # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
+    # float8 cannot take zeros for the masked lanes.
+    sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
+    sw_ptr = sw_ptr.to(tl.pointer_type(tl.uint8))
     pid = tl.program_id(0)
     rows = pid * R + tl.arange(0, R)
     rows_c = tl.where(rows < N, rows, N - 1)
