@@ -339,6 +339,17 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out["gemvb " + tail] = functools.partial(run_gemv_as, cfg=c, module=_hk_before)
             if "hw" in families:
                 out["hw " + tail] = functools.partial(run_gemv_as, cfg=c, hw=True)
+    if (
+        m <= 64 and "direct" in families
+    ):  # _hopper_ws.mma_direct: weight words straight to registers
+        for bt in (16, 32, 64):
+            if bt > max(16, 2 * m) or bt < min(m, 64):
+                continue
+            for st in (2, 3, 4):
+                for sp in (1, 2, 4, 8, 16):
+                    out[f"direct t{bt} st{st} s{sp}"] = functools.partial(
+                        triton_hopper.run_direct, block_t=bt, stages=st, split=sp
+                    )
     if m >= 64 and "wide" in families:
         for c in WIDE:
             if c.block_t <= 2 * m:
@@ -496,6 +507,7 @@ def main() -> None:
                         "gemv2",
                         "gemv3",
                         "hw",
+                        "direct",
                         "evict",
                         "deep",
                         "ws",
