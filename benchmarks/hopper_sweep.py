@@ -131,7 +131,9 @@ WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (6
 # tiles (docs/hopper_kernels.md), which these halve per weight row.
 WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
 # hopper-ws with K split (family "wsk"; split 0: run_ws chooses), for narrow layers, whose
-# tiles alone leave SMs idle. (Its tiles of 16-32 tokens, family "wss", are in commit 15e63df.)
+# tiles alone leave SMs idle. (Its tiles of 16-32 tokens, family "wss", are in commit 15e63df;
+# family "direct", a Gluon kernel loading the weight straight into the MMA's registers, in
+# 54a055e: results/hopper_sweep_direct.json.)
 WSK = [
     hopper_configs.WsConfig(*t)
     for t in [
@@ -198,9 +200,9 @@ GEMV2 = [
 
 # hopper-gemv beyond its tactics, with its scale tiles in the weight's register layout (no
 # step converts a layout through shared memory where a program's threads span at most BK / 2
-# words of a row); "gemvb" runs the tactics with the kernel before that change (make the copy
-# with `git show e4fd234:fp4select/backends/_hopper_kernels.py > benchmarks/_hk_before.py`),
-# "hw" with the GPU's e4m3 conversion of the scales (results/hopper_sweep_gemv3.json).
+# words of a row). results/hopper_sweep_gemv3.json also holds families "gemvb" (the tactics
+# with the kernel before that change) and "hw" (with the GPU's e4m3 conversion, since made
+# the product's): the sweep of commit e9917bd.
 GEMV3 = [
     triton_hopper.GemvConfig(*t)
     for t in [
@@ -218,27 +220,6 @@ GEMV3 = [
         (2, 128, 1),
     ]
 ]
-
-
-def run_gemv_as(*args, cfg: triton_hopper.GemvConfig, module=None, hw: bool = False):
-    """``run_gemv``'s launch with the kernel of ``module`` (default: the product's) and, with
-    ``hw``, the GPU's e4m3 conversion."""
-    c, a64, w64 = triton_hopper._checked_words(args, "hopper-gemv", torch.int64)
-    kern = (module or triton_hopper.kernels()).gemv_dp4a
-    pdl = triton_hopper._pdl(args, c.out.device)
-    extra = {"HW_E4M3": True} if hw else {}
-    if cfg.evict_first:
-        extra["EVICT_FIRST"] = True
-    kern[(triton.cdiv(c.n, cfg.rows_per_program),)](
-        a64, w64, c.a_descale, args[3], c.alpha_ptr, c.out,
-        c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
-        c.cp, c.alpha_value,
-        A_8X4=args[8], ALPHA=c.alpha_kind, BM=triton_hopper._next_pow2(c.m),
-        R=cfg.rows_per_program, BK=cfg.blocks_per_step, ASM=triton_hopper.ASM,
-        PREFETCH=bool(cfg.prefetch), **triton_hopper._with_pdl(pdl), **extra,
-        num_warps=cfg.num_warps,
-    )  # fmt: skip
-    return c.out
 
 
 @triton.jit
@@ -329,27 +310,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     if m <= 8 and "gemv3" in families:
         for c in GEMV3:
             name = "gemv3 " + " ".join(map(str, dataclasses.astuple(c)))
-            out[name] = functools.partial(run_gemv_as, cfg=c)
-    if m <= 8 and ("gemvb" in families or "hw" in families):
-        import _hk_before  # the kernel before the scale tiles' layout change
-
-        for c in hopper_configs.candidates("gemv", m):
-            tail = " ".join(map(str, dataclasses.astuple(c)))
-            if "gemvb" in families:
-                out["gemvb " + tail] = functools.partial(run_gemv_as, cfg=c, module=_hk_before)
-            if "hw" in families:
-                out["hw " + tail] = functools.partial(run_gemv_as, cfg=c, hw=True)
-    if (
-        m <= 64 and "direct" in families
-    ):  # _hopper_ws.mma_direct: weight words straight to registers
-        for bt in (16, 32, 64):
-            if bt > max(16, 2 * m) or bt < min(m, 64):
-                continue
-            for st in (2, 3, 4):
-                for sp in (1, 2, 4, 8, 16):
-                    out[f"direct t{bt} st{st} s{sp}"] = functools.partial(
-                        triton_hopper.run_direct, block_t=bt, stages=st, split=sp
-                    )
+            out[name] = functools.partial(triton_hopper.run_gemv, cfg=c)
     if m >= 64 and "wide" in families:
         for c in WIDE:
             if c.block_t <= 2 * m:
@@ -506,8 +467,6 @@ def main() -> None:
                         "dq",
                         "gemv2",
                         "gemv3",
-                        "hw",
-                        "direct",
                         "evict",
                         "deep",
                         "ws",

@@ -107,15 +107,9 @@ def _rows(off_n, N, cp, BN: gl.constexpr, BKW: gl.constexpr, op: gl.constexpr):
 def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
     """Step i's weight words (a [rows, BKW] tile in shared memory) decoded into one MMA operand:
     plane p at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
-    return _decode_words(words.load(op), sw, i, kw, op, BKW)
-
-
-@gluon.jit
-def _decode_words(wq, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
-    """``_decode`` of words already in the operand's registers."""
     sb = (sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]) & 0xFF
-    ROWS: gl.constexpr = wq.type.shape[0]
-    p0, p1, p2, p3, p4, p5, p6, p7 = _planes(wq, sb)
+    ROWS: gl.constexpr = words.type.shape[0]
+    p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words.load(op), sb)
     w = gl.join(
         gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7))
     )  # [ROWS, BKW, 2, 2, 2]: plane p at index (p >> 2, (p >> 1) & 1, p & 1)
@@ -183,14 +177,13 @@ def _store(
     acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on, alpha_stride,
     HALVES: gl.constexpr,
 ):  # fmt: skip
-    """A consumer's rows' sums over the token halves (each as wide as ``acc0``), scaled
-    (2**28 undoes both operands' 2**-14; alpha) and stored, masked to N and M."""
+    """A consumer's rows' sums over the token halves, scaled (2**28 undoes both operands'
+    2**-14; alpha) and stored, masked to N and M."""
     mma: gl.constexpr = acc0.type.layout
-    WIDE: gl.constexpr = acc0.type.shape[1]
     offs_n = off_n + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, mma))
     for h in gl.static_range(HALVES):
         acc = acc0 if h == 0 else acc1
-        offs_t = off_t + WIDE * h + gl.arange(0, WIDE, layout=gl.SliceLayout(0, mma))
+        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
         mask_t = offs_t < M
         alpha = gl.load(
             alpha_ptr + offs_t * alpha_stride, mask=mask_t & (alpha_stride >= 0), other=1.0
@@ -272,70 +265,3 @@ def mma_ws(
         [4, 1],
         [232, 40],
     )  # fmt: skip
-
-
-@gluon.jit
-def _step_words(w_rows, kw, i, KW, BKW: gl.constexpr):
-    """Step i's weight words, loaded from global memory straight into the registers the MMA's
-    left operand reads (two neighbouring words a load); zeros past K."""
-    k = i * BKW + kw
-    return gl.load(w_rows + k[None, :], mask=(k < KW)[None, :], other=0)
-
-
-@gluon.jit
-def mma_direct(
-    w_ptr,  # int32 words of the weight (N, K/8)
-    x_desc,  # float16 (XK, MP) from decode_planes (BKW = STEP_WORDS), blocks [8 * BKW, BT]
-    sw_ptr, alpha_ptr, out_ptr,
-    M, N, KW, cp, stride_wn, stride_om, stride_on, alpha_stride, per_split, split_stride,
-    BT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-):  # fmt: skip
-    """out^T = W . A^T for 64 weight rows x BT tokens over one range of K, one warpgroup, no
-    shared memory for the weight: each step's words are loaded into the MMA operand's
-    registers a step ahead (the GEMV's way of streaming), a's tiles come by TMA STAGES - 1
-    steps ahead. Many programs an SM hide the latency, as the GEMV's do."""
-    BN: gl.constexpr = 64
-    BKW: gl.constexpr = 16  # STEP_WORDS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16]
-    )
-    op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    off_n, off_t = _tile(M, N, BN, BT, GROUP)
-    pid_k = gl.program_id(1)
-    first = pid_k * per_split
-    steps = gl.minimum(gl.cdiv(KW, BKW) - first, per_split)
-    out_ptr += pid_k * split_stride
-    row_part, kw = _rows(off_n, N, cp, BN, BKW, op)
-    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, op))
-    w_rows = w_ptr + gl.where(rows < N, rows, 0)[:, None].to(gl.int64) * stride_wn
-    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, 8 * BKW, BT], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        mbarrier.init(ready.index(b), count=1)
-    fence_async_shared()
-    nbytes: gl.constexpr = x_desc.block_type.nbytes
-    for p in gl.static_range(STAGES - 1):
-        if p < steps:
-            mbarrier.expect(ready.index(p), nbytes)
-            _tma_load(x_desc, [(first + p) * 8 * BKW, off_t], ready.index(p), x_bufs.index(p))
-    words = _step_words(w_rows, kw, first, KW, BKW)
-    sw = _scale_words(sw_ptr, row_part, kw, first, KW, BKW)
-    acc = gl.zeros((BN, BT), gl.float32, mma)
-    for j in range(steps):
-        i = first + j
-        ahead = j + STAGES - 1  # its stage was read by step j - 1's MMA, waited for
-        if ahead < steps:
-            t = ahead % STAGES
-            mbarrier.expect(ready.index(t), nbytes)
-            _tma_load(x_desc, [(first + ahead) * 8 * BKW, off_t], ready.index(t), x_bufs.index(t))
-        next_words = _step_words(w_rows, kw, i + 1, KW, BKW)
-        next_sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)
-        a = _decode_words(words, sw, i, kw, op, BKW)
-        stage = j % STAGES
-        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-        acc = warpgroup_mma(a, x_bufs.index(stage), acc, is_async=True)
-        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-        words = next_words
-        sw = next_sw
-    _store(acc, acc, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on,
-           alpha_stride, 1)  # fmt: skip

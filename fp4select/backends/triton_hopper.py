@@ -412,44 +412,6 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     return c.out
 
 
-def run_direct(*args: Any, block_t: int, stages: int, split: int) -> torch.Tensor:
-    """``_hopper_ws.mma_direct`` (an experiment, not a backend yet): mm_fp4's positional order;
-    64 weight rows x ``block_t`` tokens a program, K split ``split`` ways."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    c, a32, w32 = _checked_words(args, "hopper-direct", torch.int32)
-    sw32 = _scale_words(args[3])
-    if a32 is None or w32 is None or sw32 is None or c.kh % 16 or c.alpha_kind == 1:
-        raise ValueError("run_direct takes aligned words, K % 32 == 0 and a tensor alpha")
-    k, ws = kernels(), ws_kernels()
-    kw, bkw, bt = c.kh // 4, ws.STEP_WORDS, block_t
-    steps = k.cdiv(kw, bkw)
-    parts = _partials(c, split)
-    if parts is None:
-        split = 1
-    per_split = k.cdiv(steps, split)
-    split = k.cdiv(steps, per_split)
-    mp = k.cdiv(c.m, bt) * bt
-    pdl = _pdl(args, c.out.device)
-    x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl)
-    x_layout = gl.NVMMASharedLayout.get_default_for([8 * bkw, bt], gl.float16)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, bt], x_layout)
-    if parts is None:
-        dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
-    else:
-        dst, strides, alpha_stride = parts, (c.n, 1), -1
-    tiles = k.cdiv(c.n, 64) * k.cdiv(c.m, bt)
-    ws.mma_direct[(tiles, split)](
-        w32, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, w32.stride(0),
-        strides[0], strides[1], alpha_stride, per_split, c.m * c.n,
-        BT=bt, STAGES=stages, GROUP=8, num_warps=4,
-    )  # fmt: skip
-    if parts is not None:
-        _reduce_partials(parts, c, split, pdl)
-    return c.out
-
-
 def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     """``hopper-mma``: mm_fp4's positional order (without backend)."""
     return _run_planes(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
