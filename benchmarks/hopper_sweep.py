@@ -311,6 +311,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         for c in GEMV3:
             name = "gemv3 " + " ".join(map(str, dataclasses.astuple(c)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=c)
+    if m <= 4 and "regs" in families:  # the GEMV's tactics with registers capped
+        for c in hopper_configs.candidates("gemv", m):
+            for cap in (168, 128):
+                cc = dataclasses.replace(c, max_registers=cap)
+                name = "regs " + " ".join(map(str, dataclasses.astuple(cc)))
+                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if m >= 64 and "wide" in families:
         for c in WIDE:
             if c.block_t <= 2 * m:
@@ -467,6 +473,7 @@ def main() -> None:
                         "dq",
                         "gemv2",
                         "gemv3",
+                        "regs",
                         "evict",
                         "deep",
                         "ws",
