@@ -202,7 +202,11 @@ GEMV2 = [
 # step converts a layout through shared memory where a program's threads span at most BK / 2
 # words of a row). results/hopper_sweep_gemv3.json also holds families "gemvb" (the tactics
 # with the kernel before that change) and "hw" (with the GPU's e4m3 conversion, since made
-# the product's): the sweep of commit e9917bd.
+# the product's): the sweep of commit e9917bd. results/hopper_sweep_regs.json: the tactics
+# with registers capped at 168 or 128 a thread (launch option maxnreg; ptxas gives the 8-row
+# tiles 143-242), no better: median 1.03x their time, 41 of 240 points over 2% faster and
+# 125 over 2% slower (up to 3x where 128 spills): commit 8738e79, GemvConfig.max_registers,
+# since taken out.
 GEMV3 = [
     triton_hopper.GemvConfig(*t)
     for t in [
@@ -311,12 +315,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         for c in GEMV3:
             name = "gemv3 " + " ".join(map(str, dataclasses.astuple(c)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=c)
-    if m <= 4 and "regs" in families:  # the GEMV's tactics with registers capped
-        for c in hopper_configs.candidates("gemv", m):
-            for cap in (168, 128):
-                cc = dataclasses.replace(c, max_registers=cap)
-                name = "regs " + " ".join(map(str, dataclasses.astuple(cc)))
-                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if m >= 64 and "wide" in families:
         for c in WIDE:
             if c.block_t <= 2 * m:
@@ -473,7 +471,6 @@ def main() -> None:
                         "dq",
                         "gemv2",
                         "gemv3",
-                        "regs",
                         "evict",
                         "deep",
                         "ws",

@@ -30,7 +30,6 @@ class GemvConfig:
     num_warps: int
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
-    max_registers: int = 0  # a cap on registers a thread (more programs an SM); 0: ptxas's
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
-        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
