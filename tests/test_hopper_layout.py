@@ -245,8 +245,10 @@ GEMV_SIGNATURE = {
     "alpha_value": "fp32",
 } | {
     name: "constexpr"
-    for name in ("A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL", "EVICT_FIRST")
-}
+    for name in (
+        "A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL", "EVICT_FIRST", "HW_E4M3"
+    )
+}  # fmt: skip
 
 
 def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
@@ -256,8 +258,7 @@ def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
     constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
     constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
     # the scales as validate.make_inputs and flashinfer's quantizer hand them: float8_e4m3fn
-    signature = GEMV_SIGNATURE | {"HW_E4M3": "constexpr"}
-    signature |= {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
+    signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
     ttgir = _ttgir(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3)
     loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
     return [line.strip() for line in loop.splitlines() if "convert_layout" in line]
@@ -289,7 +290,7 @@ def test_pdl_puts_the_grid_dependency_wait_first_and_nothing_without_it(pdl):
     constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
     mma = _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)
     gemv_constexprs = {"A_8X4": False, "ALPHA": 2, "BM": 4, "R": 8, "BK": 64, "ASM": True}
-    gemv_constexprs |= {"PREFETCH": True, "PDL": pdl, "EVICT_FIRST": False}
+    gemv_constexprs |= {"PREFETCH": True, "PDL": pdl, "EVICT_FIRST": False, "HW_E4M3": True}
     gemv = _compile(hk.gemv_dp4a, GEMV_SIGNATURE, gemv_constexprs, 1, 3)
     for kernel in (mma, gemv):
         ptx = kernel.asm["ptx"]
@@ -307,7 +308,7 @@ def test_the_gemv_asks_l2_to_evict_the_weight_first_only_when_told(evict_first):
     """``GemvConfig.evict_first`` reaches the weight's loads as an eviction hint (measured
     faster at M = 4 on the H200), and the tactics without it load as before."""
     constexprs = {"A_8X4": False, "ALPHA": 2, "BM": 4, "R": 8, "BK": 128, "ASM": True}
-    constexprs |= {"PREFETCH": False, "PDL": False, "EVICT_FIRST": evict_first}
+    constexprs |= {"PREFETCH": False, "PDL": False, "EVICT_FIRST": evict_first, "HW_E4M3": True}
     ptx = _compile(hk.gemv_dp4a, GEMV_SIGNATURE, constexprs, 2, 3).asm["ptx"]
     assert ("evict_first" in ptx) is evict_first
 
