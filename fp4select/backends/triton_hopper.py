@@ -204,17 +204,23 @@ def _with_pdl(pdl: bool) -> dict[str, bool]:
 def launch_path(env: Mapping[str, Any]) -> str:
     """How the ``hopper-*`` kernels launch in ``env``, with PDL or without and why (for doctor:
     grid dependency control is a Triton 3.4+ feature, so which path runs depends on the
-    installed Triton as well as the GPU)."""
+    installed Triton as well as the GPU), and how the GEMV converts its scales there (as
+    ``_e4m3_in_hardware`` decides from the GPU)."""
     why = why_unavailable(env)
     if why:
         return f"not run here: {why}"
+    scales = (
+        "; the GEMV's e4m3 scales converted by the GPU's cvt"
+        if cuda_from(env, 89)
+        else "; the GEMV's e4m3 scales converted in integer arithmetic (the GPU's cvt: SM89+)"
+    )
     if not cuda_from(env, 90):
-        return f"without PDL: it needs SM90 or newer (this is SM{env.get('cc')})"
+        return f"without PDL: it needs SM90 or newer (this is SM{env.get('cc')})" + scales
     if not triton_fp4.kernels().PDL_SUPPORTED:
-        return "without PDL: this Triton has no grid dependency control (Triton 3.4+ has)"
+        return "without PDL: this Triton has no grid dependency control (Triton 3.4+ has)" + scales
     return (
         "with PDL where mm_fp4's enable_pdl is True (the default): the GEMV, the a decode and "
-        "the split-K reduction always, the tensor-core main loop at M <= 16"
+        "the split-K reduction always, the tensor-core main loop at M <= 16" + scales
     )
 
 
