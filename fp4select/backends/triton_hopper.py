@@ -168,15 +168,23 @@ def _checked_words(
     return c, _words(a, dtype), _words(b.T, dtype)
 
 
-_capabilities: dict[int, tuple[int, int]] = {}
+# From this compute capability the GPU converts e4m3 itself (``cvt``), and Triton lets a kernel
+# ask for it (float8e4nv); below, the GEMV converts its scales in integer arithmetic.
+HW_E4M3_FROM_CC = 89
+_device_flags: dict[int, tuple[bool, bool]] = {}
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def _flags(device: torch.device) -> tuple[bool, bool]:
+    """(PDL possible, e4m3 converted by the GPU) for a CUDA device, found once per device: the
+    launch path reads them on every call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cc = _capabilities.get(index)
-    if cc is None:
-        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return cc
+    flags = _device_flags.get(index)
+    if flags is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        cc = 10 * major + minor
+        pdl = cc >= 90 and triton_fp4.kernels().PDL_SUPPORTED
+        flags = _device_flags[index] = (pdl, cc >= HW_E4M3_FROM_CC)
+    return flags
 
 
 def _pdl(args: tuple[Any, ...], device: torch.device) -> bool:
@@ -185,14 +193,14 @@ def _pdl(args: tuple[Any, ...], device: torch.device) -> bool:
     kernels of a call (and before the first), about a microsecond each."""
     if not args[10] or device.type != "cuda":
         return False
-    return _capability(device) >= (9, 0) and triton_fp4.kernels().PDL_SUPPORTED
+    return _flags(device)[0]
 
 
 def _e4m3_in_hardware(device: torch.device) -> bool:
-    """Whether the GEMV converts its scales with the GPU's e4m3 instruction (SM89+; Triton
-    refuses float8e4nv below) rather than in integer arithmetic: median 0.97x the time at
-    M = 1-8, 0.93-1.11x at M = 2-8 (results/hopper_sweep_gemv3.json); NaN scales read as NaN."""
-    return ASM and device.type == "cuda" and _capability(device) >= (8, 9)
+    """Whether the GEMV converts its scales with the GPU's e4m3 instruction rather than in
+    integer arithmetic: median 0.97x the time at M = 1-8, 0.93-1.11x at M = 2-8
+    (results/hopper_sweep_gemv3.json); NaN scales read as NaN."""
+    return ASM and device.type == "cuda" and _flags(device)[1]
 
 
 def _with_pdl(pdl: bool) -> dict[str, bool]:
@@ -211,7 +219,7 @@ def launch_path(env: Mapping[str, Any]) -> str:
         return f"not run here: {why}"
     scales = (
         "; the GEMV's e4m3 scales converted by the GPU's cvt"
-        if cuda_from(env, 89)
+        if cuda_from(env, HW_E4M3_FROM_CC)
         else "; the GEMV's e4m3 scales converted in integer arithmetic (the GPU's cvt: SM89+)"
     )
     if not cuda_from(env, 90):
