@@ -150,7 +150,7 @@ WSK = [
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws" and "wsk".
+# "evict", "deep", "ws", "wsk", "fuse" and "int".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -349,6 +349,20 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     for name, limit in old.items():
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
+    if m <= 64 and "fuse" in families:  # the mma tactics with their K split summed in the
+        # main kernel's last program per tile (results/hopper_sweep_fuse.json also holds a
+        # decoded in the main loop: slower at every point, 1.0-2.5x, since taken out)
+        for c in hopper_configs.candidates("mma", m):
+            cc = dataclasses.replace(c, sum_last=1 - c.sum_last)
+            out["fuse " + " ".join(map(str, dataclasses.astuple(cc)))] = functools.partial(
+                triton_hopper.run_mma, cfg=cc
+            )
+    if m <= 256 and "int" in families:  # the mma tactics with their scales converted in
+        # integer arithmetic (SM80's path) rather than by the GPU's cvt
+        for c in hopper_configs.candidates("mma", m):
+            out["int " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
+                _int_scales, cfg=c
+            )
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
@@ -364,6 +378,10 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     if m >= 256 and "dq" not in families:
         out["hopper-dequant"] = dequant.run_hopper
     return out
+
+
+def _int_scales(*args, cfg):
+    return triton_hopper._run_planes(args, "hopper-mma", cfg, hw_e4m3=False)
 
 
 def _without_pdl(run, *args, cfg):
@@ -475,6 +493,8 @@ def main() -> None:
                         "deep",
                         "ws",
                         "wsk",
+                        "fuse",
+                        "int",
                     )
                 ),
                 default=float("nan"),

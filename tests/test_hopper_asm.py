@@ -56,6 +56,12 @@ def _f16x2_mul(a, b):
     return lo.view(np.uint16).astype(U32) | (hi.view(np.uint16).astype(U32) << U32(16))
 
 
+def _e4m3_f16_bits(b: np.ndarray) -> np.ndarray:
+    """e4m3 bytes -> the float16 bits of their values (exact: every e4m3 value is a float16)."""
+    values = torch.from_numpy(b.astype(np.uint8)).view(torch.float8_e4m3fn).to(torch.float16)
+    return values.view(torch.int16).numpy().view(np.uint16).astype(U32)
+
+
 def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Interpret one of the kernels' asm blocks; ``inputs`` maps $index -> uint32/uint64 array."""
     regs: dict[str, np.ndarray] = {f"${i}": v for i, v in inputs.items()}
@@ -105,6 +111,11 @@ def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
                 0xFFFFFFFF
             )
             regs[args[0]] = regs[args[0]].astype(U32)
+        elif op == "cvt.rn.f16x2.e4m3x2":  # bytes 0 and 1 of a 16-bit value -> halves 0 and 1
+            pair = val(args[1]) & U32(0xFFFF)
+            regs[args[0]] = _e4m3_f16_bits(pair & U32(255)) | (
+                _e4m3_f16_bits(pair >> U32(8)) << U32(16)
+            )
         elif op == "mul.rn.f16x2":
             regs[args[0]] = _f16x2_mul(val(args[1]), val(args[2]))
         else:
@@ -196,11 +207,16 @@ def _pair_planes(got: dict[int, np.ndarray], half: int) -> np.ndarray:
     )
 
 
-def test_pair_to_f16_is_exact_at_every_code_and_every_e4m3_scale():
-    """Each half of each output is its own word's code times its own word's scale."""
+@pytest.mark.parametrize("asm", ["_PAIR_TO_F16", "_PAIR_TO_F16_CVT"])
+def test_pair_to_f16_is_exact_at_every_code_and_every_e4m3_scale(asm):
+    """Each half of each output is its own word's code times its own word's scale. The
+    conversion by the GPU (``_CVT``) reads only the low byte of each scale: the bits above it
+    are set here, and NaN scales come out NaN."""
     bytes_ = torch.arange(256, dtype=torch.uint8)
     finite = torch.isfinite(bytes_.view(torch.float8_e4m3fn).double())
-    scale_bytes = bytes_[finite].numpy().astype(np.uint32)
+    cvt = asm.endswith("_CVT")
+    scale_bytes = (bytes_ if cvt else bytes_[finite]).numpy().astype(np.uint32)
+    junk = np.uint32(0xA5C3E700) if cvt else np.uint32(0)
     words0 = ALL_HALVES | (np.roll(ALL_HALVES, 4321) << U32(16))
     words1 = np.roll(words0, 999)
     values = [
@@ -213,17 +229,18 @@ def test_pair_to_f16_is_exact_at_every_code_and_every_e4m3_scale():
     for s0 in scale_bytes.tolist():
         s1 = int(scale_bytes[(s0 * 7 + 3) % len(scale_bytes)])  # a different scale for word 1
         got = run_ptx(
-            hk._PAIR_TO_F16.value,
+            getattr(hk, asm).value,
             {
                 8: words0,
                 9: words1,
-                10: np.full(words0.shape, s0, U32),
-                11: np.full(words0.shape, s1, U32),
+                10: np.full(words0.shape, s0 | junk, U32),
+                11: np.full(words0.shape, s1 | (junk << U32(4)), U32),
             },
         )
         for half, (s, v) in enumerate(((s0, values[0]), (s1, values[1]))):
             planes = _pair_planes(got, half).view(np.float16).astype(np.float64)
-            assert np.array_equal(planes, v * 2.0**-14 * scale_values[s]), (s0, s1, half)
+            want = v * 2.0**-14 * scale_values[s]
+            assert np.array_equal(planes, want, equal_nan=True), (s0, s1, half)
 
 
 def test_a_planted_table_error_is_caught():

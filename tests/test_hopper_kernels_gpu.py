@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp4select import formats, validate
-from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_hopper
+from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_fp4, triton_hopper
 from fp4select.keys import Problem, m_bucket
 
 pytestmark = [
@@ -248,3 +248,34 @@ def test_programmatic_dependent_launch_changes_no_bit():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(run(*args), plain) and torch.equal(out, plain), run.__name__
+
+
+def test_the_split_summed_by_the_last_program_gives_the_reduction_kernels_bits():
+    """``sum_last`` (each tile's last split program sums the partial sums) against the
+    reduction kernel, eagerly and over graph replays of back-to-back calls, which must find
+    the arrival counts back at zero each time; and the weight's scales converted by the GPU
+    against SM80's integer path, same bits."""
+    m = 16
+    problem = Problem(n=4096, k=4096, m_bucket=m_bucket(m), alpha_kind="per_token")
+    inputs = validate.make_inputs(problem, m, "cuda", seed=5)
+    args = inputs.args(problem)
+    split = hopper_configs.MmaConfig(128, 16, 32, 4, 3, split=4)
+    summed = dataclasses.replace(split, sum_last=1)
+    want = triton_hopper.run_mma(*args, cfg=split)
+    assert validate.check(want, inputs, problem.torch_out_dtype).ok
+    assert torch.equal(triton_hopper.run_mma(*args, cfg=summed), want)
+    integer = triton_hopper._run_planes(args, "hopper-mma", summed, hw_e4m3=False)
+    assert torch.equal(integer, want)
+    outs = [torch.full_like(want, float("nan")) for _ in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out in outs:
+            triton_hopper.run_mma(*inputs.args(problem, out), cfg=summed)
+    for _ in range(4):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out in outs)
+    counts = [v for key, v in triton_fp4._workspaces.items() if key[0] == "counts"]
+    assert counts and all(int(c.abs().sum()) == 0 for c in counts)

@@ -62,6 +62,7 @@ SIGNATURE = {
     "cp": "i32",
     "iters_per_split": "i32",
     "alpha_value": "fp32",
+    "count_ptr": "*i32",
     "ALPHA": "constexpr",
     "PARTIALS": "constexpr",
     "BN": "constexpr",
@@ -69,6 +70,8 @@ SIGNATURE = {
     "BKW": "constexpr",
     "GROUP": "constexpr",
     "ASM": "constexpr",
+    "HW_E4M3": "constexpr",
+    "SUM_LAST": "constexpr",
     "PDL": "constexpr",
 }
 # What a real launch specializes on: 16-aligned pointers, sizes and strides divisible by 16.
@@ -117,8 +120,10 @@ def _ttgir(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> st
 
 def _compile_mma(cfg):
     """``mma_planes`` as ``cfg`` launches it (scalar alpha)."""
-    constexprs = {"ALPHA": 2, "PARTIALS": cfg.split != 1, "GROUP": cfg.group, "ASM": True}
-    constexprs |= {"PDL": True}  # as launched on SM90 (mm_fp4's enable_pdl defaults to True)
+    partials = cfg.split != 1
+    constexprs = {"ALPHA": 2, "PARTIALS": partials, "GROUP": cfg.group, "ASM": True}
+    # as launched on SM90 (mm_fp4's enable_pdl defaults to True)
+    constexprs |= {"PDL": True, "HW_E4M3": True, "SUM_LAST": partials and bool(cfg.sum_last)}
     constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
     return _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)
 

@@ -1,6 +1,6 @@
 """Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
 
-Why one file of ~840 lines: Triton resolves a kernel's helpers through its module's globals,
+Why one file of ~900 lines: Triton resolves a kernel's helpers through its module's globals,
 and the three kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
 asm strings and the twins they must agree with read best side by side.
 
@@ -316,6 +316,8 @@ def _plane_pair(byte: int, out_lo: int, out_hi: int) -> str:
 # reads for two neighbouring values of K, so nothing is unpacked and packed again, and the
 # scale is decoded once per two words. Still elementwise: each half depends on its own word
 # and its own scale only, however Triton pairs the elements.
+_PLANES = _plane_pair(0, 0, 1) + _plane_pair(1, 2, 3) + _plane_pair(2, 4, 5) + _plane_pair(3, 6, 7)
+# The scales in integer arithmetic: their bits moved into float16's and rescaled by 2**8.
 _PAIR_TO_F16 = tl.constexpr(
     """{
     .reg .b32 t, a, b, v, s, c;
@@ -328,33 +330,55 @@ _PAIR_TO_F16 = tl.constexpr(
     or.b32 s, a, b;
     mov.b32 c, 0x5C005C00;
     mul.rn.f16x2 s, s, c;"""
-    + _plane_pair(0, 0, 1)
-    + _plane_pair(1, 2, 3)
-    + _plane_pair(2, 4, 5)
-    + _plane_pair(3, 6, 7)
+    + _PLANES
+    + """
+    }"""
+)
+# The scales by the GPU's conversion (SM89+): the low byte of $10 and of $11 side by side, two
+# e4m3 to float16x2 in one instruction (bits above the low byte of $10 and $11 are ignored, so
+# the caller need not mask them). 2 instructions where the above takes 9; a NaN scale (0x7F,
+# 0xFF) reads as NaN, as in the reference.
+_PAIR_TO_F16_CVT = tl.constexpr(
+    """{
+    .reg .b32 t, a, b, v, s;
+    .reg .b16 lo, hi;
+    prmt.b32 t, $10, $11, 0x40;
+    mov.b32 {lo, hi}, t;
+    cvt.rn.f16x2.e4m3x2 s, lo;"""
+    + _PLANES
     + """
     }"""
 )
 
 
 @triton.jit
-def pair_to_f16(q, sb, ASM: tl.constexpr):
+def pair_to_f16(q, sb, ASM: tl.constexpr, HW: tl.constexpr = False):
     """Words of 8 E2M1 codes (int32) and their e4m3 scale bytes (int32) -> 8 float16 planes.
 
     Plane i holds code i of each word (bits 4i..4i+3) times 2**-14 times the word's scale, as
-    ``word_to_f16`` does, two words per asm call (see ``_PAIR_TO_F16``).
+    ``word_to_f16`` does, two words per asm call (see ``_PAIR_TO_F16``). HW: the scales are
+    converted by the GPU (``_PAIR_TO_F16_CVT``), which reads only each scale's low byte.
     """
-    if ASM:
+    if ASM and HW:
         return tl.inline_asm_elementwise(
-            _PAIR_TO_F16,
+            _PAIR_TO_F16_CVT,
             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
             [q, sb],
             dtype=(tl.float16,) * 8,
             is_pure=True,
             pack=2,
         )
+    elif ASM:
+        return tl.inline_asm_elementwise(
+            _PAIR_TO_F16,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+            [q, sb & 0xFF],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
     else:
-        return word_to_f16(q, e4m3_f16x2(sb), False)
+        return word_to_f16(q, e4m3_f16x2(sb & 0xFF), False)
 
 
 @triton.jit
@@ -783,6 +807,7 @@ def mma_planes(
     cp,
     iters_per_split,
     alpha_value,
+    count_ptr,  # int32, one per tile, zeros between calls: split programs arrived (SUM_LAST)
     ALPHA: tl.constexpr,
     PARTIALS: tl.constexpr,
     BN: tl.constexpr,  # weight rows per tile (the MMA's large side)
@@ -790,6 +815,8 @@ def mma_planes(
     BKW: tl.constexpr,  # words per step (8 * BKW values of K)
     GROUP: tl.constexpr,
     ASM: tl.constexpr,
+    HW_E4M3: tl.constexpr = False,  # the weight's scales converted by the GPU (SM89+)
+    SUM_LAST: tl.constexpr = False,  # the last split program of a tile sums the partials
     PDL: tl.constexpr = False,
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
@@ -829,7 +856,7 @@ def mma_planes(
     for i in range(0, iters_per_split):
         k0 = (pid_k * iters_per_split + i) * BKW
         wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW)
-        w = plane_major(*pair_to_f16(wq, (sw >> shift) & 0xFF, ASM), BN, BKW)
+        w = plane_major(*pair_to_f16(wq, sw >> shift, ASM, HW_E4M3), BN, BKW)
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
         acc = retired(tl.dot(w, tl.load(xb), acc), ASM)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
@@ -838,7 +865,38 @@ def mma_planes(
     if PARTIALS:
         ptrs = part_ptr + pid_k * M * N + offs_t[None, :] * N + offs_n[:, None]
         tl.store(ptrs, acc, mask=mask)
+        if SUM_LAST:
+            _sum_if_last(
+                part_ptr, count_ptr + pid, alpha_ptr, out_ptr, offs_n, offs_t, mask, M, N,
+                stride_om, stride_on, alpha_value, ALPHA,
+            )  # fmt: skip
     else:
         acc = acc * _alpha_scale(offs_t, mask_t, alpha_ptr, alpha_value, ALPHA)[None, :]
         ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_if_last(
+    part_ptr, count_ptr, alpha_ptr, out_ptr, offs_n, offs_t, mask, M, N, stride_om, stride_on,
+    alpha_value, ALPHA: tl.constexpr,
+):  # fmt: skip
+    """The split-K sum, by the tile's last program to arrive (no kernel of its own).
+
+    Each program has stored its partial sums; the barrier makes all its threads' stores
+    precede the count's release, and the last arrival (acquire) adds every split's partials
+    in split order, as ``reduce_split`` does, so the result does not depend on arrival order.
+    It puts the count back to zero for the next call (graph replays reuse the counts).
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    split = tl.num_programs(1)
+    if arrived == split - 1:
+        tl.store(count_ptr, 0)
+        base = part_ptr + offs_t[None, :] * N + offs_n[:, None]
+        total = tl.zeros(mask.shape, dtype=tl.float32)
+        for s in range(0, split):
+            total += tl.load(base + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        total = total * _alpha_scale(offs_t, offs_t < M, alpha_ptr, alpha_value, ALPHA)[None, :]
+        ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+        tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)

@@ -12,7 +12,7 @@ run apart, so one decodes while the other's MMA runs: the decode overlaps the te
 without touching registers a wgmma in flight reads. (Tiles of 16-32 tokens, for M <= 32,
 were slower than ``hopper-mma`` at every point timed: commit 15e63df,
 results/hopper_sweep_wss.json.) The arithmetic is ``mma_planes``': a step of 16
-words is decoded into 8 planes (``_PAIR_TO_F16``), plane p multiplies rows 16p .. 16p + 15 of
+words is decoded into 8 planes (``_PAIR_TO_F16_CVT``), plane p multiplies rows 16p .. 16p + 15 of
 a's workspace (``decode_planes``' order), so each plane is one k16 wgmma. The planes are
 joined in the registers the MMA reads; ``convert_layout(..., assert_trivial=True)`` holds that
 at compile time.
@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fp4select.backends._hopper_kernels import _PAIR_TO_F16
+from fp4select.backends._hopper_kernels import _PAIR_TO_F16_CVT
 
 # Triton 3.6's name for a TMA load is async_copy_global_to_shared; 3.9 renamed it (and the old
 # name raises there).
@@ -78,7 +78,7 @@ def _loader(
 @gluon.jit
 def _planes(wq, sb):
     return gl.inline_asm_elementwise(
-        _PAIR_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sb],
+        _PAIR_TO_F16_CVT, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sb],
         dtype=(gl.float16,) * 8, is_pure=True, pack=2,
     )  # fmt: skip
 
@@ -107,7 +107,7 @@ def _rows(off_n, N, cp, BN: gl.constexpr, BKW: gl.constexpr, op: gl.constexpr):
 def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
     """Step i's weight words (a [rows, BKW] tile in shared memory) decoded into one MMA operand:
     plane p at columns p * BKW .. p * BKW + BKW, joined in the registers the MMA reads."""
-    sb = (sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]) & 0xFF
+    sb = sw >> ((((i * BKW + kw) // 2) & 3) * 8)[None, :]  # _PAIR_TO_F16_CVT reads the low byte
     ROWS: gl.constexpr = words.type.shape[0]
     p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words.load(op), sb)
     w = gl.join(

@@ -159,6 +159,20 @@ def _workspace(device: torch.device, n: int, split: int, max_m: int) -> torch.Te
     return ws
 
 
+def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """Zeroed int32 counts, one per output tile, that a kernel summing its own K split puts
+    back to zero (see ``_hopper_kernels._sum_if_last``); None inside a graph capture if none
+    was made before. One buffer per tile count, never replaced: a captured graph keeps its
+    address."""
+    key = ("counts", device.type, device.index, tiles)
+    counts = _workspaces.get(key)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _workspaces[key] = torch.zeros(tiles, dtype=torch.int32, device=device)
+    return counts
+
+
 def clear_workspaces() -> None:
     """Drop the split-K workspaces (tests; or to give memory back)."""
     _workspaces.clear()

@@ -197,9 +197,8 @@ def _pdl(args: tuple[Any, ...], device: torch.device) -> bool:
 
 
 def _e4m3_in_hardware(device: torch.device) -> bool:
-    """Whether the GEMV converts its scales with the GPU's e4m3 instruction rather than in
-    integer arithmetic: median 0.97x the time at M = 1-8, 0.93-1.11x at M = 2-8
-    (results/hopper_sweep_gemv3.json); NaN scales read as NaN."""
+    """The GPU's e4m3 conversion, not integer arithmetic: the GEMV in 0.97x the time (median,
+    hopper_sweep_gemv3.json), the MMA loop in 0.96-1.0x (hopper_sweep_cvt.json); NaN is NaN."""
     return ASM and device.type == "cuda" and _flags(device)[1]
 
 
@@ -212,15 +211,15 @@ def _with_pdl(pdl: bool) -> dict[str, bool]:
 def launch_path(env: Mapping[str, Any]) -> str:
     """How the ``hopper-*`` kernels launch in ``env``, with PDL or without and why (for doctor:
     grid dependency control is a Triton 3.4+ feature, so which path runs depends on the
-    installed Triton as well as the GPU), and how the GEMV converts its scales there (as
-    ``_e4m3_in_hardware`` decides from the GPU)."""
+    installed Triton as well as the GPU), and how the kernels convert the weight's scales
+    (``_e4m3_in_hardware``)."""
     why = why_unavailable(env)
     if why:
         return f"not run here: {why}"
     scales = (
-        "; the GEMV's e4m3 scales converted by the GPU's cvt"
+        "; the e4m3 scales converted by the GPU's cvt"
         if cuda_from(env, HW_E4M3_FROM_CC)
-        else "; the GEMV's e4m3 scales converted in integer arithmetic (the GPU's cvt: SM89+)"
+        else "; the e4m3 scales converted in integer arithmetic (the GPU's cvt: SM89+)"
     )
     if not cuda_from(env, 90):
         return f"without PDL: it needs SM90 or newer (this is SM{env.get('cc')})" + scales
@@ -307,8 +306,9 @@ def _reduce_partials(parts: torch.Tensor, c: triton_fp4.Checked, split: int, pdl
     )  # fmt: skip
 
 
-def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tensor:
-    """a decoded once into float16 planes, then the weight decoded in the tensor-core loop."""
+def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig, hw_e4m3: Any = None) -> Any:
+    """a decoded once into float16 planes, then the weight decoded in the tensor-core loop.
+    ``hw_e4m3=False``: the weight's scales in integer arithmetic, as on SM80 (for sweeps)."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
     b_descale, a8x4 = args[3], args[8]
     if c.m == 0 or c.n == 0:
@@ -335,16 +335,18 @@ def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig) -> torch.Tenso
     steps = per_split * split  # what the programs read, past K included (zeros)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
     x = _a_planes(c, a32, a8x4, steps, bkw, mp, pdl)
-    grid = (k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t), split)
-    k.mma_planes[grid](
+    tiles = k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t)
+    counts = triton_fp4._counts(c.out.device, tiles) if parts is not None and cfg.sum_last else None
+    hw = _e4m3_in_hardware(c.out.device) if hw_e4m3 is None else hw_e4m3
+    k.mma_planes[(tiles, split)](
         x, w32, sw32, shifts, c.alpha_ptr, c.out, c.out if parts is None else parts,
         c.m, c.n, kw, mp, w32.stride(0), c.out.stride(0), c.out.stride(1), c.cp,
-        per_split, c.alpha_value,
+        per_split, c.alpha_value, shifts if counts is None else counts,
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
-        GROUP=cfg.group, ASM=ASM, **_with_pdl(pdl_main),
+        GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if parts is not None:
+    if parts is not None and counts is None:
         _reduce_partials(parts, c, split, pdl)
     return c.out
 
