@@ -150,7 +150,7 @@ WSK = [
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "fuse" and "int".
+# "evict", "deep", "ws", "wsk", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -196,6 +196,26 @@ GEMV2 = [
     for r, bk, w in [(8, 128, 2), (4, 128, 2), (4, 256, 4), (8, 64, 1), (2, 256, 2), (4, 64, 1)]
     for pf in (0, 1)
 ] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
+
+
+# 16-token tiles whose registers leave room for 3-7 programs an SM, split so that there are
+# that many (the table's split gives about two an SM).
+OCC = [
+    hopper_configs.MmaConfig(bn, 16, bkw, 4, st, sp, sum_last=1)
+    for bn, bkw, st, sp in [
+        (64, 32, 4, 0),
+        (64, 32, 4, 4),
+        (64, 32, 4, 8),
+        (128, 16, 3, 0),
+        (128, 16, 3, 8),
+        (128, 16, 3, 16),
+        (128, 16, 4, 8),
+        (64, 16, 4, 8),
+        (64, 16, 4, 16),
+        (128, 32, 3, 0),
+        (128, 32, 3, 8),
+    ]
+]
 
 
 # hopper-gemv beyond its tactics, with its scale tiles in the weight's register layout (no
@@ -357,6 +377,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out["fuse " + " ".join(map(str, dataclasses.astuple(cc)))] = functools.partial(
                 triton_hopper.run_mma, cfg=cc
             )
+    if m <= 16 and "occ" in families:  # smaller tiles split further: more programs per SM
+        for c in OCC:
+            out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
+                triton_hopper.run_mma, cfg=c
+            )
     if m <= 256 and "int" in families:  # the mma tactics with their scales converted in
         # integer arithmetic (SM80's path) rather than by the GPU's cvt
         for c in hopper_configs.candidates("mma", m):
@@ -495,6 +520,7 @@ def main() -> None:
                         "wsk",
                         "fuse",
                         "int",
+                        "occ",
                     )
                 ),
                 default=float("nan"),
