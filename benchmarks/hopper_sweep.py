@@ -198,8 +198,8 @@ GEMV2 = [
 ] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
 
 
-# 16-token tiles whose registers leave room for 3-7 programs an SM, split so that there are
-# that many (the table's split gives about two an SM).
+# Tiles whose registers leave room for 3-7 programs an SM, split so that there are that many
+# (the table's split gives about two an SM).
 OCC = [
     hopper_configs.MmaConfig(bn, 16, bkw, 4, st, sp, sum_last=1)
     for bn, bkw, st, sp in [
@@ -214,6 +214,19 @@ OCC = [
         (64, 16, 4, 16),
         (128, 32, 3, 0),
         (128, 32, 3, 8),
+    ]
+] + [
+    hopper_configs.MmaConfig(bn, bt, bkw, 4, st, sp, sum_last=int(bt <= 32))
+    for bn, bt, bkw, st, sp in [
+        (128, 32, 16, 3, 0),
+        (64, 32, 16, 3, 0),
+        (64, 32, 16, 3, 4),
+        (64, 32, 16, 3, 8),
+        (64, 32, 32, 3, 4),
+        (128, 64, 16, 4, 0),
+        (64, 64, 16, 3, 0),
+        (64, 64, 16, 3, 2),
+        (64, 64, 16, 3, 4),
     ]
 ]
 
@@ -377,11 +390,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out["fuse " + " ".join(map(str, dataclasses.astuple(cc)))] = functools.partial(
                 triton_hopper.run_mma, cfg=cc
             )
-    if m <= 16 and "occ" in families:  # smaller tiles split further: more programs per SM
+    if m <= 64 and "occ" in families:  # smaller tiles split further: more programs per SM
         for c in OCC:
-            out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                triton_hopper.run_mma, cfg=c
-            )
+            if c.block_t >= m and (c.block_t == 16 or c.block_t < 2 * m):
+                out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
+                    triton_hopper.run_mma, cfg=c
+                )
     if m <= 256 and "int" in families:  # the mma tactics with their scales converted in
         # integer arithmetic (SM80's path) rather than by the GPU's cvt
         for c in hopper_configs.candidates("mma", m):
