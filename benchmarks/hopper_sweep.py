@@ -201,23 +201,19 @@ GEMV2 = [
 # Tiles whose registers leave room for 3-7 programs an SM, split so that there are that many
 # (the table's split gives about two an SM).
 OCC = [
-    hopper_configs.MmaConfig(bn, 16, bkw, 4, st, sp, sum_last=1)
-    for bn, bkw, st, sp in [
-        (64, 32, 4, 0),
-        (64, 32, 4, 4),
-        (64, 32, 4, 8),
-        (128, 16, 3, 0),
-        (128, 16, 3, 8),
-        (128, 16, 3, 16),
-        (128, 16, 4, 8),
-        (64, 16, 4, 8),
-        (64, 16, 4, 16),
-        (128, 32, 3, 0),
-        (128, 32, 3, 8),
-    ]
-] + [
     hopper_configs.MmaConfig(bn, bt, bkw, 4, st, sp, sum_last=int(bt <= 32))
     for bn, bt, bkw, st, sp in [
+        (64, 16, 32, 4, 0),
+        (64, 16, 32, 4, 4),
+        (64, 16, 32, 4, 8),
+        (128, 16, 16, 3, 0),
+        (128, 16, 16, 3, 8),
+        (128, 16, 16, 3, 16),
+        (128, 16, 16, 4, 8),
+        (64, 16, 16, 4, 8),
+        (64, 16, 16, 4, 16),
+        (128, 16, 32, 3, 0),
+        (128, 16, 32, 3, 8),
         (128, 32, 16, 3, 0),
         (64, 32, 16, 3, 0),
         (64, 32, 16, 3, 4),
