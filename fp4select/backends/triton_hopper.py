@@ -210,9 +210,8 @@ def _with_pdl(pdl: bool) -> dict[str, bool]:
 
 def launch_path(env: Mapping[str, Any]) -> str:
     """How the ``hopper-*`` kernels launch in ``env``, with PDL or without and why (for doctor:
-    grid dependency control is a Triton 3.4+ feature, so which path runs depends on the
-    installed Triton as well as the GPU), and how the kernels convert the weight's scales
-    (``_e4m3_in_hardware``)."""
+    grid dependency control is a Triton 3.4+ feature, so the installed Triton matters as well
+    as the GPU), and how the kernels convert the weight's scales (``_e4m3_in_hardware``)."""
     why = why_unavailable(env)
     if why:
         return f"not run here: {why}"
@@ -289,9 +288,8 @@ def _a_planes(
 
 
 def _partials(c: triton_fp4.Checked, split: int) -> torch.Tensor | None:
-    """The float32 workspace a K split of ``split`` writes its partial sums to ((split, M, N),
-    as ``reduce_split`` reads them), or None: no split, or none can be made here (inside a
-    graph capture), and then the caller runs unsplit."""
+    """The float32 workspace a K split writes its partial sums to ((split, M, N)), or None:
+    no split, or none can be made here (inside a graph capture): the caller runs unsplit."""
     if split <= 1:
         return None
     return triton_fp4._workspace(c.out.device, c.n, split, max(c.m, 128))
@@ -306,9 +304,11 @@ def _reduce_partials(parts: torch.Tensor, c: triton_fp4.Checked, split: int, pdl
     )  # fmt: skip
 
 
-def _run_planes(args: tuple[Any, ...], name: str, cfg: MmaConfig, hw_e4m3: Any = None) -> Any:
-    """a decoded once into float16 planes, then the weight decoded in the tensor-core loop.
-    ``hw_e4m3=False``: the weight's scales in integer arithmetic, as on SM80 (for sweeps)."""
+def _run_planes(
+    args: tuple[Any, ...], name: str, cfg: MmaConfig, hw_e4m3: bool | None = None
+) -> torch.Tensor:
+    """a decoded once into float16 planes, then the weight decoded in the tensor-core loop
+    (``hw_e4m3=False``: the weight's scales in integer arithmetic, SM80's path, for sweeps)."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
     b_descale, a8x4 = args[3], args[8]
     if c.m == 0 or c.n == 0:
