@@ -7,7 +7,9 @@ waited for its wgmma, ``_hopper_kernels.retired``; run on both forms of those tw
 Each tactic runs the same inputs many times, back to back in a CUDA graph, while a second
 stream keeps the memory system busy (the hazard depends on timing), and every output is
 compared bit for bit with the first, which is also checked against the exact reference. The
-kernels have no atomics and a fixed summation order, so any differing bit is a race. Prints
+kernels sum in a fixed order (where `hopper-mma`'s tiles sum their own K split, an atomic
+count decides only which program adds the partial sums, not in which order), so any
+differing bit is a race. Prints
 one row per tactic and case and writes ``results/hazard_stress_<device>.json``.
 
 Usage (a CUDA GPU): ``python benchmarks/hazard_stress.py [--repeats 400] [--no-load]``
@@ -32,6 +34,7 @@ from fp4select.keys import Problem, m_bucket
 # (N, K, M): every tactic list of the three backends, narrow and wide shapes.
 CASES = [
     (4096, 4096, 16),
+    (4096, 4096, 32),
     (8192, 8192, 64),
     (4096, 4096, 128),
     (8192, 8192, 256),
