@@ -71,10 +71,11 @@ class GemmTile:
 
 
 GEMV_BY_M = ((2, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1, 1)))
-# Up to 32 tokens the K split is summed by each tile's last program (``sum_last``): 1.0-1.09x
-# faster than a kernel of its own at every point of results/hopper_sweep_cvt.json and
-# _fuse.json, where 64-token tiles were up to 1.15x slower with it (one program then reads
-# 128 x 64 partial sums per split).
+# Up to 32 tokens the K split is summed by each tile's last program (``sum_last``): the best
+# configuration at each point 0.99-1.09x the time of the best with a kernel of its own
+# (single configurations 0.90-1.16x; results/hopper_sweep_cvt.json and _fuse.json, M <= 32),
+# where 64-token tiles were up to 1.15x slower with it (one program then reads 128 x 64
+# partial sums per split).
 MMA_BY_M = (
     (16, MmaConfig(128, 16, 32, 4, 3, sum_last=1)),
     (32, MmaConfig(128, 32, 16, 4, 3, sum_last=1)),
