@@ -148,9 +148,17 @@ WSK = [
     ]
 ]
 
+# hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
+# halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
+# (256 tokens, or 256 rows with whole-tile MMAs, spill at the 168 registers 12 warps allow.)
+WSW = [
+    hopper_configs.WsConfig(bn, 128, st, sp, 128)
+    for bn, st, sp in [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (64, 5, 0), (64, 3, 0)]
+]
+WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 128, 3, 2, 128)]
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -370,6 +378,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wsk " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
+    if m >= 33 and "wsw" in families:  # hopper-ws's tiles, each step one wgmma over the
+        # whole 128-token tile instead of two over its 64-token halves
+        for c in WSW:
+            if c.block_t <= 2 * m:
+                name = "wsw " + " ".join(map(str, dataclasses.astuple(c)))
+                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -528,6 +542,7 @@ def main() -> None:
                         "deep",
                         "ws",
                         "wsk",
+                        "wsw",
                         "fuse",
                         "int",
                         "occ",

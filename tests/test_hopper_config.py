@@ -51,6 +51,13 @@ def test_hopper_ws_splits_k_to_fill_the_sms_once():
     assert all(c.split == 0 for c in hc.WS_TACTICS)  # every tactic chooses its split
 
 
+@pytest.mark.parametrize("tokens", [32, 96, 256])  # 256: not the tile's 128
+def test_hopper_ws_takes_its_tile_in_one_wgmma_or_in_64_token_halves_only(tokens):
+    assert hc.WsConfig(128, 128, 3, 0, 128).mma_tokens == 128
+    with pytest.raises(ValueError, match="mma_tokens must be 64 or block_t, got"):
+        hc.WsConfig(128, 128, 3, 0, tokens)
+
+
 def test_word_views_refuse_rows_that_are_not_aligned():
     a = torch.zeros((3, 33), dtype=torch.uint8)
     assert th._words(a[:, 1:], torch.int64) is None  # 4-byte rows from an odd offset

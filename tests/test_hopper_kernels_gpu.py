@@ -118,6 +118,8 @@ def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
         hopper_configs.WsConfig(64, 128, 4, 2),
         hopper_configs.WsConfig(128, 128, 2, 0),
         hopper_configs.WsConfig(256, 128, 2, 3),
+        hopper_configs.WsConfig(64, 128, 5, 2, 128),  # one wgmma over the 128 tokens
+        hopper_configs.WsConfig(128, 128, 3, 0, 128),
     ],
     ids=str,
 )

@@ -354,10 +354,11 @@ def _compile_ws(cfg, alpha: int):
     _skip_without_sm90_toolchain()
     bn, words = cfg.block_n, _hopper_ws.STEP_WORDS
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, words], gl.int32)
-    x_layout = gl.NVMMASharedLayout.get_default_for([8 * words, 64], gl.float16)
+    xw = cfg.mma_tokens
+    x_layout = gl.NVMMASharedLayout.get_default_for([8 * words, xw], gl.float16)
     signature = {
         "w_desc": f"tensordesc<i32[{bn}, {words}],{w_layout!r}>",
-        "x_desc": f"tensordesc<fp16[{8 * words}, 64],{x_layout!r}>",
+        "x_desc": f"tensordesc<fp16[{8 * words}, {xw}],{x_layout!r}>",
         "sw_ptr": "*i32", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
         "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
         "stride_on": "i32", "alpha_stride": "i32", "per_split": "i32", "split_stride": "i32",
@@ -376,11 +377,12 @@ def _compile_ws(cfg, alpha: int):
     )
 
 
-# and two tiles the sweep times that no tactic uses
+# and tiles the sweep times that no tactic uses
 WS_TILES = (
     *hopper_configs.WS_TACTICS,
     hopper_configs.WsConfig(256, 128, 3),
-    hopper_configs.WsConfig(128, 128, 3),
+    hopper_configs.WsConfig(128, 128, 2),
+    hopper_configs.WsConfig(64, 128, 4),
 )
 
 
@@ -394,9 +396,11 @@ def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
     loops = tool.mma_loops(sass)
     assert len(loops) == 2  # the two consumer partitions
     for loop in loops:
-        # 8 planes x the token halves x the consumer's 64-row MMA tiles
+        # 8 planes x the token halves (or the whole tile) x the consumer's 64-row MMA tiles
         rows = cfg.block_n // 2 if cfg.block_n >= 128 else cfg.block_n
-        assert sum("HGMMA" in line for line in loop) == 8 * cfg.block_t // 64 * rows // 64
+        wgmma = [line for line in loop if "HGMMA" in line]
+        assert len(wgmma) == 8 * cfg.block_t // cfg.mma_tokens * rows // 64
+        assert all(f"HGMMA.64x{cfg.mma_tokens}x16" in line for line in wgmma), wgmma[:2]
         waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
         assert waits and all(line.endswith("gsb0, 0x0") for line in waits), waits
         assert tool.hazards(loop) == []

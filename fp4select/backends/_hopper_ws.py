@@ -4,8 +4,9 @@ A program computes 64, 128 or 256 weight rows x 64 or 128 tokens over all of K o
 (program axis 1), over a range of it into float32 partial sums that ``reduce_split`` adds.
 One loader warp streams the weight's words and a's decoded tiles into shared memory by TMA,
 several stages ahead; two consumer warpgroups, each a partition of its own, decode their
-words in the registers the MMA reads, multiply, and wait for the MMA before their next
-decode. With 128 or 256 rows each consumer takes half of them (256 read a's tiles once for
+words in the registers the MMA reads, multiply (one wgmma a plane over all 128 tokens, or
+two over 64-token halves where a 256-row tile would spill with one), and wait for the MMA
+before their next decode. With 128 or 256 rows each consumer takes half of them (256 read a's tiles once for
 twice the weight rows); with 64 rows (twice the programs, for narrow layers) they take every
 other step and the first adds the second's sums through shared memory at the end. The two
 run apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores
@@ -62,6 +63,7 @@ def _loader(
     """Steps first .. first + steps - 1 of K, each into stage j % STAGES (j counts from 0)."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    XW: gl.constexpr = x_bufs.type.shape[2]
     nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
     for j in range(steps):
         s = j % STAGES
@@ -71,7 +73,7 @@ def _loader(
         _tma_load(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
         for h in gl.static_range(HALVES):
             _tma_load(
-                x_desc, [i * 8 * BKW, off_t + 64 * h], ready.index(s), x_bufs.index(s * HALVES + h)
+                x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(s), x_bufs.index(s * HALVES + h)
             )
 
 
@@ -123,16 +125,17 @@ def _consumer(
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
     ROLE: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: each of its steps decode, issue the step's wgmma (one group a token
-    half), wait for them, give the stage back. With 128-row tiles it takes every step of rows
+    """One warpgroup: each of its steps decode, issue the step's wgmma (one group over the
+    tile's tokens or one a 64-token half), wait for them, give the stage back. With 128-row tiles it takes every step of rows
     off_n + 64 * ROLE .. + 63 and stores them; with 64-row tiles every other step (from ROLE),
     and the first consumer adds the second's sums (``partial``, ``done``) and stores."""
     BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    XW: gl.constexpr = x_bufs.type.shape[2]  # tokens one wgmma takes
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, XW, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     SPLIT_ROWS: gl.constexpr = BN >= 128
@@ -142,8 +145,8 @@ def _consumer(
     ROW0: gl.constexpr = ROWS * ROLE if SPLIT_ROWS else 0
     off_n = off_n + ROW0
     row_part, kw = _rows(off_n, N, cp, ROWS, BKW, op)
-    acc0 = gl.zeros((ROWS, 64), gl.float32, mma)
-    acc1 = gl.zeros((ROWS, 64), gl.float32, mma)
+    acc0 = gl.zeros((ROWS, XW), gl.float32, mma)
+    acc1 = gl.zeros((ROWS, XW), gl.float32, mma)
     sw = _scale_words(sw_ptr, row_part, kw, first + FIRST_STEP, KW, BKW)
     for j in range(FIRST_STEP, steps, EVERY):
         s = j % STAGES
@@ -181,9 +184,10 @@ def _store(
     2**-14; alpha) and stored, masked to N and M."""
     mma: gl.constexpr = acc0.type.layout
     offs_n = off_n + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, mma))
+    XW: gl.constexpr = acc0.shape[1]
     for h in gl.static_range(HALVES):
         acc = acc0 if h == 0 else acc1
-        offs_t = off_t + 64 * h + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
+        offs_t = off_t + XW * h + gl.arange(0, XW, layout=gl.SliceLayout(0, mma))
         mask_t = offs_t < M
         alpha = gl.load(
             alpha_ptr + offs_t * alpha_stride, mask=mask_t & (alpha_stride >= 0), other=1.0
@@ -209,7 +213,7 @@ def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
 @gluon.jit
 def mma_ws(
     w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
-    x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64]
+    x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64 or BT]
     sw_ptr,  # int32 view of the weight's 128x4 scales
     alpha_ptr,
     out_ptr,  # the output; with a K split, float32 partial sums (split_stride apart)
@@ -224,20 +228,21 @@ def mma_ws(
     num_warps=4 (the default partition is the first consumer)."""
     FIRST: gl.constexpr = 0  # the consumers' roles (``_consumer``)
     SECOND: gl.constexpr = 1
-    HALVES: gl.constexpr = BT // 64
+    XW: gl.constexpr = x_desc.block_type.shape[1]  # tokens a wgmma takes: 64 (halves) or BT
+    HALVES: gl.constexpr = BT // XW
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     pid_k = gl.program_id(1)
     first = pid_k * per_split
     steps = gl.minimum(gl.cdiv(KW, BKW) - first, per_split)
     out_ptr += pid_k * split_stride
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
-    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, 64], x_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, XW], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # the second consumer's sums, for the first to add (64-row tiles only)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    partial = gl.allocate_shared_memory(gl.float32, [HALVES if BN == 64 else 1, 64, 64], plain)
+    partial = gl.allocate_shared_memory(gl.float32, [HALVES if BN == 64 else 1, 64, XW], plain)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         # with 128 rows or more both consumers read every stage; with 64 each stage is one's

@@ -50,13 +50,19 @@ class MmaConfig:
 @dataclass(frozen=True)
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
-    the two take alternate steps), tokens (64 or 128), TMA stages, and the K split (1: none;
-    0: choose from the SM count)."""
+    the two take alternate steps), tokens (64 or 128), TMA stages, the K split (1: none;
+    0: choose from the SM count), and the tokens one wgmma takes (64: a 128-token tile is
+    multiplied in two halves; or block_t: one wgmma over the whole tile)."""
 
     block_n: int
     block_t: int
     stages: int
     split: int = 1
+    mma_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mma_tokens not in (64, self.block_t):
+            raise ValueError(f"mma_tokens must be 64 or block_t, got {self.mma_tokens}")
 
 
 @dataclass(frozen=True)
@@ -180,14 +186,18 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 
 # hopper-ws: the tiles that won its points on the H200 (results/hopper_sweep_ws64.json,
-# hopper_sweep_ws256.json): 128 x 128 and 256 x 128 for wide layers at M = 256-512 (2 stages:
-# 2-5% faster than 3 at every point timed), the 64-row form (consumers on alternate steps) at
-# 64 and 128 tokens for the rest. Each splits K where its tiles leave SMs idle (split 0:
-# ``triton_hopper._ws_split``), which narrow layers need (results/hopper_sweep_wsk.json).
+# hopper_sweep_ws256.json): 128 x 128 and 256 x 128 for wide layers at M = 256-512, the 64-row
+# form (consumers on alternate steps) at 64 and 128 tokens for the rest. The 128-token tiles
+# take one wgmma over all their tokens (mma_tokens 128), with one more stage than their halves
+# ran fastest with: over the four tactics before, the best of these took 1/1.026 of the time
+# in the geomean, 1/1.0-1/1.107 at 48 points, M = 64-512, 12 shapes
+# (results/hopper_sweep_wsw2.json). The 256-row tile keeps its halves: whole-tile wgmma spill
+# there. Each splits K where its tiles leave SMs idle (split 0: ``triton_hopper._ws_split``),
+# which narrow layers need (results/hopper_sweep_wsk.json).
 WS_TACTICS = (
-    WsConfig(128, 128, 2, 0),
+    WsConfig(128, 128, 3, 0, 128),
     WsConfig(256, 128, 2, 0),
-    WsConfig(64, 128, 4, 0),
+    WsConfig(64, 128, 5, 0, 128),
     WsConfig(64, 64, 4, 0),
 )
 

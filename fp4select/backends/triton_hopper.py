@@ -352,13 +352,13 @@ def _run_planes(
 
 
 @functools.cache
-def _ws_tile_layouts(block_n: int, bkw: int) -> tuple[Any, Any]:
+def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
     """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed per
     tile, so built once, not on every call."""
     from triton.experimental.gluon import language as gl
 
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, bkw], gl.int32)
-    return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, 64], gl.float16)
+    return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, tokens], gl.float16)
 
 
 def _ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
@@ -410,9 +410,10 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     # main loop launches without it, so it still starts after the decode has finished.
     pdl = _pdl(args, c.out.device)
     x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl)
-    w_layout, x_layout = _ws_tile_layouts(bn, bkw)
+    xw = cfg.mma_tokens
+    w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, 64], x_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
     if parts is None:  # scaled by alpha and stored in out
         dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
     else:  # float32 partial sums, (split, M, N), as reduce_split reads them
