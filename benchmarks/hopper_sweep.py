@@ -156,9 +156,25 @@ WSW = [
     for bn, st, sp in [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (64, 5, 0), (64, 3, 0)]
 ]
 WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 128, 3, 2, 128)]
+# hopper-ws without its loader warp (family "wso"): the second consumer fills each stage it
+# gives back, so 8 warps run where 12 did (the loader's warpgroup was padded) and a thread may
+# hold 255 registers instead of 168: room for whole-tile wgmma over 256 tokens or 256 rows.
+WSO = [
+    hopper_configs.WsConfig(bn, bt, st, 0, xw, 0)
+    for bn, bt, st, xw in [
+        (128, 128, 3, 128),
+        (128, 128, 4, 128),
+        (128, 256, 2, 256),
+        (128, 256, 3, 256),
+        (256, 128, 3, 128),
+        (256, 128, 4, 128),
+        (256, 128, 3, 64),
+    ]
+]
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "wso", "fuse", "int" and
+# "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -384,6 +400,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wsw " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
+    if m >= 33 and "wso" in families:
+        for c in WSO:
+            if c.block_t <= 2 * m:
+                name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
+                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -543,6 +564,7 @@ def main() -> None:
                         "ws",
                         "wsk",
                         "wsw",
+                        "wso",
                         "fuse",
                         "int",
                         "occ",

@@ -48,7 +48,7 @@ def test_hopper_ws_splits_k_to_fill_the_sms_once():
     # never a program without a step: 7 steps in 4 splits would leave one empty
     assert th._ws_split(1, 7, hc.WsConfig(128, 16, 8, 4), 132) == 4
     assert th._ws_split(1, 5, hc.WsConfig(128, 16, 8, 4), 132) == 3
-    assert all(c.split == 0 for c in hc.WS_TACTICS)  # every tactic chooses its split
+    assert all(c.split == 0 for c in hc.candidates("ws", None))  # every tactic chooses its split
 
 
 @pytest.mark.parametrize("tokens", [32, 96, 256])  # 256: not the tile's 128
@@ -73,7 +73,7 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     for run, cfg in [
         (th.run_gemv, hc.candidates("gemv", 1)[2]),
         (th.run_mma, hc.MMA_TACTICS[1][1][1]),
-        (th.run_ws, hc.WS_TACTICS[1]),
+        (th.run_ws, hc.WS_TACTICS[-1][1][0]),
     ]:
         pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
@@ -90,7 +90,7 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     assert ht.pin(th.run_gemv, _record(hc.MMA_TACTICS[0][1][0])) is th.run_gemv
     # Each backend pins only its own kind's candidates.
     assert ht.pin(th.run_ws, _record(hc.MMA_TACTICS[-1][1][0])) is th.run_ws
-    assert ht.pin(th.run_mma, _record(hc.WS_TACTICS[0])) is th.run_mma
+    assert ht.pin(th.run_mma, _record(hc.WS_TACTICS[0][1][0])) is th.run_mma
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,13 @@ def test_every_tactic_candidate_is_a_valid_configuration_for_its_range():
     for limit, cfgs in hc.MMA_TACTICS:
         assert hc.for_m(hc.MMA_BY_M, limit) in cfgs
         assert all(c.block_t <= max(16, limit) for c in cfgs), limit
-    assert hc.default("ws", 300) == hc.WS_TACTICS[0]
+    low = 33
+    for limit, cfgs in hc.WS_TACTICS:
+        assert all(hc.default("ws", m) == cfgs[0] for m in (low, limit)), limit
+        assert all(c.block_t <= 2 * low for c in cfgs), limit  # no tile over half empty
+        assert hc.candidates("ws", limit) == cfgs and len(set(cfgs)) == len(cfgs)
+        low = limit + 1
+    assert hc.candidates("ws", th.WS_MAX_M) == hc.WS_TACTICS[-1][1]
     assert hc.candidates("prefill", 4096) == ()  # retired: no kind of that name
 
 

@@ -120,6 +120,8 @@ def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
         hopper_configs.WsConfig(256, 128, 2, 3),
         hopper_configs.WsConfig(64, 128, 5, 2, 128),  # one wgmma over the 128 tokens
         hopper_configs.WsConfig(128, 128, 3, 0, 128),
+        hopper_configs.WsConfig(128, 256, 3, 2, 256, 0),  # no loader warp: 8 warps
+        hopper_configs.WsConfig(256, 128, 3, 3, 128, 0),
     ],
     ids=str,
 )
@@ -186,7 +188,9 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
         cases += [(triton_hopper.run_mma, cfg, m) for cfg in cfgs for m in (low, limit)]
         low = limit + 1
     cases += [
-        (triton_hopper.run_ws, cfg, m) for cfg in hopper_configs.WS_TACTICS for m in (33, 300)
+        (triton_hopper.run_ws, cfg, m)
+        for cfg in hopper_configs.candidates("ws", None)
+        for m in (33, 300, 2100)
     ]
     dequant_tiles = (hopper_configs.DEQUANT_LARGE, hopper_configs.DEQUANT_SMALL)
     cases += [(dequant.run_hopper, cfg, 515) for cfg in dequant_tiles]

@@ -129,7 +129,9 @@ def main() -> int:
 
     configs = {c for _, cs in hopper_configs.MMA_TACTICS for c in cs}
     kernels = [(cfg, layout._compile_mma) for cfg in sorted(configs, key=str)]
-    kernels += [(cfg, lambda c: layout._compile_ws(c, 2)) for cfg in hopper_configs.WS_TACTICS]
+    kernels += [
+        (cfg, lambda c: layout._compile_ws(c, 2)) for cfg in hopper_configs.candidates("ws", None)
+    ]
     worst = 0
     for cfg, compile_kernel in kernels:
         found = [w for loop in mma_loops(_sass(compile_kernel(cfg))) for w in hazards(loop)]

@@ -52,8 +52,31 @@ STEP_WORDS = 16  # words per step: one k16 wgmma per plane
 # registers a thread at launch (the first consumer's; the partitions then set their own): no
 # tile spills at this (tests/test_hopper_layout.py)
 MAXNREG = 168
+WORKER_REGS = gl.constexpr(256)
+MAXNREG_8_WARPS = 255  # without the loader warp (and the 3 Triton pads its warpgroup with)
 # alpha kind (0 none, 2 a device scalar, 3 one per token) -> the stride of the consumers' load
 ALPHA_STRIDE = {0: -1, 2: 0, 3: 1}
+
+
+@gluon.jit
+def _load_step(
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW: gl.constexpr
+):  # fmt: skip
+    """This program's step j (step first + j of K) into stage j % STAGES, once the stage's
+    step j - STAGES has been given back (at once for j < STAGES)."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    XW: gl.constexpr = x_bufs.type.shape[2]
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
+    s = j % STAGES
+    i = first + j
+    mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    _tma_load(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
+    for h in gl.static_range(HALVES):
+        _tma_load(
+            x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(s), x_bufs.index(s * HALVES + h)
+        )
 
 
 @gluon.jit
@@ -61,20 +84,8 @@ def _loader(
     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW: gl.constexpr
 ):  # fmt: skip
     """Steps first .. first + steps - 1 of K, each into stage j % STAGES (j counts from 0)."""
-    STAGES: gl.constexpr = w_bufs.type.shape[0]
-    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
-    XW: gl.constexpr = x_bufs.type.shape[2]
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
     for j in range(steps):
-        s = j % STAGES
-        i = first + j
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        _tma_load(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
-        for h in gl.static_range(HALVES):
-            _tma_load(
-                x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(s), x_bufs.index(s * HALVES + h)
-            )
+        _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW)
 
 
 @gluon.jit
@@ -123,10 +134,11 @@ def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
 def _consumer(
     w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
-    ROLE: gl.constexpr,
+    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: each of its steps decode, issue the step's wgmma (one group over the
-    tile's tokens or one a 64-token half), wait for them, give the stage back. With 128-row tiles it takes every step of rows
+    tile's tokens or one a 64-token half), wait for them, give the stage back (and with
+    ``LOADS`` fill it with step j + STAGES). With 128-row tiles it takes every step of rows
     off_n + 64 * ROLE .. + 63 and stores them; with 64-row tiles every other step (from ROLE),
     and the first consumer adds the second's sums (``partial``, ``done``) and stores."""
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -160,6 +172,12 @@ def _consumer(
         acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
         fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
         mbarrier.arrive(empty.index(s))
+        if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
+            if j + STAGES < steps:
+                _load_step(
+                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n - ROW0, off_t, first,
+                    j + STAGES, BKW,
+                )  # fmt: skip
     if not SPLIT_ROWS and ROLE == 1:
         partial.index(0).store(acc0)
         if HALVES == 2:
@@ -222,7 +240,7 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -250,23 +268,51 @@ def mma_ws(
     mbarrier.init(done, count=1)
     fence_async_shared()
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
-    gl.warp_specialize(
-        [
-            (
-                _consumer,
-                (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr, off_n,
-                 off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride, FIRST),
-            ),
-            (
-                _consumer,
-                (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr, off_n,
-                 off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride, SECOND),
-            ),
-            (
-                _loader,
-                (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW),
-            ),
-        ],
-        [4, 1],
-        [232, 40],
-    )  # fmt: skip
+    if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
+        for j in gl.static_range(STAGES):
+            if j < steps:
+                _load_step(
+                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW
+                )
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
+                     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
+                     alpha_stride, w_desc, x_desc, FIRST, False),
+                ),
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
+                     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
+                     alpha_stride, w_desc, x_desc, SECOND, True),
+                ),
+            ],
+            [4],
+            [WORKER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
+                     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
+                     alpha_stride, w_desc, x_desc, FIRST, False),
+                ),
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
+                     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
+                     alpha_stride, w_desc, x_desc, SECOND, False),
+                ),
+                (
+                    _loader,
+                    (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps,
+                     BKW),
+                ),
+            ],
+            [4, 1],
+            [232, 40],
+        )  # fmt: skip

@@ -51,18 +51,23 @@ class MmaConfig:
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
     the two take alternate steps), tokens (64 or 128), TMA stages, the K split (1: none;
-    0: choose from the SM count), and the tokens one wgmma takes (64: a 128-token tile is
-    multiplied in two halves; or block_t: one wgmma over the whole tile)."""
+    0: choose from the SM count), the tokens one wgmma takes (64: a 128-token tile is
+    multiplied in two halves; or block_t: one wgmma over the whole tile), and whether a warp
+    of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
+    a thread where 12 warps leave 168; 128 rows or more)."""
 
     block_n: int
     block_t: int
     stages: int
     split: int = 1
     mma_tokens: int = 64
+    loader_warp: int = 1
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):
             raise ValueError(f"mma_tokens must be 64 or block_t, got {self.mma_tokens}")
+        if self.loader_warp not in (0, 1) or (not self.loader_warp and self.block_n < 128):
+            raise ValueError(f"loader_warp must be 1, or 0 with block_n >= 128, got {self}")
 
 
 @dataclass(frozen=True)
@@ -185,31 +190,46 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
     return DEQUANT_SMALL if small_wins else DEQUANT_LARGE
 
 
-# hopper-ws: the tiles that won its points on the H200 (results/hopper_sweep_ws64.json,
-# hopper_sweep_ws256.json): 128 x 128 and 256 x 128 for wide layers at M = 256-512, the 64-row
-# form (consumers on alternate steps) at 64 and 128 tokens for the rest. The 128-token tiles
-# take one wgmma over all their tokens (mma_tokens 128), with one more stage than their halves
-# ran fastest with: over the four tactics before, the best of these took 1/1.026 of the time
-# in the geomean, 1/1.0-1/1.107 at 48 points, M = 64-512, 12 shapes
-# (results/hopper_sweep_wsw2.json). The 256-row tile keeps its halves: whole-tile wgmma spill
-# there. Each splits K where its tiles leave SMs idle (split 0: ``triton_hopper._ws_split``),
-# which narrow layers need (results/hopper_sweep_wsk.json).
-WS_TACTICS = (
-    WsConfig(128, 128, 3, 0, 128),
-    WsConfig(256, 128, 2, 0),
-    WsConfig(64, 128, 5, 0, 128),
-    WsConfig(64, 64, 4, 0),
+# hopper-ws: its tiles by M (the bucket's top M at most ``limit``), each with K split where its
+# tiles leave SMs idle (split 0: ``triton_hopper._ws_split``), which narrow layers need
+# (results/hopper_sweep_wsk.json). On the H200 (every configuration checked first):
+# - the 128-token tiles take one wgmma over all their tokens (mma_tokens 128), one stage deeper
+#   than their halves ran fastest with: 1-5% faster tile for tile (results/hopper_sweep_wsw*.json);
+# - from M = 129 a tile of 128 weight rows x 256 tokens, which only fits in registers without
+#   the loader warp (loader_warp 0: 255 registers a thread, not 168): the fastest tile at 27 of
+#   48 points at M = 128-2048, up to 1.25x faster than any tile before at M = 256-512 and faster
+#   than hopper-dequant at 2048 on 9 of 12 shapes (results/hopper_sweep_wso.json);
+# - 64-row tiles (the consumers on alternate steps) and 256 rows x 128 tokens (8 warps) for
+#   the narrower layers and M <= 128.
+WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
+    (64, (WsConfig(64, 64, 4, 0),)),  # the fastest ws tile at every M = 64 point timed
+    (
+        128,
+        (
+            WsConfig(64, 128, 5, 0, 128),
+            WsConfig(128, 128, 3, 0, 128),
+            WsConfig(256, 128, 3, 0, 128, 0),
+        ),
+    ),
+    (
+        4096,
+        (
+            WsConfig(128, 256, 3, 0, 256, 0),
+            WsConfig(128, 128, 3, 0, 128),
+            WsConfig(64, 128, 5, 0, 128),
+        ),
+    ),
 )
 
 
 def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
     """The tactic candidates of ``kind`` ("gemv", "mma" or "ws") at M = m; every one when m is
     None."""
-    if kind == "ws":
-        return WS_TACTICS
-    if kind not in ("gemv", "mma"):
+    if kind not in ("gemv", "mma", "ws"):
         return ()
-    table = GEMV_TACTICS if kind == "gemv" else MMA_TACTICS
+    table: tuple[tuple[int, tuple[Any, ...]], ...] = {
+        "gemv": GEMV_TACTICS, "mma": MMA_TACTICS, "ws": WS_TACTICS
+    }[kind]  # fmt: skip
     if m is None:
         return tuple(dict.fromkeys(c for _, cs in table for c in cs))
     for limit, cfgs in table:
@@ -221,5 +241,5 @@ def candidates(kind: str, m: int | None) -> tuple[Any, ...]:
 def default(kind: str, m: int) -> Any:
     """The table's configuration of ``kind`` at M = m."""
     if kind == "ws":
-        return WS_TACTICS[0]
+        return candidates("ws", m)[0]
     return for_m(GEMV_BY_M if kind == "gemv" else MMA_BY_M, m)

@@ -14,9 +14,9 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   of the weight exists in memory. (Its large-tile twin, ``hopper-prefill``, won no point on
   the H200 and was retired; ``benchmarks/hopper_sweep.py``'s ``prefill`` family times those
   tiles as ``hopper-mma``.)
-* ``hopper-ws`` (SM90 only, buckets M = 33-512): the same product warp-specialized in Gluon
-  (``_hopper_ws``): a TMA loader warp feeds two consumer warpgroups that decode and multiply
-  in turn, with split-K (``_ws_split``) where its tiles alone leave SMs idle.
+* ``hopper-ws`` (SM90 only, buckets M = 33-4096): the same product warp-specialized in Gluon
+  (``_hopper_ws``): two consumer warpgroups decode and multiply in turn, fed by TMA, with
+  split-K (``_ws_split``) where its tiles alone leave SMs idle.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
@@ -42,13 +42,12 @@ from typing import Any
 
 import torch
 
-from fp4select.backends import hopper_tactics, triton_fp4
+from fp4select.backends import hopper_configs, hopper_tactics, triton_fp4
 from fp4select.backends.base import Backend, Capabilities, cuda_from
 from fp4select.backends.hopper_configs import (
     _SHIFTS,
     GEMV_BY_M,
     MMA_BY_M,
-    WS_TACTICS,
     GemvConfig,
     MmaConfig,
     WsConfig,
@@ -57,12 +56,12 @@ from fp4select.backends.hopper_configs import (
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
-# hopper-ws takes the buckets from M = 33 to 512 (those ending below WS_MIN_M or starting
-# above WS_MAX_M are declined): its ping-pong form won points at M = 64-512 on the H200 and its
-# first form lost to hopper-dequant at 2048 (results/hopper_sweep_pp.json,
-# hopper_sweep_retire_wide.json).
+# hopper-ws takes the buckets from M = 33 to 4096 (those ending below WS_MIN_M or starting
+# above WS_MAX_M are declined): on the H200 it won points at M = 64-2048 and was within 3% of
+# hopper-dequant either way at 4096; at 8192 hopper-dequant won every shape by 1-16%
+# (results/hopper_sweep_wso.json, _wso2.json).
 WS_MIN_M = 64
-WS_MAX_M = 512
+WS_MAX_M = 4096
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
 
 _kernels: Any = None
@@ -353,8 +352,7 @@ def _run_planes(
 
 @functools.cache
 def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
-    """The shared-memory layouts of hopper-ws' TMA tiles (weight words, a's planes): fixed per
-    tile, so built once, not on every call."""
+    """hopper-ws' TMA tiles' shared layouts (weight words, a's planes): built once per tile."""
     from triton.experimental.gluon import language as gl
 
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, bkw], gl.int32)
@@ -375,8 +373,8 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     """``hopper-ws``: mm_fp4's positional order (without backend). A call TMA cannot read (K
     not a multiple of 32, a misaligned view) or with alpha a Python number (see
     ``_hopper_ws``) runs ``hopper-mma``'s kernel instead."""
-    cfg = cfg or WS_TACTICS[0]
     c, a32, w32 = _checked_words(args, "hopper-ws", torch.int32)
+    cfg = cfg or hopper_configs.default("ws", c.m)
     if c.m == 0 or c.n == 0:
         return c.out
     sw32 = _scale_words(args[3])
@@ -405,9 +403,8 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         split = 1
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(c.m, bt) * bt
-    # As in hopper-mma, the a decode and the split-K reduction take PDL whenever the call asks
-    # (they are hopper-mma's compiled kernels then, no second variant to compile); the Gluon
-    # main loop launches without it, so it still starts after the decode has finished.
+    # As in hopper-mma, the a decode and the split-K reduction take PDL when asked (hopper-mma's
+    # compiled kernels); the Gluon main loop launches without it, after the decode has finished.
     pdl = _pdl(args, c.out.device)
     x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl)
     xw = cfg.mma_tokens
@@ -418,11 +415,12 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
     else:  # float32 partial sums, (split, M, N), as reduce_split reads them
         dst, strides, alpha_stride = parts, (c.n, 1), -1
-    # 4 warps: the first consumer; the second and the loader warp are partitions of their own
+    # 4 warps: the first consumer; the second (and the loader warp) partitions of their own
     ws.mma_ws[(tiles, split)](
         w_desc, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, strides[0], strides[1],
         alpha_stride, per_split, c.m * c.n,
-        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=8, num_warps=4, maxnreg=ws.MAXNREG,
+        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=8, OWN_LOADS=not cfg.loader_warp,
+        num_warps=4, maxnreg=ws.MAXNREG if cfg.loader_warp else ws.MAXNREG_8_WARPS,
     )  # fmt: skip
     if parts is not None:
         _reduce_partials(parts, c, split, pdl)
@@ -494,7 +492,7 @@ BACKENDS: tuple[Backend, ...] = (
         declines=ws_declines,
         preference=187,
         family=FAMILY,
-        description="NVFP4 GEMM for M = 33-512 on SM90: hopper-mma's product, warp-specialized ping-pong in Gluon",
+        description="NVFP4 GEMM for M = 33-4096 on SM90: hopper-mma's product, warp-specialized ping-pong in Gluon",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
