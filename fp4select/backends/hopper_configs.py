@@ -198,7 +198,8 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 # - from M = 129 a tile of 128 weight rows x 256 tokens, which only fits in registers without
 #   the loader warp (loader_warp 0: 255 registers a thread, not 168): the fastest tile at 27 of
 #   48 points at M = 128-2048, up to 1.25x faster than any tile before at M = 256-512 and faster
-#   than hopper-dequant at 2048 on 9 of 12 shapes (results/hopper_sweep_wso.json);
+#   than hopper-dequant at 2048 on 9 of 12 shapes (results/hopper_sweep_wso.json). Two
+#   candidates there, three at M <= 128: each costs deploying a compile and a tuning per key;
 # - 64-row tiles (the consumers on alternate steps) and 256 rows x 128 tokens (8 warps) for
 #   the narrower layers and M <= 128.
 WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
@@ -211,14 +212,7 @@ WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
             WsConfig(256, 128, 3, 0, 128, 0),
         ),
     ),
-    (
-        4096,
-        (
-            WsConfig(128, 256, 3, 0, 256, 0),
-            WsConfig(128, 128, 3, 0, 128),
-            WsConfig(64, 128, 5, 0, 128),
-        ),
-    ),
+    (2048, (WsConfig(128, 256, 3, 0, 256, 0), WsConfig(128, 128, 3, 0, 128))),
 )
 
 

@@ -14,7 +14,7 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   of the weight exists in memory. (Its large-tile twin, ``hopper-prefill``, won no point on
   the H200 and was retired; ``benchmarks/hopper_sweep.py``'s ``prefill`` family times those
   tiles as ``hopper-mma``.)
-* ``hopper-ws`` (SM90 only, buckets M = 33-4096): the same product warp-specialized in Gluon
+* ``hopper-ws`` (SM90 only, buckets M = 33-2048): the same product warp-specialized in Gluon
   (``_hopper_ws``): two consumer warpgroups decode and multiply in turn, fed by TMA, with
   split-K (``_ws_split``) where its tiles alone leave SMs idle.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
@@ -56,12 +56,12 @@ from fp4select.backends.hopper_configs import (
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
-# hopper-ws takes the buckets from M = 33 to 4096 (those ending below WS_MIN_M or starting
-# above WS_MAX_M are declined): on the H200 it won points at M = 64-2048 and was within 3% of
-# hopper-dequant either way at 4096; at 8192 hopper-dequant won every shape by 1-16%
-# (results/hopper_sweep_wso.json, _wso2.json).
+# hopper-ws takes the buckets from M = 33 to 2048 (those ending below WS_MIN_M or starting
+# above WS_MAX_M are declined): on the H200 it won points at M = 64-2048, was within 3% of
+# hopper-dequant either way at 4096 (not worth its tuning time when deploying) and lost at
+# every 8192 point (results/hopper_sweep_wso.json, _wso2.json).
 WS_MIN_M = 64
-WS_MAX_M = 4096
+WS_MAX_M = 2048
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
 
 _kernels: Any = None
@@ -492,7 +492,7 @@ BACKENDS: tuple[Backend, ...] = (
         declines=ws_declines,
         preference=187,
         family=FAMILY,
-        description="NVFP4 GEMM for M = 33-4096 on SM90: hopper-mma's product, warp-specialized ping-pong in Gluon",
+        description="NVFP4 GEMM for M = 33-2048 on SM90: hopper-mma's product, warp-specialized ping-pong in Gluon",
         tune=hopper_tactics.tune,
         pin=hopper_tactics.pin,
     ),
