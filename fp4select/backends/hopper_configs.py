@@ -198,8 +198,9 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 # - from M = 129 a tile of 128 weight rows x 256 tokens, which only fits in registers without
 #   the loader warp (loader_warp 0: 255 registers a thread, not 168): the fastest tile at 27 of
 #   48 points at M = 128-2048, up to 1.25x faster than any tile before at M = 256-512 and faster
-#   than hopper-dequant at 2048 on 9 of 12 shapes (results/hopper_sweep_wso.json). Two
-#   candidates there, three at M <= 128: each costs deploying a compile and a tuning per key;
+#   than hopper-dequant at 2048 on 9 of 12 shapes (results/hopper_sweep_wso.json). Each
+#   candidate costs deploying a compile and a tuning per key, so M = 513-2048 time this tile
+#   alone (at M = 512-2048 the fastest ws tile at 20 of 24 points, within 6% at the others);
 # - 64-row tiles (the consumers on alternate steps) and 256 rows x 128 tokens (8 warps) for
 #   the narrower layers and M <= 128.
 WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
@@ -212,7 +213,8 @@ WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
             WsConfig(256, 128, 3, 0, 128, 0),
         ),
     ),
-    (2048, (WsConfig(128, 256, 3, 0, 256, 0), WsConfig(128, 128, 3, 0, 128))),
+    (512, (WsConfig(128, 256, 3, 0, 256, 0), WsConfig(128, 128, 3, 0, 128))),
+    (2048, (WsConfig(128, 256, 3, 0, 256, 0),)),
 )
 
 
