@@ -1,14 +1,17 @@
 """``hopper-ws``'s kernel: ``mma_planes``' product, warp-specialized ping-pong, in Gluon (SM90).
 
-A program computes 64, 128 or 256 weight rows x 64 or 128 tokens over all of K or, split
+A program computes 64, 128 or 256 weight rows x 64, 128 or 256 tokens over all of K or, split
 (program axis 1), over a range of it into float32 partial sums that ``reduce_split`` adds.
-One loader warp streams the weight's words and a's decoded tiles into shared memory by TMA,
-several stages ahead; two consumer warpgroups, each a partition of its own, decode their
-words in the registers the MMA reads, multiply (one wgmma a plane over all 128 tokens, or
-two over 64-token halves where a 256-row tile would spill with one), and wait for the MMA
-before their next decode. With 128 or 256 rows each consumer takes half of them (256 read a's tiles once for
-twice the weight rows); with 64 rows (twice the programs, for narrow layers) they take every
-other step and the first adds the second's sums through shared memory at the end. The two
+The weight's words and a's decoded tiles reach shared memory by TMA, several stages ahead;
+two consumer warpgroups, each a partition of its own, decode their words in the registers
+the MMA reads, multiply (one wgmma a plane over all the tile's tokens, or two over 64-token
+halves), and wait for the MMA before their next decode. The loads come from a loader warp of
+their own or, with ``OWN_LOADS``, from the second consumer as it gives each stage back: then
+8 warps run instead of 12 (Triton pads the loader's one warp to a warpgroup), so a thread may
+hold 255 registers instead of 168, which a 256-token tile's accumulators need. With 128 or 256
+rows each consumer takes half of them (256 read a's tiles once for twice the weight rows);
+with 64 rows (twice the programs, for narrow layers) they take every other step and the first
+adds the second's sums through shared memory at the end (always with a loader warp). The two
 run apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores
 without touching registers a wgmma in flight reads. (Tiles of 16-32 tokens, for M <= 32,
 were slower than ``hopper-mma`` at every point timed: commit 15e63df,
@@ -20,6 +23,10 @@ at compile time.
 
 Design rules:
 
+* With ``OWN_LOADS`` the second consumer refills a stage only once both consumers gave it
+  back (the stage's ``empty`` barrier, as the loader warp does); the first waits for nothing
+  but loaded stages, which the second issued a whole ring of stages earlier, so the two never
+  wait on each other in a circle.
 * Each consumer waits for its step's wgmma before its next decode writes a register: a wgmma
   reads its register operand while it runs (``_hopper_kernels.retired`` says why Triton's own
   schedule is not trusted with that). ``tests/test_hopper_layout.py`` reads the SASS for it.
@@ -52,8 +59,9 @@ STEP_WORDS = 16  # words per step: one k16 wgmma per plane
 # registers a thread at launch (the first consumer's; the partitions then set their own): no
 # tile spills at this (tests/test_hopper_layout.py)
 MAXNREG = 168
-WORKER_REGS = gl.constexpr(256)
-MAXNREG_8_WARPS = 255  # without the loader warp (and the 3 Triton pads its warpgroup with)
+# without the loader warp (and the 3 warps Triton pads it with): 8 warps, all the registers
+MAXNREG_8_WARPS = 255
+WORKER_REGS = gl.constexpr(256)  # the second consumer's then (setmaxnreg)
 # alpha kind (0 none, 2 a device scalar, 3 one per token) -> the stride of the consumers' load
 ALPHA_STRIDE = {0: -1, 2: 0, 3: 1}
 
