@@ -213,7 +213,14 @@ WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
             WsConfig(256, 128, 3, 0, 128, 0),
         ),
     ),
-    (512, (WsConfig(128, 256, 3, 0, 256, 0), WsConfig(128, 128, 3, 0, 128))),
+    (
+        512,
+        (
+            WsConfig(128, 256, 3, 0, 256, 0),
+            WsConfig(128, 128, 3, 0, 128),
+            WsConfig(64, 128, 5, 0, 128),  # 1.07x faster than those two at 4096 x 7168, M = 256
+        ),
+    ),
     (2048, (WsConfig(128, 256, 3, 0, 256, 0),)),
 )
 
