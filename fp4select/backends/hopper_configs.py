@@ -50,7 +50,7 @@ class MmaConfig:
 @dataclass(frozen=True)
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
-    the two take alternate steps), tokens (64 or 128), TMA stages, the K split (1: none;
+    the two take alternate steps), tokens (64, 128 or 256), TMA stages, the K split (1: none;
     0: choose from the SM count), the tokens one wgmma takes (64: a 128-token tile is
     multiplied in two halves; or block_t: one wgmma over the whole tile), and whether a warp
     of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
