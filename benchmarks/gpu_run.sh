@@ -4,12 +4,15 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|bench|all|record|quant|floor|deploy|hazard|final]
+#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|final]
 #   (default: all)
 #
-#   tests  the tests marked gpu, then the warm path's, the guard's, the C++ key's, batch
-#          invariance's and start-up's tests, which take CUDA tensors where there is a GPU
-#          (python -m pytest --all); with 2 or more GPUs also fp4select.distributed over NCCL
+#   tests  the tests marked gpu but the kernel matrix (about 2 min), then the warm path's, the
+#          guard's, the C++ key's, batch invariance's and start-up's tests, which take CUDA
+#          tensors where there is a GPU (python -m pytest --all, about 3 min); with 2 or more
+#          GPUs also fp4select.distributed over NCCL
+#   kernels the kernel matrix: tests/test_hopper_kernels_gpu.py, every Hopper kernel and tactic
+#          against the exact reference (about 7 min on the H200: a call of its own)
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
 #   record benchmarks/bench_gpu.py alone, without its tuning-cost part, with time for all 16
@@ -26,17 +29,17 @@
 #          same inputs, under load, compared bit for bit (the wgmma register hazard that
 #          tools/wgmma_hazards.py found in hopper-mma's Triton 3.6 SASS); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
-#          record, about 130 s), bench_deploy.py (about 130 s), then the tests marked gpu in
-#          the time left (about 270 s on the H200; each step's limit shrinks to fit 560 s);
-#          not part of all
+#          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
+#          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
+#          take two calls of their own (tests, kernels).
 #
 # Results and the log (gpu_run_<mode>_log.txt) go to $OUT (default benchmarks/results).
 # Exit status: non-zero if any step failed (the log says which).
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|bench|all|record|quant|floor|deploy|hazard|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|bench|all|record|quant|floor|deploy|hazard|final)" >&2
+  tests|kernels|bench|all|record|quant|floor|deploy|hazard|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -63,7 +66,8 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
   python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
   if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-    step "tests marked gpu" timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs
+    step "tests marked gpu, but the kernel matrix" timeout 250 python3 -m pytest -m gpu \
+      -p no:cacheprovider -q -rs --ignore=tests/test_hopper_kernels_gpu.py
     step "tests that take CUDA tensors where there is a GPU" timeout 420 python3 -m pytest --all \
       -p no:cacheprovider -q -rs tests/test_api.py tests/test_tensor_guard.py \
       tests/test_native_key.py tests/test_batch_invariant.py tests/test_startup.py
@@ -71,6 +75,10 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
       step "fp4select.distributed over NCCL" env FP4SELECT_TEST_DIST_BACKEND=nccl timeout 200 \
         python3 -m pytest --all -p no:cacheprovider -q -rs tests/test_distributed.py
     fi
+  fi
+  if [ "$MODE" = kernels ] || [ "$MODE" = all ]; then
+    step "the kernel matrix" timeout 570 python3 -m pytest -m gpu -p no:cacheprovider -q -rs \
+      --durations=5 tests/test_hopper_kernels_gpu.py
   fi
   if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
     step "bench_gpu.py" timeout 420 python3 benchmarks/bench_gpu.py --out "$OUT"
@@ -106,11 +114,11 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
   if [ "$MODE" = final ]; then
     start=$(date +%s)
     left() { echo $((560 - $(date +%s) + start)); }  # seconds left of the call's 560
-    step "bench_gpu.py, every shape" timeout 230 python3 benchmarks/bench_gpu.py --out "$OUT" \
+    step "bench_gpu.py, every shape" timeout 240 python3 benchmarks/bench_gpu.py --out "$OUT" \
       --skip-cold --time-limit-s 200
-    step "fp4select warm, from nothing" timeout "$(( $(left) < 180 ? $(left) : 180 ))" \
+    step "fp4select warm, from nothing" timeout "$(( $(left) < 200 ? $(left) : 200 ))" \
       python3 benchmarks/bench_deploy.py --out "$OUT"
-    step "tests marked gpu" timeout "$(left)" python3 -m pytest -m gpu -p no:cacheprovider -q -rs
+    step "hazard_stress.py" timeout "$(left)" python3 benchmarks/hazard_stress.py --out "$OUT"
   fi
   echo "== $(date -u +%FT%TZ) done; failed: ${failed[*]:-none}"
 } 2>&1 | tee "$OUT/gpu_run_${MODE}_log.txt"

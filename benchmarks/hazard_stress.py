@@ -39,12 +39,13 @@ CASES = [
     (4096, 4096, 128),
     (8192, 8192, 256),
     (6144, 4096, 512),
+    (4096, 4096, 1024),
 ]
 
 
 def _tactics(m: int):
     """(backend, mm_fp4's call with the tactic, tactic) for every tactic the backends time at M
-    (hopper-ws: its buckets, M = 33-512)."""
+    (hopper-ws: its buckets, M = 33-``WS_MAX_M``)."""
     kinds = [("mma", triton_hopper.run_mma)]
     kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= triton_hopper.WS_MAX_M else []
     for kind, run in kinds:
