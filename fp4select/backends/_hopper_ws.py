@@ -236,7 +236,9 @@ def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
     return (first_n + (pid % in_group) % size) * BN, ((pid % in_group) // size) * BT
 
 
-@gluon.jit
+# Not specialized on M or the K steps per split, as mma_planes: each distinct divisibility was
+# a compile of its own (24 of 1.5 s each in Llama-3.1-8B's warm-up).
+@gluon.jit(do_not_specialize=["M", "per_split"])
 def mma_ws(
     w_desc,  # int32 words of the weight (N, K/8), blocks [BN, BKW]
     x_desc,  # float16 (XK, MP) from decode_planes (same BKW), blocks [8 * BKW, 64 or BT]
