@@ -7,12 +7,13 @@
 #   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|final]
 #   (default: all)
 #
-#   tests  the tests marked gpu but the kernel matrix (about 2 min), then the warm path's, the
-#          guard's, the C++ key's, batch invariance's and start-up's tests, which take CUDA
-#          tensors where there is a GPU (python -m pytest --all, about 3 min); with 2 or more
-#          GPUs also fp4select.distributed over NCCL
+#   tests  the tests marked gpu but the kernel matrix (about 2 min in one process), then the
+#          warm path's, the guard's, the C++ key's, batch invariance's and start-up's tests,
+#          which take CUDA tensors where there is a GPU (python -m pytest --all, about 3 min
+#          in one process); with 2 or more GPUs also fp4select.distributed over NCCL
 #   kernels the kernel matrix: tests/test_hopper_kernels_gpu.py, every Hopper kernel and tactic
-#          against the exact reference (about 7 min on the H200: a call of its own)
+#          against the exact reference (about 7 min on the H200 in one process)
+#          Both run in GPU_TEST_WORKERS processes (default 6) where pytest-xdist is installed.
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
 #   record benchmarks/bench_gpu.py alone, without its tuning-cost part, with time for all 16
@@ -55,6 +56,11 @@ export PYTHONUNBUFFERED=1 FP4SELECT_CACHE_DIR=/tmp/fp4select-cache
 # Shared multi-GPU hosts: NVLink multicast stays off in every process started here.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+# The tests compile kernels more than they run them: with pytest-xdist there (the H200 image
+# has it), GPU_TEST_WORKERS processes share the GPU and its CPU cores (0: one process).
+WORKERS=${GPU_TEST_WORKERS:-6}
+XDIST=()
+if [ "$WORKERS" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); fi
 failed=()
 step() {  # step NAME COMMAND...: run it, remember a failure, go on
   local name=$1; shift
@@ -66,9 +72,9 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
   python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
   if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-    step "tests marked gpu, but the kernel matrix" timeout 250 python3 -m pytest -m gpu \
+    step "tests marked gpu, but the kernel matrix" timeout 250 python3 -m pytest "${XDIST[@]}" -m gpu \
       -p no:cacheprovider -q -rs --ignore=tests/test_hopper_kernels_gpu.py
-    step "tests that take CUDA tensors where there is a GPU" timeout 420 python3 -m pytest --all \
+    step "tests that take CUDA tensors where there is a GPU" timeout 420 python3 -m pytest "${XDIST[@]}" --all \
       -p no:cacheprovider -q -rs tests/test_api.py tests/test_tensor_guard.py \
       tests/test_native_key.py tests/test_batch_invariant.py tests/test_startup.py
     if [ "$GPUS" -ge 2 ]; then
@@ -77,7 +83,7 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
     fi
   fi
   if [ "$MODE" = kernels ] || [ "$MODE" = all ]; then
-    step "the kernel matrix" timeout 570 python3 -m pytest -m gpu -p no:cacheprovider -q -rs \
+    step "the kernel matrix" timeout 570 python3 -m pytest "${XDIST[@]}" -m gpu -p no:cacheprovider -q -rs \
       --durations=5 tests/test_hopper_kernels_gpu.py
   fi
   if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
