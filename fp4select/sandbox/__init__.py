@@ -7,7 +7,7 @@ One job a module, in the order a probe goes through them:
 - ``attempt``: one request to one worker, its events read and checked (the protocol's parent
   half) until it ends.
 - ``process``: starting, reusing and ending the worker processes, and reading their lines.
-- ``worker``: the child's own code (``python -m fp4select.sandbox`` starts one by hand).
+- ``worker``: the child's own code (``process`` starts it with ``worker.main()``).
 """
 
 from fp4select.sandbox.prober import PROTOCOL_STRIKES, SandboxProber, scaled_timeout_s
