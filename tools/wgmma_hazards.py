@@ -54,18 +54,22 @@ def mma_loops(sass: str) -> list[list[str]]:
     lines = sass.splitlines()
     spans = []
     for i, line in enumerate(lines):
-        # a loop's latch is a predicated branch back; the unpredicated ones back into a loop
-        # return from the out-of-line slow path of an mbarrier wait placed after it
+        # a loop's latch is a branch back: predicated, or not where the loop is rotated (its
+        # exit test mid-body: Triton 3.9's loading consumers); the unpredicated ones that come
+        # right after a predicated branch return from the out-of-line slow path of an mbarrier
+        # wait (placed after the kernel's end)
         m = re.search(r"@!?U?P\d+ BRA `\((\.L_x_\d+)\)", line)
         if not m:
-            continue
+            m = re.search(r"^\s*/\*\w+\*/\s+BRA `\((\.L_x_\d+)\)", line)
+            if not m or (i and re.search(r"@!?U?P\d+ BRA ", lines[i - 1])):
+                continue
         start = next((j for j, x in enumerate(lines) if x.startswith(m.group(1) + ":")), None)
         if start is not None and start < i and any("HGMMA" in x for x in lines[start:i]):
             spans.append((start, i))
     # the innermost ones: a loop around a consumer's (a partition dispatch) is not one
     inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
     bodies = [lines[a : b + 1] for a, b in inner]
-    code = r"\s+/\*[0-9a-f]{4}\*/\s+\S"
+    code = r"\s+/\*[0-9a-f]{4,}\*/\s+\S"  # addresses past 0xffff have five digits
     return [
         [
             re.sub(r"^\s*/\*\w+\*/\s*", "", x).split(";")[0].strip()
