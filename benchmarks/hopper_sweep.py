@@ -171,9 +171,15 @@ WSO = [
         (256, 128, 3, 64),
     ]
 ]
+# hopper-ws with four consumers (family "ws4", ``WsConfig.phases = 2``): two a row half, taking
+# alternate steps, so two decode beside each MMA where one did; 16 warps, 128 registers.
+WS4 = [
+    hopper_configs.WsConfig(128, bt, st, 0, bt, 0, 2)
+    for bt, st in [(128, 2), (128, 3), (128, 4), (64, 3), (64, 4), (64, 5)]
+]
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "wso", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -404,6 +410,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
+    if m >= 33 and "ws4" in families:
+        for c in WS4:
+            if c.block_t <= 2 * m:
+                name = "ws4 " + " ".join(map(str, dataclasses.astuple(c)))
+                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -564,6 +575,7 @@ def main() -> None:
                         "wsk",
                         "wsw",
                         "wso",
+                        "ws4",
                         "fuse",
                         "int",
                         "occ",

@@ -58,6 +58,23 @@ def test_hopper_ws_takes_its_tile_in_one_wgmma_or_in_64_token_halves_only(tokens
         hc.WsConfig(128, 128, 3, 0, tokens)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(phases=3),
+        dict(phases=2),  # a loader warp: the four consumers take all 16 warps
+        dict(phases=2, loader_warp=0, block_n=256),  # 128 accumulator rows a consumer
+        dict(phases=2, loader_warp=0, block_t=256, mma_tokens=256),  # 128 registers
+        dict(phases=2, loader_warp=0, mma_tokens=64),
+    ],
+)
+def test_hopper_ws_takes_four_consumers_only_where_their_registers_fit(bad):
+    assert hc.WsConfig(128, 128, 3, 0, 128, 0, 2).phases == 2
+    fields = dict(block_n=128, block_t=128, stages=3, split=0, mma_tokens=128) | bad
+    with pytest.raises(ValueError, match="phases must be 1, or 2 with block_n 128"):
+        hc.WsConfig(**fields)
+
+
 def test_word_views_refuse_rows_that_are_not_aligned():
     a = torch.zeros((3, 33), dtype=torch.uint8)
     assert th._words(a[:, 1:], torch.int64) is None  # 4-byte rows from an odd offset

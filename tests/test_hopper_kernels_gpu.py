@@ -122,6 +122,8 @@ def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
         hopper_configs.WsConfig(128, 128, 3, 0, 128),
         hopper_configs.WsConfig(128, 256, 3, 2, 256, 0),  # no loader warp: 8 warps
         hopper_configs.WsConfig(256, 128, 3, 3, 128, 0),
+        hopper_configs.WsConfig(128, 128, 3, 2, 128, 0, 2),  # four consumers: 16 warps
+        hopper_configs.WsConfig(128, 64, 4, 0, 64, 0, 2),
     ],
     ids=str,
 )
