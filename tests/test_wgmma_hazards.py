@@ -83,3 +83,32 @@ def test_the_main_loop_is_the_backward_branch_around_the_most_wgmma():
         "WARPGROUP.DEPBAR.LE gsb0, 0x0",
         "@P1 BRA `(.L_x_1)",
     ]
+
+
+def test_loops_past_0xffff_and_rotated_loops_are_read_and_slow_path_returns_are_not_loops():
+    mma = "HGMMA.64x64x16.F32 R56, R88, gdesc[UR8].tnspB, R56, gsb0"
+    sass = "\n".join(
+        [
+            ".L_x_2:",  # a loop whose exit test sits mid-body: its latch is an unpredicated branch
+            f"        /*fff0*/                   {mma} ;",
+            "        /*10000*/                  WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+            "        /*10010*/             @P2 BRA `(.L_x_3) ;",
+            "        /*10020*/                  IMAD R1, R2, 0x2, R3 ;",
+            "        /*10030*/                  BRA `(.L_x_2) ;",
+            ".L_x_3:",
+            "        /*10040*/                  EXIT ;",
+            ".L_x_4:",  # the out-of-line slow path of an mbarrier wait: back into the loop
+            "        /*10050*/                  SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
+            "        /*10060*/             @!P0 BRA `(.L_x_4) ;",
+            "        /*10070*/                  BRA `(.L_x_2) ;",
+        ]
+    )
+    assert tool.mma_loops(sass) == [
+        [
+            mma,
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+            "@P2 BRA `(.L_x_3)",
+            "IMAD R1, R2, 0x2, R3",
+            "BRA `(.L_x_2)",
+        ]
+    ]
