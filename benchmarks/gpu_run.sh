@@ -7,12 +7,13 @@
 #   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|final]
 #   (default: all)
 #
-#   tests  the tests marked gpu but the kernel matrix (about 2 min in one process), then the
-#          warm path's, the guard's, the C++ key's, batch invariance's and start-up's tests,
-#          which take CUDA tensors where there is a GPU (python -m pytest --all, about 3 min
-#          in one process); with 2 or more GPUs also fp4select.distributed over NCCL
+#   tests  the tests marked gpu but the kernel matrix, then the warm path's, the guard's, the
+#          C++ key's, batch invariance's and start-up's tests, which take CUDA tensors where
+#          there is a GPU (python -m pytest --all, 163 s in one process on the H200); with 2
+#          or more GPUs also fp4select.distributed over NCCL
 #   kernels the kernel matrix: tests/test_hopper_kernels_gpu.py, every Hopper kernel and tactic
-#          against the exact reference (about 7 min on the H200 in one process)
+#          against the exact reference (120 of the 206 tests marked gpu, which took about
+#          9 min together in one process on the H200)
 #          Both run in GPU_TEST_WORKERS processes (default 6) where pytest-xdist is installed.
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
