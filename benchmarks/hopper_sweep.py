@@ -172,10 +172,11 @@ WSO = [
     ]
 ]
 # hopper-ws with four consumers (family "ws4", ``WsConfig.phases = 2``): two a row half, taking
-# alternate steps, so two decode beside each MMA where one did; 16 warps, 128 registers.
+# alternate steps, so two decode beside each MMA where one did; 16 warps, 128 registers; an
+# even ring (hopper_configs.WsConfig says why).
 WS4 = [
     hopper_configs.WsConfig(128, bt, st, 0, bt, 0, 2)
-    for bt, st in [(128, 2), (128, 3), (128, 4), (64, 3), (64, 4), (64, 5)]
+    for bt, st in [(128, 2), (128, 4), (64, 4), (64, 6)]
 ]
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",

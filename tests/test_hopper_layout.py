@@ -391,7 +391,7 @@ WS_TILES = (
     hopper_configs.WsConfig(256, 128, 3),
     hopper_configs.WsConfig(128, 128, 2),
     hopper_configs.WsConfig(64, 128, 4),
-    hopper_configs.WsConfig(128, 128, 3, 0, 128, 0, 2),  # four consumers
+    hopper_configs.WsConfig(128, 128, 4, 0, 128, 0, 2),  # four consumers
     hopper_configs.WsConfig(128, 64, 4, 0, 64, 0, 2),
 )
 

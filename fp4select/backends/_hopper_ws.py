@@ -31,6 +31,16 @@ Design rules:
   wait on each other in a circle. With four consumers the second row half's two load (one a
   phase): a stage's next step once both halves gave back its last, so again each wait is on
   an earlier step.
+* A wait on a barrier's parity cannot tell phase k from k - 2: no consumer may reach a
+  stage two phases ahead. Four consumers take an even ring only (``WsConfig``): with an odd
+  one a stage's steps alternate between the phases, and a consumer that loads nothing ran
+  past its stage's unloaded step and read the one before (3 stages: 4-7% of outputs wrong on
+  the H200). A second wait on the phase before does not mend it: when the stage is already
+  loaded that wait is for the next phase, which never comes. 64-row tiles alternate too (the
+  64 x 128 tactic has 5 stages), but there one loader warp issues the steps in order: a
+  consumer at step j has consumed step j - 2, loaded after step j - STAGES, so only a TMA
+  load landing three steps late could pass it early (never seen: hazard_stress). A ready
+  barrier a stage and phase would rule it out; it changes a shipped kernel (a new record).
 * Each consumer waits for its step's wgmma before its next decode writes a register: a wgmma
   reads its register operand while it runs (``_hopper_kernels.retired`` says why Triton's own
   schedule is not trusted with that). ``tests/test_hopper_layout.py`` reads the SASS for it.

@@ -56,7 +56,8 @@ class WsConfig:
     of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
     a thread where 12 warps leave 168; 128 rows or more), and the consumers' step phases (2:
     four consumers, two a row half taking alternate steps, for a decode twice as wide beside
-    each MMA; 16 warps, 128 registers: 128 rows x at most 128 tokens, no loader warp)."""
+    each MMA; 16 warps, 128 registers: 128 rows x at most 128 tokens, no loader warp, an
+    even number of stages)."""
 
     block_n: int
     block_t: int
@@ -77,6 +78,11 @@ class WsConfig:
                 "phases must be 1, or 2 with block_n 128, block_t <= 128, mma_tokens block_t "
                 f"and loader_warp 0, got {self}"
             )
+        # With an odd ring a stage's steps alternate between the two phases, and a consumer
+        # that loads nothing ran ahead past its stage's unloaded step: a parity wait cannot
+        # tell that step's phase from the one two before (4-7% of outputs wrong, 3 stages).
+        if self.phases == 2 and self.stages % 2:
+            raise ValueError(f"four consumers (phases 2) need an even number of stages, got {self}")
 
 
 @dataclass(frozen=True)
