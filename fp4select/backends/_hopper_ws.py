@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fp4select.backends._hopper_kernels import _PAIR_TO_F16_CVT
+from fp4select.backends._hopper_planes import _PAIR_TO_F16_CVT
 
 # Triton 3.6's name for a TMA load is async_copy_global_to_shared; 3.9 renamed it (and the old
 # name raises there).
@@ -254,9 +254,14 @@ def _store(
 
 @gluon.jit
 def _tile(M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
-    """This program's (first weight row, first token), visited in groups of GROUP weight tiles
+    """This program's (first weight row, first token): ``tile_at`` its program id."""
+    return tile_at(gl.program_id(0), M, N, BN, BT, GROUP)
+
+
+@gluon.jit
+def tile_at(pid, M, N, BN: gl.constexpr, BT: gl.constexpr, GROUP: gl.constexpr):
+    """Tile ``pid``'s (first weight row, first token), visited in groups of GROUP weight tiles
     so that programs running together share a's tiles in L2 (as ``mma_planes``)."""
-    pid = gl.program_id(0)
     grid_n = gl.cdiv(N, BN)
     in_group = GROUP * gl.cdiv(M, BT)
     first_n = (pid // in_group) * GROUP
