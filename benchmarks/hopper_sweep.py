@@ -180,7 +180,7 @@ WS4 = [
 ]
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "stream", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -411,6 +411,13 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
+    if m >= 65 and "stream" in families:  # the M > 64 tactics over equal runs of K steps
+        for c in dict.fromkeys(c for lim, cs in hopper_configs.WS_TACTICS if lim > 64 for c in cs):
+            if c.block_n >= 128 and c.block_t <= 2 * m:
+                c = dataclasses.replace(c, split=-1)
+                out["stream " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
+                    triton_hopper.run_ws, cfg=c
+                )
     if m >= 33 and "ws4" in families:
         for c in WS4:
             if c.block_t <= 2 * m:
@@ -577,6 +584,8 @@ def main() -> None:
                         "wsw",
                         "wso",
                         "ws4",
+                        "stream",
+                        "wss",
                         "fuse",
                         "int",
                         "occ",

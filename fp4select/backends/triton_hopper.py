@@ -16,7 +16,8 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   tiles as ``hopper-mma``.)
 * ``hopper-ws`` (SM90 only, buckets M = 33-2048): the same product warp-specialized in Gluon
   (``_hopper_ws``): two consumer warpgroups decode and multiply in turn, fed by TMA, with
-  split-K (``_ws_split``) where its tiles alone leave SMs idle.
+  split-K (``_ws_split``) where its tiles alone leave SMs idle, or (``split = -1``, an
+  experiment) over equal runs of K steps, one program an SM (``_hopper_ws_stream``).
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
@@ -380,15 +381,9 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     sw32 = _scale_words(args[3])
     # TMA reads the weight's rows: its base and row stride must be multiples of 16 bytes, and
     # only whole 16-word steps were run on the GPU (K a multiple of 32).
-    if (
-        a32 is None
-        or w32 is None
-        or sw32 is None
-        or c.kh % 16
-        or (w32.stride(0) * 4) % 16
-        or w32.data_ptr() % 16
-        or c.alpha_kind == 1  # a Python number, which the kernel does not take (_hopper_ws)
-    ):
+    # alpha kind 1 is a Python number, which the kernel does not take (_hopper_ws).
+    if (a32 is None or w32 is None or sw32 is None or c.kh % 16 or c.alpha_kind == 1
+            or (w32.stride(0) * 4) % 16 or w32.data_ptr() % 16):  # fmt: skip
         return _run_planes(args, "hopper-ws", for_m(MMA_BY_M, c.m))
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -396,8 +391,8 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     kw, bkw, bn, bt = c.kh // 4, ws.STEP_WORDS, cfg.block_n, cfg.block_t
     steps = k.cdiv(kw, bkw)
     tiles = k.cdiv(c.n, bn) * k.cdiv(c.m, bt)
-    sms = triton_fp4._sms(c.out.device)
-    split = _ws_split(tiles, steps, cfg, sms)
+    stream, sms = cfg.split == -1, triton_fp4._sms(c.out.device)  # -1: stream-K
+    split = 1 if stream else _ws_split(tiles, steps, cfg, sms)
     parts = _partials(c, split)
     if parts is None:
         split = 1
@@ -411,6 +406,12 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
+    if stream:
+        from fp4select.backends import _hopper_ws_stream as ws_stream
+
+        workspace = functools.partial(triton_fp4._workspace, c.out.device)
+        if ws_stream.launch(c, w_desc, x_desc, sw32, cfg, steps, tiles, sms, workspace):
+            return c.out
     if parts is None:  # scaled by alpha and stored in out
         dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
     else:  # float32 partial sums, (split, M, N), as reduce_split reads them

@@ -1,0 +1,298 @@
+"""``hopper-ws`` over a stream of K steps (``WsConfig.split = -1``): one program an SM.
+
+Where a shape's tiles fill the SMs badly (72 tiles of 128 x 256 on 132 SMs ran at 55% of
+them: 4608 x 7168 at M = 512 took 1.77x bf16 cuBLAS's time), a K split must be a whole
+number of parts per tile. Here the (tile, K step) pairs, tile after tile, are cut into one
+equal run per program instead (stream-K): each program multiplies the steps of its run with
+``mma_ws``'s consumers, tile by tile, its stage ring going on across tiles. A tile whose
+steps one program holds is stored as ``mma_ws`` stores it; one shared by several programs
+is left as float32 partial sums, two slots a program (a run's first tile and its last can
+be partial, none between), which ``stream_fixup`` adds in program order, scales by alpha
+and stores: the result does not depend on timing.
+
+Design rules:
+
+* Program p's run is units ``p * q + min(p, r)`` up to the next program's, for U units over
+  P programs (``q, r = divmod(U, P)``); ``owner`` inverts that. The kernel, the fixup and
+  ``runs`` (Python, for the tests) compute the same runs.
+* Every program's g-th unit takes stage g % STAGES and barrier phase g // STAGES, as
+  ``mma_ws``'s j-th step: both consumers take every step (128 or 256 rows, one phase), so the
+  parity waits hold as there.
+* The tile order is ``_hopper_ws.tile_at``'s, so a tile's rows and tokens are the same in
+  the kernel and the fixup.
+* An experiment (in no tactic table): ``hopper_sweep.py``'s family ``stream`` times it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from fp4select.backends._hopper_ws import (
+    ALPHA_STRIDE,
+    STEP_WORDS,
+    WORKER_REGS,
+    _decode,
+    _load_step,
+    _rows,
+    _scale_words,
+    _store,
+    launch_regs,
+    tile_at,
+)
+
+GROUP = gl.constexpr(8)  # weight tiles visited together (``tile_at``), as run_ws launches
+MIN_UNITS = 8  # K steps a program takes at least
+
+
+def runs(units: int, programs: int) -> list[tuple[int, int]]:
+    """Each program's units ``[first, end)``: the kernel's split, in Python."""
+    q, r = divmod(units, programs)
+    return [(p * q + min(p, r), (p + 1) * q + min(p + 1, r)) for p in range(programs)]
+
+
+def programs_for(units: int, sms: int) -> int:
+    """One program an SM (a program holds one: its registers), each with MIN_UNITS steps or
+    more."""
+    return max(1, min(sms, units // MIN_UNITS))
+
+
+@gluon.jit
+def _first(p, q, r):
+    return p * q + gl.minimum(p, r)
+
+
+@gluon.jit
+def owner(u, q, r):
+    """The program whose run holds unit u."""
+    long_runs = r * (q + 1)  # the first r programs take q + 1 units
+    return gl.where(u < long_runs, u // (q + 1), r + (u - long_runs) // gl.maximum(q, 1))
+
+
+@gluon.jit
+def _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u, g, S, M, N):
+    """Unit u (tile u // S, step u % S) into stage g % STAGES: ``_load_step`` of its tile."""
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    BKW: gl.constexpr = w_bufs.type.shape[2]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    BT: gl.constexpr = x_bufs.type.shape[2] * (x_bufs.type.shape[0] // STAGES)
+    t = u // S
+    off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
+    _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, u - t * S - g, g, BKW)
+
+
+@gluon.jit
+def _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0, u1, S, M, N):
+    for g in range(u1 - u0):
+        _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0 + g, g, S, M, N)
+
+
+@gluon.jit
+def _store_part(acc0, acc1, part_ptr, ROW0: gl.constexpr, BN: gl.constexpr, HALVES: gl.constexpr):
+    """A consumer's rows of a partial tile into its slot (token-major, so the fixup's loads
+    along the rows are contiguous), scaled as ``_store`` scales (2**28), without alpha."""
+    mma: gl.constexpr = acc0.type.layout
+    XW: gl.constexpr = acc0.shape[1]
+    rows = ROW0 + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, mma))
+    for h in gl.static_range(HALVES):
+        acc = acc0 if h == 0 else acc1
+        cols = XW * h + gl.arange(0, XW, layout=gl.SliceLayout(0, mma))
+        gl.store(part_ptr + cols[None, :] * BN + rows[:, None], acc * 268435456.0)
+
+
+@gluon.jit
+def _consumer(
+    w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr,
+    u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr,
+):  # fmt: skip
+    """``_hopper_ws._consumer`` (rows off_n + 64 * ROLE .. of every step) over the program's
+    run, tile by tile: a whole tile stored, a partial one into the program's slot (0: the
+    run's first tile, 1: its last)."""
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    BKW: gl.constexpr = w_bufs.type.shape[2]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    XW: gl.constexpr = x_bufs.type.shape[2]
+    BT: gl.constexpr = XW * HALVES
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, XW, 16]
+    )
+    op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    ROWS: gl.constexpr = BN // 2
+    ROW0: gl.constexpr = ROWS * ROLE
+    g = 0  # the program's units so far: stage g % STAGES
+    for t in range(u0 // S, (u1 - 1) // S + 1):
+        off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
+        k0 = gl.maximum(u0 - t * S, 0)
+        k1 = gl.minimum(u1 - t * S, S)
+        row_part, kw = _rows(off_n + ROW0, N, cp, ROWS, BKW, op)
+        acc0 = gl.zeros((ROWS, XW), gl.float32, mma)
+        acc1 = gl.zeros((ROWS, XW), gl.float32, mma)
+        sw = _scale_words(sw_ptr, row_part, kw, k0, KW, BKW)
+        for i in range(k0, k1):
+            s = g % STAGES
+            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
+            sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
+            acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
+            if HALVES == 2:
+                acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
+            acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
+            fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
+            mbarrier.arrive(empty.index(s))
+            if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
+                if u0 + g + STAGES < u1:
+                    _load_unit(
+                        w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0 + g + STAGES,
+                        g + STAGES, S, M, N,
+                    )  # fmt: skip
+            g += 1
+        if k1 - k0 == S:
+            _store(acc0, acc1, alpha_ptr, out_ptr, off_n + ROW0, off_t, M, N, stride_om,
+                   stride_on, alpha_stride, HALVES)  # fmt: skip
+        else:
+            slot = (t * S > u0).to(gl.int32)  # 0: the run starts in this tile
+            _store_part(acc0, acc1, part_ptr + slot * (BN * BT), ROW0, BN, HALVES)
+
+
+# Not specialized on M or the runs' sizes (each value's divisibility would be a compile).
+@gluon.jit(do_not_specialize=["M", "S", "q", "r"])
+def mma_ws_stream(
+    w_desc, x_desc, sw_ptr, alpha_ptr, out_ptr,
+    part_ptr,  # float32, two [BT, BN] slots a program
+    M, N, KW, cp, stride_om, stride_on, alpha_stride,
+    S,  # K steps a tile
+    q, r,  # divmod(units, programs)
+    BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
+    OWN_LOADS: gl.constexpr = False,
+):  # fmt: skip
+    """``mma_ws``'s tiles over program p's run of (tile, step) units; num_warps=4."""
+    XW: gl.constexpr = x_desc.block_type.shape[1]
+    HALVES: gl.constexpr = BT // XW
+    p = gl.program_id(0)
+    u0 = _first(p, q, r)
+    u1 = _first(p + 1, q, r)
+    part_ptr += p * (2 * BN * BT)
+    w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, XW], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers read every stage
+    fence_async_shared()
+    # The arguments written out in place: in a tuple variable a constexpr loses being one.
+    if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
+        for j in gl.static_range(STAGES):
+            if u0 + j < u1:
+                _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0 + j, j, S, M, N)
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
+                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
+                     0, False),
+                ),
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
+                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
+                     1, True),
+                ),
+            ],
+            [4],
+            [WORKER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
+                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
+                     0, False),
+                ),
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
+                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
+                     1, False),
+                ),
+                (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0, u1, S, M, N)),
+            ],
+            [4, 1],
+            [232, 40],
+        )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["M", "S", "q", "r"])
+def stream_fixup(
+    part_ptr, alpha_ptr, out_ptr, M, N, stride_om, stride_on, alpha_stride, S, q, r,
+    BN: gl.constexpr, BT: gl.constexpr, CT: gl.constexpr,
+):  # fmt: skip
+    """Tile t's partial sums, where several programs share it: added in program order, scaled
+    by alpha, stored (a tile one program holds was stored by it); num_warps=4."""
+    t = gl.program_id(0)
+    p_first = owner(t * S, q, r)
+    p_last = owner(t * S + S - 1, q, r)
+    if p_first != p_last:
+        off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
+        layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+        offs_n = off_n + rows
+        for c in gl.static_range(BT // CT):
+            cols = c * CT + gl.arange(0, CT, layout=gl.SliceLayout(0, layout))
+            offs = cols[None, :] * BN + rows[:, None]
+            acc = gl.zeros([BN, CT], gl.float32, layout)
+            for p in range(p_first, p_last + 1):
+                slot = (t * S > _first(p, q, r)).to(gl.int32)  # 1: the run's last tile
+                acc += gl.load(part_ptr + (p * 2 + slot) * (BN * BT) + offs)
+            offs_t = off_t + cols
+            mask_t = offs_t < M
+            alpha = gl.load(
+                alpha_ptr + offs_t * alpha_stride, mask=mask_t & (alpha_stride >= 0), other=1.0
+            )
+            val = acc * alpha.to(gl.float32)[None, :]
+            ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
+            mask = (offs_n < N)[:, None] & mask_t[None, :]
+            gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(
+    c: Any, w_desc: Any, x_desc: Any, sw32: Any, cfg: Any, steps: int, tiles: int, sms: int,
+    workspace: Callable[[int, int, int], Any],
+) -> bool:  # fmt: skip
+    """``run_ws``'s launch for ``split = -1``: the main kernel over one run a program, then
+    the fixup over the tiles. ``workspace(n, slots, programs)`` is ``triton_fp4._workspace``
+    on the output's device; False (nothing launched) where it can make none (inside a graph
+    capture, if none was made before): run_ws then runs the tile unsplit."""
+    units = steps * tiles
+    programs = programs_for(units, sms)
+    slot = cfg.block_n * cfg.block_t
+    parts = workspace(slot, 2, programs)
+    if parts is None:
+        return False
+    q, r = divmod(units, programs)
+    alpha_stride = ALPHA_STRIDE[c.alpha_kind]
+    mma_ws_stream[(programs,)](
+        w_desc, x_desc, sw32, c.alpha_ptr, c.out, parts, c.m, c.n, c.kh // 4, c.cp,
+        c.out.stride(0), c.out.stride(1), alpha_stride, steps, q, r,
+        BN=cfg.block_n, BT=cfg.block_t, BKW=STEP_WORDS, STAGES=cfg.stages,
+        OWN_LOADS=not cfg.loader_warp, num_warps=4, maxnreg=launch_regs(cfg.loader_warp, 1),
+    )  # fmt: skip
+    stream_fixup[(tiles,)](
+        parts, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), alpha_stride,
+        steps, q, r, BN=cfg.block_n, BT=cfg.block_t, CT=16, num_warps=4,
+    )  # fmt: skip
+    return True

@@ -1,0 +1,60 @@
+"""``hopper-ws`` over equal runs of K steps (stream-K): how the runs are cut, on the CPU.
+
+The kernel computes each program's run as ``runs`` does, and the fixup finds a unit's
+program with ``owner``; both are checked against the exact reference on the GPU
+(``tests/test_hopper_kernels_gpu.py::test_hopper_ws_over_runs_of_k_steps``), and the
+kernels' compile for sm90 in ``tests/test_hopper_layout.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+
+from fp4select.backends import _hopper_ws_stream as stream
+from fp4select.backends import hopper_configs
+
+
+@pytest.mark.parametrize("units", [1, 7, 8, 9, 132 * 8, 132 * 8 + 1, 4032, 8192, 917504])
+@pytest.mark.parametrize("sms", [1, 78, 132])
+def test_the_runs_cover_every_unit_once_in_order_and_evenly(units, sms):
+    programs = stream.programs_for(units, sms)
+    assert 1 <= programs <= sms
+    assert programs == 1 or units // programs >= stream.MIN_UNITS
+    cut = stream.runs(units, programs)
+    assert cut[0][0] == 0 and cut[-1][1] == units
+    assert all(end == nxt for (_, end), (nxt, _) in itertools.pairwise(cut))
+    sizes = {end - first for first, end in cut}
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_a_program_holds_at_most_two_partial_tiles():
+    """The fixup reads two slots a program: a run's first and last tile can be partial, every
+    tile between is whole."""
+    for steps, tiles, sms in [(56, 72, 132), (64, 128, 132), (112, 32, 132), (17, 5, 132)]:
+        units = steps * tiles
+        for first, end in stream.runs(units, stream.programs_for(units, sms)):
+            touched = range(first // steps, (end - 1) // steps + 1)
+            partial = [
+                t
+                for t in touched
+                if max(first, t * steps) > t * steps or min(end, (t + 1) * steps) < (t + 1) * steps
+            ]
+            assert set(partial) <= {touched[0], touched[-1]}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_n=64, block_t=128, stages=5, split=-1),  # 64 rows: consumers alternate steps
+        dict(block_n=128, block_t=128, stages=4, split=-1, mma_tokens=128, loader_warp=0, phases=2),
+        dict(block_n=128, block_t=128, stages=3, split=-2),
+    ],
+)
+def test_runs_of_k_steps_take_both_consumers_on_every_step(bad):
+    assert hopper_configs.WsConfig(128, 256, 3, -1, 256, 0).split == -1
+    with pytest.raises(ValueError, match="split must be >= 0, or -1 with block_n >= 128"):
+        hopper_configs.WsConfig(**bad)
