@@ -378,15 +378,6 @@ def sf_row_part(row, cp, LAYOUT_8X4: tl.constexpr):
 
 
 @triton.jit
-def sf_col_part(col, LAYOUT_8X4: tl.constexpr):
-    """The part of a scale's byte offset that depends on the block (column) only."""
-    if LAYOUT_8X4:
-        return (col >> 2) * 32 + (col & 3)
-    else:
-        return (col >> 2) * 512 + (col & 3)
-
-
-@triton.jit
 def e4m3_bytes_f32(b):
     """e4m3 scale bytes (uint8) -> float32 values, subnormals included."""
     b = b.to(tl.int32)
@@ -478,7 +469,8 @@ def _scale_cols(k, KW, LAYOUT_8X4: tl.constexpr):
     blocks 0 and 1, so that the declaration holds everywhere; the loads there are masked.
     """
     kc = tl.where(k < (KW + 1) // 2 * 2, k, k & 1)
-    # sf_col_part spelled out: a hint on a helper's result is lost when the call is inlined
+    # the column's part of the offset here, not in a helper: a hint on a helper's result is
+    # lost when the call is inlined
     col = (kc >> 2) * (32 if LAYOUT_8X4 else 512) + (kc & 3)
     return tl.max_contiguous(tl.multiple_of(col, 2), 2)
 
