@@ -176,11 +176,15 @@ def test_consumers_taking_alternate_steps_read_each_step_at_a_large_shape(cfg):
     ],
     ids=str,
 )
-@pytest.mark.parametrize("n,k,m", [(4608, 7168, 512), (520, 2080, 300), (8192, 8192, 64)])
+@pytest.mark.parametrize(
+    "n,k,m", [(4608, 7168, 512), (520, 2080, 300), (28672, 2048, 256), (8192, 8192, 64)]
+)
 @pytest.mark.parametrize("layout,alpha,out_dtype", COMBOS[:2])
 def test_hopper_ws_over_runs_of_k_steps(cfg, n, k, m, layout, alpha, out_dtype):
-    """Stream-K: tiles held by one program, shared by two or more (the fixup), a last step
-    past K (K = 2080), M past a tile, into a NaN-poisoned ``out``; twice, same bits."""
+    """Stream-K: tiles held by one program, shared by two or more (the fixup), whole tiles
+    first and runs after (28672 x 2048 with 128 x 128 tiles: 3.4 waves), a last step past K
+    (K = 2080), M past a tile, the tiles left unsplit where they fill the SMs (8192 x 8192),
+    into a NaN-poisoned ``out``; twice, same bits."""
     problem = Problem(
         n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype
     )

@@ -442,7 +442,8 @@ def _compile_ws_stream(cfg, alpha: int):
         "x_desc": f"tensordesc<fp16[{8 * words}, {xw}],{x_layout!r}>",
         "sw_ptr": "*i32", "alpha_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
         "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
-        "stride_on": "i32", "alpha_stride": "i32", "S": "i32", "q": "i32", "r": "i32",
+        "stride_on": "i32", "alpha_stride": "i32", "S": "i32", "whole": "i32", "q": "i32",
+        "r": "i32",
     } | dict.fromkeys(("BN", "BT", "BKW", "STAGES", "OWN_LOADS"), "constexpr")  # fmt: skip
     constexprs = {"BN": bn, "BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages}
     constexprs["OWN_LOADS"] = not cfg.loader_warp
@@ -459,8 +460,8 @@ def _compile_ws_stream(cfg, alpha: int):
         signature={
             "part_ptr": "*fp32", "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
             "N": "i32", "stride_om": "i32", "stride_on": "i32", "alpha_stride": "i32",
-            "S": "i32", "q": "i32", "r": "i32", "BN": "constexpr", "BT": "constexpr",
-            "CT": "constexpr",
+            "S": "i32", "first_tile": "i32", "q": "i32", "r": "i32", "BN": "constexpr",
+            "BT": "constexpr", "CT": "constexpr",
         },
         constexprs={"BN": bn, "BT": cfg.block_t, "CT": 16},
     )  # fmt: skip
@@ -479,13 +480,13 @@ def _compile_ws_stream(cfg, alpha: int):
 )
 @pytest.mark.parametrize("alpha", [0, 3])
 def test_hopper_ws_over_runs_of_k_steps_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
-    """Stream-K's consumers run ``mma_ws``'s step in a loop over the run's tiles: each step's
-    wgmma waited for, nothing spilled inside the steps' loops (the 256-token tile spills
+    """Stream-K's consumers run ``mma_ws``'s step in loops over their whole tiles and their
+    run's tiles: each step's wgmma waited for, nothing spilled inside the steps' loops (the 256-token tile spills
     around them, as ``mma_ws``'s does); its fixup compiles too."""
     tool = _hazard_tool()
     sass = tool._sass(_compile_ws_stream(cfg, alpha))
     loops = tool.mma_loops(sass)
-    assert len(loops) == 2  # the consumer partitions
+    assert len(loops) == 4  # two a consumer partition: its whole tiles' steps, its run's
     for loop in loops:
         assert not [line for line in loop if re.search(r"\b(STL|LDL)\b", line)]
         waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]

@@ -47,6 +47,26 @@ def test_a_program_holds_at_most_two_partial_tiles():
 
 
 @pytest.mark.parametrize(
+    "tiles,steps,split,want",
+    [
+        (128, 64, 1, None),  # 8192 x 8192, M = 512, 128 x 256: 97% of the SMs busy unsplit
+        (64, 64, 2, None),  # M = 64: split in two, 97%
+        (72, 56, 1, (132, 0)),  # 4608 x 7168, M = 512: 55%, every tile in runs
+        (10, 17, 2, (21, 0)),  # 520 x 2080, M = 300: 21 programs of at least 8 steps
+        (448, 16, 1, (132, 2)),  # 3.4 waves: two whole tiles a program, 184 tiles in runs
+        (528, 32, 1, None),  # four whole waves
+    ],
+)
+def test_runs_are_cut_only_where_the_tiles_leave_sms_idle(tiles, steps, split, want):
+    assert stream.plan(tiles, steps, 132, split) == want
+    if want is not None:
+        programs, whole = want
+        assert programs <= tiles * steps // stream.MIN_UNITS
+        left = tiles - whole * programs  # the tiles cut into runs: one to two waves' worth
+        assert whole == 0 or programs <= left < 2 * programs
+
+
+@pytest.mark.parametrize(
     "bad",
     [
         dict(block_n=64, block_t=128, stages=5, split=-1),  # 64 rows: consumers alternate steps

@@ -1,23 +1,26 @@
-"""``hopper-ws`` over a stream of K steps (``WsConfig.split = -1``): one program an SM.
+"""``hopper-ws`` over runs of K steps (``WsConfig.split = -1``): one program an SM.
 
-Where a shape's tiles fill the SMs badly (72 tiles of 128 x 256 on 132 SMs ran at 55% of
-them: 4608 x 7168 at M = 512 took 1.77x bf16 cuBLAS's time), a K split must be a whole
+Where a shape's tiles fill the SMs badly (72 tiles of 128 x 256 on 132 SMs kept 55% of them
+busy: 4608 x 7168 at M = 512 took 1.77x bf16 cuBLAS's time), a K split must be a whole
 number of parts per tile. Here the (tile, K step) pairs, tile after tile, are cut into one
 equal run per program instead (stream-K): each program multiplies the steps of its run with
 ``mma_ws``'s consumers, tile by tile, its stage ring going on across tiles. A tile whose
 steps one program holds is stored as ``mma_ws`` stores it; one shared by several programs
 is left as float32 partial sums, two slots a program (a run's first tile and its last can
 be partial, none between), which ``stream_fixup`` adds in program order, scales by alpha
-and stores: the result does not depend on timing.
+and stores: the result does not depend on timing. From two waves of tiles on, each program
+first takes whole tiles (p, p + P, ...) and only the last one to two waves' worth are cut
+into runs (``plan``); where the tiles already fill the SMs, nothing is cut and ``run_ws``
+runs them as for any other split.
 
 Design rules:
 
 * Program p's run is units ``p * q + min(p, r)`` up to the next program's, for U units over
-  P programs (``q, r = divmod(U, P)``); ``owner`` inverts that. The kernel, the fixup and
-  ``runs`` (Python, for the tests) compute the same runs.
-* Every program's g-th unit takes stage g % STAGES and barrier phase g // STAGES, as
-  ``mma_ws``'s j-th step: both consumers take every step (128 or 256 rows, one phase), so the
-  parity waits hold as there.
+  P programs (``q, r = divmod(U, P)``), counted after the whole tiles'; ``owner`` inverts
+  that. The kernel, the fixup and ``runs`` (Python, for the tests) compute the same runs.
+* Every program's g-th unit (``_unit``: its whole tiles' steps, then its run's) takes stage
+  g % STAGES and barrier phase g // STAGES, as ``mma_ws``'s j-th step: both consumers take
+  every step (128 or 256 rows, one phase), so the parity waits hold as there.
 * The tile order is ``_hopper_ws.tile_at``'s, so a tile's rows and tokens are the same in
   the kernel and the fixup.
 * An experiment (in no tactic table): ``hopper_sweep.py``'s family ``stream`` times it.
@@ -52,6 +55,7 @@ from fp4select.backends._hopper_ws import (
 
 GROUP = gl.constexpr(8)  # weight tiles visited together (``tile_at``), as run_ws launches
 MIN_UNITS = 8  # K steps a program takes at least
+WAVE_FILL = 0.9  # the share of the SMs' waves split tiles keep busy, from which runs are not cut
 
 
 def runs(units: int, programs: int) -> list[tuple[int, int]]:
@@ -79,21 +83,30 @@ def owner(u, q, r):
 
 
 @gluon.jit
-def _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u, g, S, M, N):
-    """Unit u (tile u // S, step u % S) into stage g % STAGES: ``_load_step`` of its tile."""
+def _unit(g, p, P, whole, u0, S):
+    """The program's g-th unit as (tile, step): its whole tiles first (p, p + P, ...), then
+    its run from unit u0."""
+    first_whole = g < whole * S
+    u = u0 + g - whole * S
+    return gl.where(first_whole, p + (g // S) * P, u // S), gl.where(first_whole, g % S, u % S)
+
+
+@gluon.jit
+def _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, g, M, N):
+    """Step i of tile t into stage g % STAGES: ``_load_step`` of that tile."""
     BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     BT: gl.constexpr = x_bufs.type.shape[2] * (x_bufs.type.shape[0] // STAGES)
-    t = u // S
     off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
-    _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, u - t * S - g, g, BKW)
+    _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, i - g, g, BKW)
 
 
 @gluon.jit
-def _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0, u1, S, M, N):
-    for g in range(u1 - u0):
-        _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0 + g, g, S, M, N)
+def _loader(w_desc, x_desc, w_bufs, x_bufs, ready, empty, p, P, whole, u0, u1, S, M, N):
+    for g in range(whole * S + u1 - u0):
+        t, i = _unit(g, p, P, whole, u0, S)
+        _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, g, M, N)
 
 
 @gluon.jit
@@ -110,53 +123,78 @@ def _store_part(acc0, acc1, part_ptr, ROW0: gl.constexpr, BN: gl.constexpr, HALV
 
 
 @gluon.jit
-def _consumer(
-    w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr,
-    u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
-    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr,
+def _tile_sums(
+    w_bufs, x_bufs, ready, empty, sw_ptr, off_n, k0, k1, g, p, P, whole, u0, u1, S, M, N, KW,
+    cp, w_desc, x_desc, ROW0: gl.constexpr, LOADS: gl.constexpr,
 ):  # fmt: skip
-    """``_hopper_ws._consumer`` (rows off_n + 64 * ROLE .. of every step) over the program's
-    run, tile by tile: a whole tile stored, a partial one into the program's slot (0: the
-    run's first tile, 1: its last)."""
+    """Steps k0 .. k1 - 1 of the tile at weight row off_n, this consumer's rows, as
+    ``_hopper_ws._consumer`` takes them; the program's g-th unit first. Returns the sums and
+    the units taken so far."""
     BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
     XW: gl.constexpr = x_bufs.type.shape[2]
-    BT: gl.constexpr = XW * HALVES
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, XW, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     ROWS: gl.constexpr = BN // 2
-    ROW0: gl.constexpr = ROWS * ROLE
+    row_part, kw = _rows(off_n + ROW0, N, cp, ROWS, BKW, op)
+    acc0 = gl.zeros((ROWS, XW), gl.float32, mma)
+    acc1 = gl.zeros((ROWS, XW), gl.float32, mma)
+    sw = _scale_words(sw_ptr, row_part, kw, k0, KW, BKW)
+    total = whole * S + u1 - u0
+    for i in range(k0, k1):
+        s = g % STAGES
+        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+        a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
+        sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
+        acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
+        if HALVES == 2:
+            acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
+        acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
+        fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
+        mbarrier.arrive(empty.index(s))
+        if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
+            if g + STAGES < total:
+                t2, i2 = _unit(g + STAGES, p, P, whole, u0, S)
+                _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t2, i2, g + STAGES, M, N)
+        g += 1
+    return acc0, acc1, g
+
+
+@gluon.jit
+def _consumer(
+    w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr,
+    p, P, whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr,
+):  # fmt: skip
+    """``_hopper_ws._consumer`` (rows off_n + 64 * ROLE .. of every step) over the program's
+    whole tiles, then over its run, tile by tile: a whole tile stored, a partial one into
+    the program's slot (0: the run's first tile, 1: its last)."""
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    BT: gl.constexpr = x_bufs.type.shape[2] * HALVES
+    ROW0: gl.constexpr = BN // 2 * ROLE
     g = 0  # the program's units so far: stage g % STAGES
+    for n in range(whole):
+        off_n, off_t = tile_at(p + n * P, M, N, BN, BT, GROUP)
+        acc0, acc1, g = _tile_sums(
+            w_bufs, x_bufs, ready, empty, sw_ptr, off_n, 0, S, g, p, P, whole, u0, u1, S, M,
+            N, KW, cp, w_desc, x_desc, ROW0, LOADS,
+        )  # fmt: skip
+        _store(acc0, acc1, alpha_ptr, out_ptr, off_n + ROW0, off_t, M, N, stride_om,
+               stride_on, alpha_stride, HALVES)  # fmt: skip
     for t in range(u0 // S, (u1 - 1) // S + 1):
         off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
         k0 = gl.maximum(u0 - t * S, 0)
         k1 = gl.minimum(u1 - t * S, S)
-        row_part, kw = _rows(off_n + ROW0, N, cp, ROWS, BKW, op)
-        acc0 = gl.zeros((ROWS, XW), gl.float32, mma)
-        acc1 = gl.zeros((ROWS, XW), gl.float32, mma)
-        sw = _scale_words(sw_ptr, row_part, kw, k0, KW, BKW)
-        for i in range(k0, k1):
-            s = g % STAGES
-            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
-            a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
-            sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
-            acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
-            if HALVES == 2:
-                acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
-            acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
-            fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
-            mbarrier.arrive(empty.index(s))
-            if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
-                if u0 + g + STAGES < u1:
-                    _load_unit(
-                        w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0 + g + STAGES,
-                        g + STAGES, S, M, N,
-                    )  # fmt: skip
-            g += 1
+        acc0, acc1, g = _tile_sums(
+            w_bufs, x_bufs, ready, empty, sw_ptr, off_n, k0, k1, g, p, P, whole, u0, u1, S, M,
+            N, KW, cp, w_desc, x_desc, ROW0, LOADS,
+        )  # fmt: skip
         if k1 - k0 == S:
             _store(acc0, acc1, alpha_ptr, out_ptr, off_n + ROW0, off_t, M, N, stride_om,
                    stride_on, alpha_stride, HALVES)  # fmt: skip
@@ -166,22 +204,26 @@ def _consumer(
 
 
 # Not specialized on M or the runs' sizes (each value's divisibility would be a compile).
-@gluon.jit(do_not_specialize=["M", "S", "q", "r"])
+@gluon.jit(do_not_specialize=["M", "S", "whole", "q", "r"])
 def mma_ws_stream(
     w_desc, x_desc, sw_ptr, alpha_ptr, out_ptr,
     part_ptr,  # float32, two [BT, BN] slots a program
     M, N, KW, cp, stride_om, stride_on, alpha_stride,
     S,  # K steps a tile
-    q, r,  # divmod(units, programs)
+    whole,  # whole tiles a program takes first: p, p + P, ...
+    q, r,  # divmod(the units of the tiles after those, programs)
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
     OWN_LOADS: gl.constexpr = False,
 ):  # fmt: skip
-    """``mma_ws``'s tiles over program p's run of (tile, step) units; num_warps=4."""
+    """``mma_ws``'s tiles: program p's whole tiles, then its run of (tile, step) units;
+    num_warps=4."""
     XW: gl.constexpr = x_desc.block_type.shape[1]
     HALVES: gl.constexpr = BT // XW
     p = gl.program_id(0)
-    u0 = _first(p, q, r)
-    u1 = _first(p + 1, q, r)
+    P = gl.num_programs(0)
+    base = whole * P * S  # the runs' units come after the whole tiles'
+    u0 = base + _first(p, q, r)
+    u1 = base + _first(p + 1, q, r)
     part_ptr += p * (2 * BN * BT)
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, XW], x_desc.layout)
@@ -194,21 +236,22 @@ def mma_ws_stream(
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
     if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
         for j in gl.static_range(STAGES):
-            if u0 + j < u1:
-                _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0 + j, j, S, M, N)
+            if j < whole * S + u1 - u0:
+                t, i = _unit(j, p, P, whole, u0, S)
+                _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, j, M, N)
         gl.warp_specialize(
             [
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
-                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
-                     0, False),
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 0, False),
                 ),
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
-                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
-                     1, True),
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 1, True),
                 ),
             ],
             [4],
@@ -219,35 +262,40 @@ def mma_ws_stream(
             [
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
-                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
-                     0, False),
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 0, False),
                 ),
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, u0,
-                     u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc,
-                     1, False),
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 1, False),
                 ),
-                (_loader, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, u0, u1, S, M, N)),
+                (
+                    _loader,
+                    (w_desc, x_desc, w_bufs, x_bufs, ready, empty, p, P, whole, u0, u1, S, M,
+                     N),
+                ),
             ],
             [4, 1],
             [232, 40],
         )  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["M", "S", "q", "r"])
+@gluon.jit(do_not_specialize=["M", "S", "first_tile", "q", "r"])
 def stream_fixup(
-    part_ptr, alpha_ptr, out_ptr, M, N, stride_om, stride_on, alpha_stride, S, q, r,
+    part_ptr, alpha_ptr, out_ptr, M, N, stride_om, stride_on, alpha_stride, S, first_tile, q, r,
     BN: gl.constexpr, BT: gl.constexpr, CT: gl.constexpr,
 ):  # fmt: skip
-    """Tile t's partial sums, where several programs share it: added in program order, scaled
-    by alpha, stored (a tile one program holds was stored by it); num_warps=4."""
-    t = gl.program_id(0)
+    """Tile first_tile + t's partial sums, where several programs' runs share it: added in
+    program order, scaled by alpha, stored (a tile one program holds was stored by it);
+    num_warps=4."""
+    t = gl.program_id(0)  # among the runs' tiles
     p_first = owner(t * S, q, r)
     p_last = owner(t * S + S - 1, q, r)
     if p_first != p_last:
-        off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
+        off_n, off_t = tile_at(first_tile + t, M, N, BN, BT, GROUP)
         layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
         offs_n = off_n + rows
@@ -269,30 +317,48 @@ def stream_fixup(
             gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def plan(tiles: int, steps: int, sms: int, split: int) -> tuple[int, int] | None:
+    """(programs, whole tiles a program takes first), or None where the tiles, K split in
+    ``split`` as ``run_ws`` splits them, fill the SMs' waves to ``WAVE_FILL`` or better: there
+    the runs' partial sums cost more than the few idle SMs (on the H200, 128 tiles on 132 SMs
+    took 1.36x the unsplit tile's time over runs; 72 tiles, 0.76x). From two waves on, each
+    program first takes whole tiles and the last one to two waves' worth are cut into runs
+    (as CUTLASS's hybrid stream-K), so that few tiles are shared."""
+    busy = tiles * split
+    if busy / (-(-busy // sms) * sms) >= WAVE_FILL:
+        return None
+    if tiles >= 2 * sms:
+        return sms, tiles // sms - 1
+    return programs_for(tiles * steps, sms), 0
+
+
 def launch(
     c: Any, w_desc: Any, x_desc: Any, sw32: Any, cfg: Any, steps: int, tiles: int, sms: int,
-    workspace: Callable[[int, int, int], Any],
+    split: int, workspace: Callable[[int, int, int], Any],
 ) -> bool:  # fmt: skip
-    """``run_ws``'s launch for ``split = -1``: the main kernel over one run a program, then
-    the fixup over the tiles. ``workspace(n, slots, programs)`` is ``triton_fp4._workspace``
-    on the output's device; False (nothing launched) where it can make none (inside a graph
-    capture, if none was made before): run_ws then runs the tile unsplit."""
-    units = steps * tiles
-    programs = programs_for(units, sms)
-    slot = cfg.block_n * cfg.block_t
-    parts = workspace(slot, 2, programs)
+    """``run_ws``'s launch for ``split = -1``: the main kernel, then the fixup over the runs'
+    tiles. ``workspace(n, slots, programs)`` is ``triton_fp4._workspace`` on the output's
+    device. False (nothing launched) where ``plan`` says the tiles fill the SMs, or where no
+    workspace can be made (inside a graph capture, if none was made before): run_ws then
+    runs the tiles K split in ``split``."""
+    planned = plan(tiles, steps, sms, split)
+    if planned is None:
+        return False
+    programs, whole = planned
+    parts = workspace(cfg.block_n * cfg.block_t, 2, programs)
     if parts is None:
         return False
-    q, r = divmod(units, programs)
+    first_tile = whole * programs
+    q, r = divmod((tiles - first_tile) * steps, programs)
     alpha_stride = ALPHA_STRIDE[c.alpha_kind]
     mma_ws_stream[(programs,)](
         w_desc, x_desc, sw32, c.alpha_ptr, c.out, parts, c.m, c.n, c.kh // 4, c.cp,
-        c.out.stride(0), c.out.stride(1), alpha_stride, steps, q, r,
+        c.out.stride(0), c.out.stride(1), alpha_stride, steps, whole, q, r,
         BN=cfg.block_n, BT=cfg.block_t, BKW=STEP_WORDS, STAGES=cfg.stages,
         OWN_LOADS=not cfg.loader_warp, num_warps=4, maxnreg=launch_regs(cfg.loader_warp, 1),
     )  # fmt: skip
-    stream_fixup[(tiles,)](
+    stream_fixup[(tiles - first_tile,)](
         parts, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), alpha_stride,
-        steps, q, r, BN=cfg.block_n, BT=cfg.block_t, CT=16, num_warps=4,
+        steps, first_tile, q, r, BN=cfg.block_n, BT=cfg.block_t, CT=16, num_warps=4,
     )  # fmt: skip
     return True

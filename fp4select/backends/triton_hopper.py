@@ -361,11 +361,11 @@ def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
 
 
 def _ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
-    """K split so that the programs fill the SMs at most once (one program holds an SM: its
-    registers), each keeping at least 8 steps. Rounded down: on the H200, splitting 66-88
-    tiles in two (132 SMs) cost up to 1.26x, and fewer tiles gained up to 4x
-    (results/hopper_sweep_wsk.json)."""
-    split = cfg.split or max(1, min(16, steps // 8, sms // max(tiles, 1)))
+    """K split (cfg's, or for 0 and -1) so that the programs fill the SMs at most once (one
+    program holds an SM: its registers), each keeping at least 8 steps. Rounded down: on the
+    H200, splitting 66-88 tiles in two (132 SMs) cost up to 1.26x, and fewer tiles gained up
+    to 4x (results/hopper_sweep_wsk.json)."""
+    split = cfg.split if cfg.split > 0 else max(1, min(16, steps // 8, sms // max(tiles, 1)))
     per = math.ceil(steps / split)
     return math.ceil(steps / per)  # no program without a step
 
@@ -392,7 +392,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     steps = k.cdiv(kw, bkw)
     tiles = k.cdiv(c.n, bn) * k.cdiv(c.m, bt)
     stream, sms = cfg.split == -1, triton_fp4._sms(c.out.device)  # -1: stream-K
-    split = 1 if stream else _ws_split(tiles, steps, cfg, sms)
+    split = _ws_split(tiles, steps, cfg, sms)
     parts = _partials(c, split)
     if parts is None:
         split = 1
@@ -410,7 +410,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         from fp4select.backends import _hopper_ws_stream as ws_stream
 
         workspace = functools.partial(triton_fp4._workspace, c.out.device)
-        if ws_stream.launch(c, w_desc, x_desc, sw32, cfg, steps, tiles, sms, workspace):
+        if ws_stream.launch(c, w_desc, x_desc, sw32, cfg, steps, tiles, sms, split, workspace):
             return c.out
     if parts is None:  # scaled by alpha and stored in out
         dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
