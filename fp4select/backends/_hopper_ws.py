@@ -165,6 +165,21 @@ def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
 
 
 @gluon.jit
+def mma_step(a, x_bufs, empty, s, acc0, acc1):
+    """Stage s's wgmma (one group over the tile's tokens, or one a 64-token half) on the
+    decoded operand ``a``, waited for before a register is written again; the stage given
+    back."""
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // empty.type.shape[0]
+    acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
+    if HALVES == 2:
+        acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
+    acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
+    fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
+    mbarrier.arrive(empty.index(s))
+    return acc0, acc1
+
+
+@gluon.jit
 def _consumer(
     w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
@@ -202,12 +217,7 @@ def _consumer(
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
-        acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
-        if HALVES == 2:
-            acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
-        acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
-        fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
-        mbarrier.arrive(empty.index(s))
+        acc0, acc1 = mma_step(a, x_bufs, empty, s, acc0, acc1)
         if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
             if j + STAGES < steps:
                 _load_step(

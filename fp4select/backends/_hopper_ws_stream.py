@@ -36,8 +36,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from fp4select.backends._hopper_ws import (
@@ -50,6 +48,7 @@ from fp4select.backends._hopper_ws import (
     _scale_words,
     _store,
     launch_regs,
+    mma_step,
     tile_at,
 )
 
@@ -133,7 +132,6 @@ def _tile_sums(
     BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
-    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
     XW: gl.constexpr = x_bufs.type.shape[2]
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, XW, 16]
@@ -150,12 +148,7 @@ def _tile_sums(
         mbarrier.wait(ready.index(s), (g // STAGES) & 1)
         a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + 1, KW, BKW)  # a step ahead of its use
-        acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
-        if HALVES == 2:
-            acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
-        acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
-        fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
-        mbarrier.arrive(empty.index(s))
+        acc0, acc1 = mma_step(a, x_bufs, empty, s, acc0, acc1)
         if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
             if g + STAGES < total:
                 t2, i2 = _unit(g + STAGES, p, P, whole, u0, S)
