@@ -361,7 +361,7 @@ def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
 
 
 def _ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
-    """K split (cfg's, or for 0 and -1) so that the programs fill the SMs at most once (one
+    """K split: cfg's if positive, else so that the programs fill the SMs at most once (one
     program holds an SM: its registers), each keeping at least 8 steps. Rounded down: on the
     H200, splitting 66-88 tiles in two (132 SMs) cost up to 1.26x, and fewer tiles gained up
     to 4x (results/hopper_sweep_wsk.json)."""
