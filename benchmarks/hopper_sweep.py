@@ -585,7 +585,6 @@ def main() -> None:
                         "wso",
                         "ws4",
                         "stream",
-                        "wss",
                         "fuse",
                         "int",
                         "occ",

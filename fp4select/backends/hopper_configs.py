@@ -51,8 +51,9 @@ class MmaConfig:
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
     the two take alternate steps), tokens (64, 128 or 256), TMA stages, the K split (1: none;
-    0: choose from the SM count; -1: equal runs of K steps, one program an SM, 128 rows or
-    more, an experiment), the tokens one wgmma takes (64: a 128-token tile is
+    0: choose from the SM count; -1: where the tiles leave SMs idle, equal runs of K steps,
+    one program an SM: stream-K, 128 rows or more, an experiment), the tokens one wgmma
+    takes (64: a 128-token tile is
     multiplied in two halves; or block_t: one wgmma over the whole tile), whether a warp
     of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
     a thread where 12 warps leave 168; 128 rows or more), and the consumers' step phases (2:
