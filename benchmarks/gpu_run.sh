@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|final]
+#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|final]
 #   (default: all)
 #
 #   tests  the tests marked gpu but the kernel matrix, then the warm path's, the guard's, the
@@ -30,6 +30,9 @@
 #   hazard benchmarks/hazard_stress.py: each hopper-mma and hopper-ws tactic many times on the
 #          same inputs, under load, compared bit for bit (the wgmma register hazard that
 #          tools/wgmma_hazards.py found in hopper-mma's Triton 3.6 SASS); not part of all
+#   stream hopper-ws over runs of K steps (stream-K, an experiment): its GPU tests, then
+#          hopper_sweep.py --families stream,tactics on the record's narrow shapes at M = 256,
+#          512 and 2048 (about 5 minutes); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -40,8 +43,8 @@
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|kernels|bench|all|record|quant|floor|deploy|hazard|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|final)" >&2
+  tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -117,6 +120,13 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
   fi
   if [ "$MODE" = hazard ]; then
     step "hazard_stress.py" timeout 500 python3 benchmarks/hazard_stress.py --out "$OUT"
+  fi
+  if [ "$MODE" = stream ]; then
+    step "stream-K's tests" timeout 200 python3 -m pytest "${XDIST[@]}" -m gpu -p no:cacheprovider \
+      -q -rs tests/test_hopper_kernels_gpu.py -k "runs_of_k_steps or alternate_steps"
+    step "hopper_sweep.py stream" timeout 340 python3 benchmarks/hopper_sweep.py \
+      --families stream,tactics --ms 256,512,2048 --name hopper_sweep_stream2 --out "$OUT" \
+      --shapes 4608x7168,2304x4096,6144x4096,4096x7168,28672x4096,8192x8192 --time-limit-s 280
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)
