@@ -31,21 +31,6 @@ def test_the_runs_cover_every_unit_once_in_order_and_evenly(units, sms):
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
-def test_a_program_holds_at_most_two_partial_tiles():
-    """The fixup reads two slots a program: a run's first and last tile can be partial, every
-    tile between is whole."""
-    for steps, tiles, sms in [(56, 72, 132), (64, 128, 132), (112, 32, 132), (17, 5, 132)]:
-        units = steps * tiles
-        for first, end in stream.runs(units, stream.programs_for(units, sms)):
-            touched = range(first // steps, (end - 1) // steps + 1)
-            partial = [
-                t
-                for t in touched
-                if max(first, t * steps) > t * steps or min(end, (t + 1) * steps) < (t + 1) * steps
-            ]
-            assert set(partial) <= {touched[0], touched[-1]}
-
-
 @pytest.mark.parametrize(
     "tiles,steps,split,want",
     [

@@ -70,6 +70,7 @@ from fp4select.backends._hopper_planes import _PAIR_TO_F16_CVT
 # name raises there).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 STEP_WORDS = 16  # words per step: one k16 wgmma per plane
+TILE_GROUP = 8  # weight tiles visited together (``tile_at``'s GROUP), as run_ws launches
 # registers a thread at launch (the first consumer's; the partitions then set their own): no
 # tile spills at this (tests/test_hopper_layout.py)
 MAXNREG = 168

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from fp4select.backends._hopper_ws import (
     ALPHA_STRIDE,
     STEP_WORDS,
+    TILE_GROUP,
     WORKER_REGS,
     _decode,
     _load_step,
@@ -52,7 +53,7 @@ from fp4select.backends._hopper_ws import (
     tile_at,
 )
 
-GROUP = gl.constexpr(8)  # weight tiles visited together (``tile_at``), as run_ws launches
+GROUP = gl.constexpr(TILE_GROUP)
 MIN_UNITS = 8  # K steps a program takes at least
 WAVE_FILL = 0.9  # the share of the SMs' waves split tiles keep busy, from which runs are not cut
 
