@@ -125,7 +125,7 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
     step "stream-K's tests" timeout 200 python3 -m pytest "${XDIST[@]}" -m gpu -p no:cacheprovider \
       -q -rs tests/test_hopper_kernels_gpu.py -k "runs_of_k_steps or alternate_steps"
     step "hopper_sweep.py stream" timeout 340 python3 benchmarks/hopper_sweep.py \
-      --families stream,tactics --ms 256,512,2048 --name hopper_sweep_stream2 --out "$OUT" \
+      --families stream,tactics,even --ms 256,512,2048 --name hopper_sweep_stream2 --out "$OUT" \
       --shapes 4608x7168,2304x4096,6144x4096,4096x7168,28672x4096,8192x8192 --time-limit-s 280
   fi
   if [ "$MODE" = final ]; then

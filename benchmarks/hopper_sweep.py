@@ -178,9 +178,14 @@ WS4 = [
     hopper_configs.WsConfig(128, bt, st, 0, bt, 0, 2)
     for bt, st in [(128, 2), (128, 4), (64, 4), (64, 6)]
 ]
+# The shipped 64-row tile (two consumers taking alternate steps) over an even ring (family
+# "even"): with 5 stages a stage's steps alternate between the consumers, so only a TMA load
+# landing in order keeps a consumer off a stage's earlier phase (_hopper_ws.py's rules); with
+# an even ring each stage serves one consumer.
+EVEN = [hopper_configs.WsConfig(64, 128, st, 0, 128) for st in (4, 5, 6)]
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "stream", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "even", "stream", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -423,6 +428,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "ws4 " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
+    if 33 <= m <= 512 and "even" in families:
+        for c in EVEN:
+            out["even " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
+                triton_hopper.run_ws, cfg=c
+            )
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -454,7 +464,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
-        kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= 512 else []
+        kinds += [("ws", triton_hopper.run_ws)] if 33 <= m <= 2048 else []
         for kind, run in kinds:
             for c in hopper_configs.candidates(kind, m):
                 name = f"{kind} " + " ".join(map(str, dataclasses.astuple(c)))
@@ -533,6 +543,20 @@ def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...
     return {"n": n, "k": k, "m": m, "us": us, "verdicts": verdicts}
 
 
+def write(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> None:
+    """The JSON of the points so far: written after each, so a call's timeout keeps them."""
+    record = {
+        "benchmark": "hopper_sweep",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(device),
+        "timing": OPTIONS.to_json(),
+        "rows": rows,
+    }
+    path = Path(args.out) / f"{args.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(record))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
@@ -557,6 +581,7 @@ def main() -> None:
                 print(f"{n}x{k} M={m} failed:\n{traceback.format_exc()}")
                 continue
             rows.append(row)
+            write(args, device, rows)
             us = row["us"]
             best: dict[str, tuple[float, str]] = {}
             for nm, t in us.items():
@@ -584,6 +609,7 @@ def main() -> None:
                         "wsw",
                         "wso",
                         "ws4",
+                        "even",
                         "stream",
                         "fuse",
                         "int",
@@ -606,17 +632,8 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    record = {
-        "benchmark": "hopper_sweep",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(device),
-        "timing": OPTIONS.to_json(),
-        "rows": rows,
-    }
-    path = Path(args.out) / f"{args.name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(record))
-    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+    write(args, device, rows)
+    print(f"wrote {Path(args.out) / args.name}.json in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
