@@ -24,6 +24,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -244,6 +245,24 @@ def compiled_kernels(cache_dir: str) -> dict[str, int]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return dict(names.most_common())
+
+
+def kernel_signatures(cache_dir: str, name: str) -> list[str]:
+    """Each compiled variant of kernel ``name`` in a Triton cache: its options that differ
+    between tiles and its TTGIR entry's argument types (with divisibility), which tell one
+    specialization from another."""
+    found = []
+    for meta in sorted(Path(cache_dir).glob(f"*/{name}.json")):
+        try:
+            options = json.loads(meta.read_text())
+            text = meta.with_suffix(".ttgir").read_text()
+        except (OSError, ValueError):
+            continue
+        keep = ("shared", "num_warps", "maxnreg", "launch_pdl")
+        head = next((line for line in text.splitlines() if f"@{name}(" in line), "")
+        head = re.sub(r' loc\("[^"]*"\(#loc\d*\)\)', "", head)
+        found.append(f"{[options.get(k) for k in keep]} {' '.join(head.split())}"[:3000])
+    return found
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from _common import RESULTS, dumps, machine, table
-from bench_cold import PRESETS
+from bench_cold import PRESETS, compiled_kernels, kernel_signatures
 
 
 def warm(shapes: list[tuple[int, int]], max_m: int, env: dict[str, str]) -> dict:
@@ -75,6 +75,11 @@ def main() -> None:
             env["FP4SELECT_CACHE_DIR"] = str(root / f"decisions_{run}")  # empty each time
             runs[run] = warm(shapes, args.max_m, env)
             print(f"{run}: {runs[run]['process_s']:.1f} s", flush=True)
+            if run == "cold":  # what it compiled, and what told the hopper-ws variants apart
+                triton_cache = str(root / "triton")
+                runs[run]["kernels_compiled"] = compiled_kernels(triton_cache)
+                runs[run]["mma_ws_signatures"] = kernel_signatures(triton_cache, "mma_ws")
+                print(f"kernels compiled: {json.dumps(runs[run]['kernels_compiled'])}")
     jit_share = max(0.0, 1 - runs["compiled"]["process_s"] / runs["cold"]["process_s"])
     rows = [
         [run, r["keys"], f"{r['process_s']:.1f}", f"{r['warm_wall_s']:.1f}", r["native_key"]]
