@@ -30,9 +30,10 @@
 #   hazard benchmarks/hazard_stress.py: each hopper-mma and hopper-ws tactic many times on the
 #          same inputs, under load, compared bit for bit (the wgmma register hazard that
 #          tools/wgmma_hazards.py found in hopper-mma's Triton 3.6 SASS); not part of all
-#   stream hopper-ws over runs of K steps (stream-K, an experiment): its GPU tests, then
-#          hopper_sweep.py --families stream,tactics on the record's narrow shapes at M = 256,
-#          512 and 2048 (about 5 minutes); not part of all
+#   stream hopper-ws over runs of K steps (stream-K, an experiment): hopper_sweep.py
+#          --families stream,tactics,even on the record's narrow shapes at M = 256, 512 and
+#          2048 (about 4 minutes), bench_deploy.py (which kernels deploying compiles), then
+#          stream-K's GPU tests in the time left of 560 s; not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -122,11 +123,15 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
     step "hazard_stress.py" timeout 500 python3 benchmarks/hazard_stress.py --out "$OUT"
   fi
   if [ "$MODE" = stream ]; then
-    step "stream-K's tests" timeout 200 python3 -m pytest "${XDIST[@]}" -m gpu -p no:cacheprovider \
-      -q -rs tests/test_hopper_kernels_gpu.py -k "runs_of_k_steps or alternate_steps"
-    step "hopper_sweep.py stream" timeout 340 python3 benchmarks/hopper_sweep.py \
+    start=$(date +%s)
+    left() { echo $((560 - $(date +%s) + start)); }  # seconds left of the call's 560
+    step "hopper_sweep.py stream" timeout 300 python3 benchmarks/hopper_sweep.py \
       --families stream,tactics,even --ms 256,512,2048 --name hopper_sweep_stream2 --out "$OUT" \
-      --shapes 4608x7168,2304x4096,6144x4096,4096x7168,28672x4096,8192x8192 --time-limit-s 280
+      --shapes 4608x7168,2304x4096,6144x4096,4096x7168,28672x4096,8192x8192 --time-limit-s 230
+    step "fp4select warm, from nothing" timeout "$(( $(left) < 150 ? $(left) : 150 ))" \
+      python3 benchmarks/bench_deploy.py --out "$OUT"
+    step "stream-K's tests" timeout "$(left)" python3 -m pytest "${XDIST[@]}" -m gpu \
+      -p no:cacheprovider -q -rs tests/test_hopper_kernels_gpu.py -k "runs_of_k_steps or alternate_steps"
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)
