@@ -41,6 +41,7 @@ Design rules:
   consumer at step j has consumed step j - 2, loaded after step j - STAGES, so only a TMA
   load landing three steps late could pass it early (never seen: hazard_stress). A ready
   barrier a stage and phase would rule it out; it changes a shipped kernel (a new record).
+  So would 4 stages, at 1.01x the time (median; up to 1.04x; hopper_sweep_stream2.json).
 * Each consumer waits for its step's wgmma before its next decode writes a register: a wgmma
   reads its register operand while it runs (``_hopper_kernels.retired`` says why Triton's own
   schedule is not trusted with that). ``tests/test_hopper_layout.py`` reads the SASS for it.
