@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|final]
+#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|wins|final]
 #   (default: all)
 #
 #   tests  the tests marked gpu but the kernel matrix, then the warm path's, the guard's, the
@@ -34,6 +34,10 @@
 #          --families stream,tactics,even on the record's narrow shapes at M = 256, 512 and
 #          2048 (about 4 minutes), bench_deploy.py (which kernels deploying compiles), then
 #          stream-K's GPU tests in the time left of 560 s; not part of all
+#   wins   fp4select warm of the record's 16 shapes to M = 8192 at default settings, its
+#          decisions kept under $OUT/decisions (JSON): which tactic of each kind won at each
+#          key, and each candidate's tuned time, to see which tactics a table could drop (each
+#          costs deploying a compile); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -44,8 +48,8 @@
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|final)" >&2
+  tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|wins|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|wins|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -132,6 +136,15 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
       python3 benchmarks/bench_deploy.py --out "$OUT"
     step "stream-K's tests" timeout "$(left)" python3 -m pytest "${XDIST[@]}" -m gpu \
       -p no:cacheprovider -q -rs tests/test_hopper_kernels_gpu.py -k "runs_of_k_steps or alternate_steps"
+  fi
+  if [ "$MODE" = wins ]; then
+    shapes=()
+    for nk in 8192,8192 6144,4096 28672,4096 4096,14336 2560,8192 14336,8192 8192,7168 \
+      8192,2048 4096,7168 7168,2304 2304,4096 13312,16384 1280,8192 16384,6656 4608,7168 4096,2048; do
+      shapes+=(--shape "$nk")
+    done
+    step "fp4select warm, the record's shapes" env FP4SELECT_CACHE_DIR="$OUT/decisions" timeout 540 \
+      python3 -m fp4select warm --quiet --json --max-m 8192 "${shapes[@]}" > "$OUT/warm_wins.json"
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)
