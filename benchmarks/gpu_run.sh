@@ -34,10 +34,9 @@
 #          --families stream,tactics,even on the record's narrow shapes at M = 256, 512 and
 #          2048 (about 4 minutes), bench_deploy.py (which kernels deploying compiles), then
 #          stream-K's GPU tests in the time left of 560 s; not part of all
-#   wins   fp4select warm of the record's 16 shapes to M = 8192 at default settings, its
-#          decisions kept under $OUT/decisions (JSON): which tactic of each kind won at each
-#          key, and each candidate's tuned time, to see which tactics a table could drop (each
-#          costs deploying a compile); not part of all
+#   wins   fp4select warm of the record's 16 shapes to M = 8192 at default settings, then
+#          tactic_wins.py over its decisions (which tactics a table could drop: each costs
+#          deploying a compile; the decisions come back as decisions_wins.tgz); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -143,8 +142,11 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
       8192,2048 4096,7168 7168,2304 2304,4096 13312,16384 1280,8192 16384,6656 4608,7168 4096,2048; do
       shapes+=(--shape "$nk")
     done
-    step "fp4select warm, the record's shapes" env FP4SELECT_CACHE_DIR="$OUT/decisions" timeout 540 \
+    decisions=$(mktemp -d)  # the store's folders nest too deep to come back from the device
+    step "fp4select warm, the record's shapes" env FP4SELECT_CACHE_DIR="$decisions" timeout 400 \
       python3 -m fp4select warm --quiet --json --max-m 8192 "${shapes[@]}" > "$OUT/warm_wins.json"
+    step "tactic_wins.py" python3 benchmarks/tactic_wins.py "$decisions" --out "$OUT"
+    tar -C "$decisions" -czf "$OUT/decisions_wins.tgz" .
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)
