@@ -137,14 +137,12 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
       -p no:cacheprovider -q -rs tests/test_hopper_kernels_gpu.py -k "runs_of_k_steps or alternate_steps"
   fi
   if [ "$MODE" = wins ]; then
-    shapes=()
-    for nk in 8192,8192 6144,4096 28672,4096 4096,14336 2560,8192 14336,8192 8192,7168 \
-      8192,2048 4096,7168 7168,2304 2304,4096 13312,16384 1280,8192 16384,6656 4608,7168 4096,2048; do
-      shapes+=(--shape "$nk")
-    done
     decisions=$(mktemp -d)  # the store's folders nest too deep to come back from the device
+    python3 -c "import json, sys; sys.path.insert(0, 'benchmarks'); from bench_gpu import SHAPES
+print(json.dumps({'shapes': [[n, k] for _, n, k in SHAPES]}))" > "$decisions.shapes.json"
     step "fp4select warm, the record's shapes" env FP4SELECT_CACHE_DIR="$decisions" timeout 400 \
-      python3 -m fp4select warm --quiet --json --max-m 8192 "${shapes[@]}" > "$OUT/warm_wins.json"
+      python3 -m fp4select warm --quiet --json --max-m 8192 --shapes-file "$decisions.shapes.json" \
+      > "$OUT/warm_wins.json"
     step "tactic_wins.py" python3 benchmarks/tactic_wins.py "$decisions" --out "$OUT"
     tar -C "$decisions" -czf "$OUT/decisions_wins.tgz" .
   fi

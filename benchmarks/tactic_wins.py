@@ -23,12 +23,16 @@ from _common import RESULTS, dumps, table
 
 
 def keys_of(root: Path) -> list[dict]:
-    """Each stored decision's record (the store's entry files; JSON only, never executed)."""
+    """Each stored decision's record (the store's entry files; JSON only, never executed),
+    those without a winner and verdicts of the expected types left out."""
     records = []
     for path in sorted(root.glob("v*/*/entries/*.json")):
         try:
-            entry = json.loads(path.read_text())
-            records.append({"key": entry["key"], **entry["record"]})
+            record = json.loads(path.read_text())["record"]
+            if isinstance(record["ranking"]["winner"], str) and isinstance(
+                record["verdicts"], dict
+            ):
+                records.append(record)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return records
