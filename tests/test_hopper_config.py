@@ -103,7 +103,7 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     ]:
         pinned = ht.pin(run, _record(cfg))
         assert pinned.func is run and pinned.keywords == {"cfg": cfg}
-    known = list(dataclasses.astuple(hc.candidates("gemv", 1)[3]))  # (8, 64, 1, 1)
+    known = list(dataclasses.astuple(hc.candidates("gemv", 1)[2]))  # (8, 64, 1)
     for bad in (
         {"tactic": [8, 128, 3]},  # not a candidate: the record cannot invent a kernel
         {"tactic": [*known[:2], True]},  # equal to 1, but a bool read from disk is not an int

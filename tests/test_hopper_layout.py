@@ -142,7 +142,7 @@ def _weight_tiles_in_shared_memory(ttgir: str, block_n: int, words: int) -> list
     "cfg",
     [
         hopper_configs.MMA_TACTICS[0][1][0],
-        hopper_configs.MMA_TACTICS[2][1][1],
+        hopper_configs.MMA_TACTICS[2][1][0],
         hopper_configs.MMA_TACTICS[-1][1][0],
     ],
     ids=str,

@@ -111,7 +111,7 @@ GEMV_BY_M = ((2, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1, 1)))
 MMA_BY_M = (
     (16, MmaConfig(128, 16, 32, 4, 3, sum_last=1)),
     (32, MmaConfig(128, 32, 16, 4, 3, sum_last=1)),
-    (64, MmaConfig(128, 64, 16, 4, 4)),
+    (64, MmaConfig(128, 64, 16, 4, 3)),
     (None, MmaConfig(64, 128, 16, 4, 3)),
 )
 
@@ -123,18 +123,20 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
     return table[-1][1]
 
 
-# By M, as the tensor-core ones. At M = 1-2 the four whose best is closest to the best of 16
+# By M, as the tensor-core ones. At M = 1-2 of the four whose best is closest to the best of 16
 # configurations at each of ten shapes (geomean 1.014x, results/hopper_sweep_gemv3.json); at
-# M = 3-8 the prefetching 64-block steps (8 or 4 rows) and the 128-block steps that load the
-# weight with evict_first (results/hopper_sweep_pdl.json, _evict.json), still the best four of
-# the 16 there (geomean 1.005x). Four each: each bucket compiles and times four.
+# M = 3-8 of the prefetching 64-block steps (8 or 4 rows) and the 128-block steps that load
+# the weight with evict_first (results/hopper_sweep_pdl.json, _evict.json), still the best four
+# of the 16 there (geomean 1.005x). Each candidate costs deploying a compile and a tuning per
+# key: those that won their key nowhere, or where dropping them cost at most 2.1%, were dropped
+# (here 8 x 256 and 4 x 64 prefetching; in MMA_TACTICS 128 x 32 split 8, 128 x 64 of 4 stages,
+# 64 x 64 of either kind; results/tactic_wins_h200.json, the record's 16 shapes).
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
         (
             GemvConfig(8, 128, 2),
             GemvConfig(4, 256, 4),
-            GemvConfig(8, 256, 4),
             GemvConfig(8, 64, 1),
         ),
     ),
@@ -142,7 +144,6 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
         8,
         (
             GemvConfig(8, 64, 1, 1),
-            GemvConfig(4, 64, 1, 1),
             GemvConfig(4, 128, 2, evict_first=1),
             GemvConfig(8, 128, 2, evict_first=1),
         ),
@@ -167,11 +168,10 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
         32,
         (
             MmaConfig(128, 32, 16, 4, 3, sum_last=1),
-            MmaConfig(128, 32, 16, 4, 3, 8, sum_last=1),
             MmaConfig(64, 32, 32, 4, 3, 4, sum_last=1),
         ),
     ),
-    (64, (MmaConfig(128, 64, 16, 4, 4), MmaConfig(128, 64, 16, 4, 3), MmaConfig(64, 64, 16, 4, 3))),
+    (64, (MmaConfig(128, 64, 16, 4, 3),)),
     # From M = 65 the tiles chosen with each step's wgmma waited for
     # (``_hopper_kernels.retired``): 128 tokens wide, they took 1.1-1.45x their time with the
     # wait and lost to 64 x 128 and 128 x 64 (results/hopper_sweep_retire_wide.json).
@@ -180,7 +180,6 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
         (
             MmaConfig(64, 128, 16, 4, 3),
             MmaConfig(128, 64, 16, 4, 3),
-            MmaConfig(64, 64, 16, 4, 4, split=1),
         ),
     ),
 )
