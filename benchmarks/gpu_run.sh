@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|wins|final]
+#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|final]
 #   (default: all)
 #
 #   tests  the tests marked gpu but the kernel matrix, then the warm path's, the guard's, the
@@ -30,10 +30,6 @@
 #   hazard benchmarks/hazard_stress.py: each hopper-mma and hopper-ws tactic many times on the
 #          same inputs, under load, compared bit for bit (the wgmma register hazard that
 #          tools/wgmma_hazards.py found in hopper-mma's Triton 3.6 SASS); not part of all
-#   stream hopper-ws over runs of K steps (stream-K, an experiment): hopper_sweep.py
-#          --families stream,tactics,even on the record's narrow shapes at M = 256, 512 and
-#          2048 (about 4 minutes), bench_deploy.py (which kernels deploying compiles), then
-#          stream-K's GPU tests in the time left of 560 s; not part of all
 #   wins   fp4select warm of the record's 16 shapes to M = 8192 at default settings, then
 #          tactic_wins.py over its decisions (which tactics a table could drop: each costs
 #          deploying a compile; the decisions come back as decisions_wins.tgz); not part of all
@@ -47,8 +43,8 @@
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|wins|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|stream|wins|final)" >&2
+  tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -124,17 +120,6 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
   fi
   if [ "$MODE" = hazard ]; then
     step "hazard_stress.py" timeout 500 python3 benchmarks/hazard_stress.py --out "$OUT"
-  fi
-  if [ "$MODE" = stream ]; then
-    start=$(date +%s)
-    left() { echo $((560 - $(date +%s) + start)); }  # seconds left of the call's 560
-    step "hopper_sweep.py stream" timeout 300 python3 benchmarks/hopper_sweep.py \
-      --families stream,tactics,even --ms 256,512,2048 --name hopper_sweep_stream2 --out "$OUT" \
-      --shapes 4608x7168,2304x4096,6144x4096,4096x7168,28672x4096,8192x8192 --time-limit-s 230
-    step "fp4select warm, from nothing" timeout "$(( $(left) < 150 ? $(left) : 150 ))" \
-      python3 benchmarks/bench_deploy.py --out "$OUT"
-    step "stream-K's tests" timeout "$(left)" python3 -m pytest "${XDIST[@]}" -m gpu \
-      -p no:cacheprovider -q -rs tests/test_hopper_kernels_gpu.py -k "runs_of_k_steps or alternate_steps"
   fi
   if [ "$MODE" = wins ]; then
     decisions=$(mktemp -d)  # the store's folders nest too deep to come back from the device

@@ -185,7 +185,7 @@ WS4 = [
 EVEN = [hopper_configs.WsConfig(64, 128, st, 0, 128) for st in (4, 5, 6)]
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "even", "stream", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "even", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -416,13 +416,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if m >= 65 and "stream" in families:  # the M > 64 tactics over equal runs of K steps
-        for c in dict.fromkeys(c for lim, cs in hopper_configs.WS_TACTICS if lim > 64 for c in cs):
-            if c.block_n >= 128 and c.block_t <= 2 * m:
-                c = dataclasses.replace(c, split=-1)
-                out["stream " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                    triton_hopper.run_ws, cfg=c
-                )
     if m >= 33 and "ws4" in families:
         for c in WS4:
             if c.block_t <= 2 * m:
@@ -610,7 +603,6 @@ def main() -> None:
                         "wso",
                         "ws4",
                         "even",
-                        "stream",
                         "fuse",
                         "int",
                         "occ",
