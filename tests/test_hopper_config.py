@@ -84,6 +84,13 @@ def test_four_consumers_take_an_even_ring_only(stages):
         hc.WsConfig(128, 64, stages, 0, 64, 0, 2)
 
 
+@pytest.mark.parametrize("split", [-1, -2])  # -1 was stream-K's, removed
+def test_hopper_ws_refuses_a_negative_k_split(split):
+    assert hc.WsConfig(128, 256, 3, 0, 256, 0).split == 0
+    with pytest.raises(ValueError, match="split must be >= 0"):
+        hc.WsConfig(128, 256, 3, split, 256, 0)
+
+
 def test_word_views_refuse_rows_that_are_not_aligned():
     a = torch.zeros((3, 33), dtype=torch.uint8)
     assert th._words(a[:, 1:], torch.int64) is None  # 4-byte rows from an odd offset

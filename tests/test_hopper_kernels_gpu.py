@@ -167,35 +167,6 @@ def test_consumers_taking_alternate_steps_read_each_step_at_a_large_shape(cfg):
             assert res.ok, (cfg, m, res.reason)
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        hopper_configs.WsConfig(128, 256, 3, -1, 256, 0),
-        hopper_configs.WsConfig(128, 128, 3, -1, 128),  # with the loader warp
-        hopper_configs.WsConfig(256, 128, 3, -1, 128, 0),
-    ],
-    ids=str,
-)
-@pytest.mark.parametrize(
-    "n,k,m", [(4608, 7168, 512), (520, 2080, 300), (28672, 2048, 256), (8192, 8192, 64)]
-)
-@pytest.mark.parametrize("layout,alpha,out_dtype", COMBOS[:2])
-def test_hopper_ws_over_runs_of_k_steps(cfg, n, k, m, layout, alpha, out_dtype):
-    """Stream-K: tiles held by one program, shared by two or more (the fixup), whole tiles
-    first and runs after (28672 x 2048 with 128 x 128 tiles: 3.4 waves), a last step past K
-    (K = 2080), M past a tile, the tiles left unsplit where they fill the SMs (8192 x 8192),
-    into a NaN-poisoned ``out``; twice, same bits."""
-    problem = Problem(
-        n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype
-    )
-    inputs = validate.make_inputs(problem, m, "cuda", seed=m + n)
-    out = torch.full((m, n), float("nan"), dtype=problem.torch_out_dtype, device="cuda")
-    got = triton_hopper.run_ws(*inputs.args(problem, out), cfg=cfg)
-    res = validate.check(got, inputs, problem.torch_out_dtype)
-    assert got is out and res.ok, (cfg, m, n, k, layout, alpha, out_dtype, res.reason)
-    assert torch.equal(triton_hopper.run_ws(*inputs.args(problem), cfg=cfg), got)
-
-
 def test_hopper_ws_hands_a_python_number_alpha_to_the_mma_kernel():
     m = 200
     problem = Problem(n=520, k=2080, m_bucket=m_bucket(m))

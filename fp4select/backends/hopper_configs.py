@@ -51,9 +51,7 @@ class MmaConfig:
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
     the two take alternate steps), tokens (64, 128 or 256), TMA stages, the K split (1: none;
-    0: choose from the SM count; -1: where the tiles leave SMs idle, equal runs of K steps,
-    one program an SM: stream-K, 128 rows or more, an experiment), the tokens one wgmma
-    takes (64: a 128-token tile is
+    0: choose from the SM count), the tokens one wgmma takes (64: a 128-token tile is
     multiplied in two halves; or block_t: one wgmma over the whole tile), whether a warp
     of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
     a thread where 12 warps leave 168; 128 rows or more), and the consumers' step phases (2:
@@ -80,10 +78,8 @@ class WsConfig:
                 "phases must be 1, or 2 with block_n 128, block_t <= 128, mma_tokens block_t "
                 f"and loader_warp 0, got {self}"
             )
-        if self.split < -1 or (self.split == -1 and (self.block_n < 128 or self.phases != 1)):
-            raise ValueError(
-                f"split must be >= 0, or -1 with block_n >= 128 and phases 1, got {self}"
-            )
+        if self.split < 0:
+            raise ValueError(f"split must be >= 0 (1: none, 0: from the SM count), got {self}")
         # With an odd ring a stage's steps alternate between the two phases, and a consumer
         # that loads nothing ran ahead past its stage's unloaded step: a parity wait cannot
         # tell that step's phase from the one two before (4-7% of outputs wrong, 3 stages).

@@ -16,8 +16,9 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   tiles as ``hopper-mma``.)
 * ``hopper-ws`` (SM90 only, buckets M = 33-2048): the same product warp-specialized in Gluon
   (``_hopper_ws``): two consumer warpgroups decode and multiply in turn, fed by TMA, with
-  split-K (``_ws_split``) where its tiles alone leave SMs idle, or (``split = -1``, an
-  experiment) over equal runs of K steps, one program an SM (``_hopper_ws_stream``).
+  split-K (``_ws_split``) where its tiles alone leave SMs idle. (Stream-K, equal runs of K
+  steps one program an SM, beat every other candidate at only 2 of 18 H200 points (by 2-6%)
+  and was removed: see docs, measured at commit 223faa6.)
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
@@ -391,7 +392,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     kw, bkw, bn, bt = c.kh // 4, ws.STEP_WORDS, cfg.block_n, cfg.block_t
     steps = k.cdiv(kw, bkw)
     tiles = k.cdiv(c.n, bn) * k.cdiv(c.m, bt)
-    stream, sms = cfg.split == -1, triton_fp4._sms(c.out.device)  # -1: stream-K
+    sms = triton_fp4._sms(c.out.device)
     split = _ws_split(tiles, steps, cfg, sms)
     parts = _partials(c, split)
     if parts is None:
@@ -406,12 +407,6 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
-    if stream:
-        from fp4select.backends import _hopper_ws_stream as ws_stream
-
-        workspace = functools.partial(triton_fp4._workspace, c.out.device)
-        if ws_stream.launch(c, w_desc, x_desc, sw32, cfg, steps, tiles, sms, split, workspace):
-            return c.out
     if parts is None:  # scaled by alpha and stored in out
         dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
     else:  # float32 partial sums, (split, M, N), as reduce_split reads them
