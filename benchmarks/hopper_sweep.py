@@ -25,9 +25,11 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
+import importlib.util
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -178,14 +180,32 @@ WS4 = [
     hopper_configs.WsConfig(128, bt, st, 0, bt, 0, 2)
     for bt, st in [(128, 2), (128, 4), (64, 4), (64, 6)]
 ]
-# The shipped 64-row tile (two consumers taking alternate steps) over an even ring (family
-# "even"): with 5 stages a stage's steps alternate between the consumers, so only a TMA load
-# landing in order keeps a consumer off a stage's earlier phase (_hopper_ws.py's rules); with
-# an even ring each stage serves one consumer.
-EVEN = [hopper_configs.WsConfig(64, 128, st, 0, 128) for st in (4, 5, 6)]
+# The shipped 64-row ws tiles (two consumers taking alternate steps) with the kernel of one
+# ready barrier a stage (family "ready1"), beside the same tiles now (family "tactics"): that
+# kernel is read from benchmarks/_hopper_ws_ready1.py, which is not committed
+# (git show 9822d35:fp4select/backends/_hopper_ws.py > benchmarks/_hopper_ws_ready1.py).
+READY1 = Path(__file__).parent / "_hopper_ws_ready1.py"
+
+
+@functools.cache
+def _ready1_module() -> Any:
+    spec = importlib.util.spec_from_file_location("_hopper_ws_ready1", READY1)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _with_ready1(*args: Any, cfg: Any) -> Any:
+    """run_ws with the kernel of one ready barrier a stage."""
+    saved, triton_hopper._ws_kernels = triton_hopper._ws_kernels, _ready1_module()
+    try:
+        return triton_hopper.run_ws(*args, cfg=cfg)
+    finally:
+        triton_hopper._ws_kernels = saved
+
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "even", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "ready1", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -421,11 +441,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "ws4 " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if 33 <= m <= 512 and "even" in families:
-        for c in EVEN:
-            out["even " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                triton_hopper.run_ws, cfg=c
-            )
+    if 33 <= m <= 512 and "ready1" in families:
+        for c in hopper_configs.candidates("ws", m):
+            if c.block_n == 64:
+                out["ready1 " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
+                    _with_ready1, cfg=c
+                )
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -602,7 +623,7 @@ def main() -> None:
                         "wsw",
                         "wso",
                         "ws4",
-                        "even",
+                        "ready1",
                         "fuse",
                         "int",
                         "occ",

@@ -32,16 +32,15 @@ Design rules:
   phase): a stage's next step once both halves gave back its last, so again each wait is on
   an earlier step.
 * A wait on a barrier's parity cannot tell phase k from k - 2: no consumer may reach a
-  stage two phases ahead. Four consumers take an even ring only (``WsConfig``): with an odd
-  one a stage's steps alternate between the phases, and a consumer that loads nothing ran
-  past its stage's unloaded step and read the one before (3 stages: 4-7% of outputs wrong on
-  the H200). A second wait on the phase before does not mend it: when the stage is already
-  loaded that wait is for the next phase, which never comes. 64-row tiles alternate too (the
-  64 x 128 tactic has 5 stages), but there one loader warp issues the steps in order: a
-  consumer at step j has consumed step j - 2, loaded after step j - STAGES, so only a TMA
-  load landing three steps late could pass it early (never seen: hazard_stress). A ready
-  barrier a stage and phase would rule it out; it changes a shipped kernel (a new record).
-  So would 4 stages, at 1.01x the time (median; up to 1.04x; hopper_sweep_stream2.json).
+  barrier two phases ahead. Where both consumers take every step (128 rows or more) each
+  consumed the stage's last step itself. Where they take alternate steps (64 rows, four
+  consumers), a stage's last step was the other one's: with one ready barrier a stage, a
+  consumer could pass a stage whose last load had not landed (four consumers with an odd ring
+  did, 3 stages: 4-7% of outputs wrong on the H200; 64 rows, where one loader warp issues the
+  steps in order, only if a load landed three steps late: never seen). So those tiles take a
+  ready barrier a stage and step parity (``READY`` = 2 x STAGES): step j's is j % READY, last
+  used by step j - READY of the same consumer, so its wait can only be for step j's load.
+  Four consumers still take an even ring only (``WsConfig``; the odd ring has not run again).
 * Each consumer waits for its step's wgmma before its next decode writes a register: a wgmma
   reads its register operand while it runs (``_hopper_kernels.retired`` says why Triton's own
   schedule is not trusted with that). ``tests/test_hopper_layout.py`` reads the SASS for it.
@@ -99,19 +98,21 @@ def _load_step(
     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW: gl.constexpr
 ):  # fmt: skip
     """This program's step j (step first + j of K) into stage j % STAGES, once the stage's
-    step j - STAGES has been given back (at once for j < STAGES)."""
+    step j - STAGES has been given back (at once for j < STAGES); ready barrier j % READY."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
+    READY: gl.constexpr = ready.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
     XW: gl.constexpr = x_bufs.type.shape[2]
     nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
     s = j % STAGES
     i = first + j
     mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), nbytes)
-    _tma_load(w_desc, [off_n, i * BKW], ready.index(s), w_bufs.index(s))
+    r = j % READY
+    mbarrier.expect(ready.index(r), nbytes)
+    _tma_load(w_desc, [off_n, i * BKW], ready.index(r), w_bufs.index(s))
     for h in gl.static_range(HALVES):
         _tma_load(
-            x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(s), x_bufs.index(s * HALVES + h)
+            x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(r), x_bufs.index(s * HALVES + h)
         )
 
 
@@ -196,6 +197,7 @@ def _consumer(
     BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
+    READY: gl.constexpr = ready.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
     XW: gl.constexpr = x_bufs.type.shape[2]  # tokens one wgmma takes
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -216,7 +218,7 @@ def _consumer(
     for j in range(FIRST_STEP, steps, EVERY):
         s = j % STAGES
         i = first + j  # the step of K; j counts this program's steps
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        mbarrier.wait(ready.index(j % READY), (j // READY) & 1)
         a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
         acc0, acc1 = mma_step(a, x_bufs, empty, s, acc0, acc1)
@@ -310,15 +312,19 @@ def mma_ws(
     out_ptr += pid_k * split_stride
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, XW], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Consumers on alternate steps (64 rows, or PHASES = 2) take a ready barrier for each
+    # stage and step parity, so that each barrier is one consumer's (the design rules).
+    READY: gl.constexpr = 2 * STAGES if BN == 64 or PHASES == 2 else STAGES
+    ready = gl.allocate_shared_memory(gl.int64, [READY, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [PHASES, 1], mbarrier.MBarrierLayout())
     # the second phase's sums, for the first to add (64-row tiles; PHASES = 2: both halves')
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     PARTS: gl.constexpr = HALVES * (2 if PHASES == 2 else 1) if BN == 64 or PHASES == 2 else 1
     partial = gl.allocate_shared_memory(gl.float32, [PARTS, 64, XW], plain)
+    for r in gl.static_range(READY):
+        mbarrier.init(ready.index(r), count=1)
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
         # with 128 rows or more both consumers read every stage; with 64 each stage is one's
         mbarrier.init(empty.index(s), count=2 if BN >= 128 else 1)
     for h in gl.static_range(PHASES):
