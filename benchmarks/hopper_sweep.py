@@ -173,13 +173,6 @@ WSO = [
         (256, 128, 3, 64),
     ]
 ]
-# hopper-ws with four consumers (family "ws4", ``WsConfig.phases = 2``): two a row half, taking
-# alternate steps, so two decode beside each MMA where one did; 16 warps, 128 registers; an
-# even ring (hopper_configs.WsConfig says why).
-WS4 = [
-    hopper_configs.WsConfig(128, bt, st, 0, bt, 0, 2)
-    for bt, st in [(128, 2), (128, 4), (64, 4), (64, 6)]
-]
 # The shipped 64-row ws tiles (two consumers taking alternate steps) with the kernel of one
 # ready barrier a stage (family "ready1"), beside the same tiles now (family "tactics"): that
 # kernel is read from benchmarks/_hopper_ws_ready1.py, which is not committed
@@ -205,7 +198,7 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "wso", "ws4", "ready1", "fuse", "int" and "occ".
+# "evict", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -436,11 +429,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if m >= 33 and "ws4" in families:
-        for c in WS4:
-            if c.block_t <= 2 * m:
-                name = "ws4 " + " ".join(map(str, dataclasses.astuple(c)))
-                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if 33 <= m <= 512 and "ready1" in families:
         for c in hopper_configs.candidates("ws", m):
             if c.block_n == 64:
@@ -622,7 +610,6 @@ def main() -> None:
                         "wsk",
                         "wsw",
                         "wso",
-                        "ws4",
                         "ready1",
                         "fuse",
                         "int",
