@@ -185,6 +185,9 @@ def _ready1_module() -> Any:
     spec = importlib.util.spec_from_file_location("_hopper_ws_ready1", READY1)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # that kernel's launch_regs also takes phases (four consumers, removed since): run_ws
+    # passes loader_warp alone
+    module.launch_regs = functools.partial(module.launch_regs, phases=1)
     return module
 
 

@@ -61,27 +61,14 @@ def test_hopper_ws_takes_its_tile_in_one_wgmma_or_in_64_token_halves_only(tokens
 @pytest.mark.parametrize(
     "bad",
     [
-        dict(phases=3),
-        dict(phases=2),  # a loader warp: the four consumers take all 16 warps
-        dict(phases=2, loader_warp=0, block_n=256),  # 128 accumulator rows a consumer
-        dict(phases=2, loader_warp=0, block_t=256, mma_tokens=256),  # 128 registers
-        dict(phases=2, loader_warp=0, mma_tokens=64),
+        dict(loader_warp=2),
+        dict(loader_warp=0, block_n=64),  # 64 rows: the second consumer takes alternate steps
     ],
 )
-def test_hopper_ws_takes_four_consumers_only_where_their_registers_fit(bad):
-    assert hc.WsConfig(128, 128, 4, 0, 128, 0, 2).phases == 2
-    fields = dict(block_n=128, block_t=128, stages=4, split=0, mma_tokens=128) | bad
-    with pytest.raises(ValueError, match="phases must be 1, or 2 with block_n 128"):
-        hc.WsConfig(**fields)
-
-
-@pytest.mark.parametrize("stages", [3, 5])
-def test_four_consumers_take_an_even_ring_only(stages):
-    """With an odd ring their parity waits read a stage's step before (4-7% wrong, H200)."""
-    assert hc.WsConfig(128, 64, stages + 1, 0, 64, 0, 2).stages == stages + 1
-    assert hc.WsConfig(64, 128, stages, 0, 128).stages == stages  # one loader warp, in order
-    with pytest.raises(ValueError, match="need an even number of stages, got"):
-        hc.WsConfig(128, 64, stages, 0, 64, 0, 2)
+def test_hopper_ws_loads_from_its_second_consumer_only_with_128_rows_or_more(bad):
+    assert hc.WsConfig(128, 256, 3, 0, 256, 0).loader_warp == 0
+    with pytest.raises(ValueError, match="loader_warp must be 1, or 0 with block_n >= 128, got"):
+        hc.WsConfig(**dict(block_n=128, block_t=128, stages=3, split=0, mma_tokens=128) | bad)
 
 
 @pytest.mark.parametrize("split", [-1, -2])  # -1 was stream-K's, removed
@@ -124,6 +111,16 @@ def test_pin_runs_a_known_candidate_and_nothing_else():
     # Each backend pins only its own kind's candidates.
     assert ht.pin(th.run_ws, _record(hc.MMA_TACTICS[-1][1][0])) is th.run_ws
     assert ht.pin(th.run_mma, _record(hc.WS_TACTICS[0][1][0])) is th.run_mma
+
+
+def test_a_ws_tactic_stored_with_seven_numbers_runs_the_table_s_tile():
+    """Before four consumers were retired a ws tactic was stored with a seventh number (phases,
+    1 for every candidate): such a decision matches no candidate now, and is not an error."""
+    for cfg in hc.candidates("ws", None):
+        stored = [*dataclasses.astuple(cfg), 1]
+        assert len(stored) == 7
+        assert ht.pin(th.run_ws, {"op": ht.OP, "tactic": stored, "default": stored}) is th.run_ws
+        assert ht.pin(th.run_ws, _record(cfg)).keywords == {"cfg": cfg}  # six numbers: pinned
 
 
 @pytest.mark.parametrize(

@@ -122,8 +122,6 @@ def test_a_misaligned_activation_is_served_by_the_byte_kernel(name):
         hopper_configs.WsConfig(128, 128, 3, 0, 128),
         hopper_configs.WsConfig(128, 256, 3, 2, 256, 0),  # no loader warp: 8 warps
         hopper_configs.WsConfig(256, 128, 3, 3, 128, 0),
-        hopper_configs.WsConfig(128, 128, 4, 2, 128, 0, 2),  # four consumers: 16 warps
-        hopper_configs.WsConfig(128, 64, 4, 0, 64, 0, 2),
     ],
     ids=str,
 )
@@ -146,18 +144,13 @@ def test_hopper_ws_with_k_split(cfg, n, k, layout, alpha, out_dtype):
 
 @pytest.mark.parametrize(
     "cfg",
-    [
-        hopper_configs.WsConfig(128, 128, 4, 0, 128, 0, 2),
-        hopper_configs.WsConfig(128, 128, 2, 0, 128, 0, 2),
-        hopper_configs.WsConfig(128, 64, 4, 0, 64, 0, 2),
-        hopper_configs.WsConfig(64, 128, 5, 0, 128),  # a tactic: alternate steps, odd ring
-    ],
+    [hopper_configs.WsConfig(64, 128, 5, 0, 128)],  # a tactic: alternate steps, odd ring
     ids=str,
 )
 def test_consumers_taking_alternate_steps_read_each_step_at_a_large_shape(cfg):
-    """Where consumers take alternate steps, one may run ahead of the other: the four-consumer
-    form with 3 stages (now refused) gave 4-7% of outputs wrong at 8192 x 8192, M = 64-256,
-    with the automatic K split on the H200, where the smaller shapes above passed."""
+    """Where consumers take alternate steps (64-row tiles), one may run ahead of the other: the
+    four-consumer experiment (removed) with 3 stages gave 4-7% of outputs wrong at 8192 x 8192,
+    M = 64-256, with the automatic K split on the H200, where the smaller shapes above passed."""
     for m in (64, 256):
         problem = Problem(n=8192, k=8192, m_bucket=m_bucket(m), alpha_kind="per_token")
         inputs = validate.make_inputs(problem, m, "cuda", seed=m)

@@ -13,34 +13,31 @@ rows each consumer takes half of them (256 read a's tiles once for twice the wei
 with 64 rows (twice the programs, for narrow layers) they take every other step and the first
 adds the second's sums through shared memory at the end (always with a loader warp). The two
 run apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores
-without touching registers a wgmma in flight reads. With ``PHASES`` = 2 (128 rows, no loader
-warp) four consumers run, two a row half taking alternate steps, for twice the decode beside
-each MMA: 16 warps, so 128 registers a thread (an experiment, in no tactic table yet).
-(Tiles of 16-32 tokens, for M <= 32, were slower than ``hopper-mma`` at every point timed:
-commit 15e63df, results/hopper_sweep_wss.json.) The arithmetic is ``mma_planes``': a step of 16
-words is decoded into 8 planes (``_PAIR_TO_F16_CVT``), plane p multiplies rows 16p .. 16p + 15 of
-a's workspace (``decode_planes``' order), so each plane is one k16 wgmma. The planes are
-joined in the registers the MMA reads; ``convert_layout(..., assert_trivial=True)`` holds that
-at compile time.
+without touching registers a wgmma in flight reads. (Tiles of 16-32 tokens, for M <= 32, were
+slower than ``hopper-mma`` at every point timed: commit 15e63df, results/hopper_sweep_wss.json;
+four consumers, two a row half on alternate steps, 1.08x the best tactic's time at M = 128:
+removed, code at commit 5a144e9, docs/hopper_kernels.md.) The arithmetic is ``mma_planes``':
+a step of 16 words is decoded into 8 planes (``_PAIR_TO_F16_CVT``), plane p multiplies rows
+16p .. 16p + 15 of a's workspace (``decode_planes``' order), so each plane is one k16 wgmma.
+The planes are joined in the registers the MMA reads; ``convert_layout(...,
+assert_trivial=True)`` holds that at compile time.
 
 Design rules:
 
 * With ``OWN_LOADS`` the second consumer refills a stage only once both consumers gave it
   back (the stage's ``empty`` barrier, as the loader warp does); the first waits for nothing
   but loaded stages, which the second issued a whole ring of stages earlier, so the two never
-  wait on each other in a circle. With four consumers the second row half's two load (one a
-  phase): a stage's next step once both halves gave back its last, so again each wait is on
-  an earlier step.
+  wait on each other in a circle.
 * A wait on a barrier's parity cannot tell phase k from k - 2: no consumer may reach a
   barrier two phases ahead. Where both consumers take every step (128 rows or more) each
-  consumed the stage's last step itself. Where they take alternate steps (64 rows, four
-  consumers), a stage's last step was the other one's: with one ready barrier a stage, a
-  consumer could pass a stage whose last load had not landed (four consumers with an odd ring
-  did, 3 stages: 4-7% of outputs wrong on the H200; 64 rows, where one loader warp issues the
-  steps in order, only if a load landed three steps late: never seen). So those tiles take a
-  ready barrier a stage and step parity (``READY`` = 2 x STAGES): step j's is j % READY, last
-  used by step j - READY of the same consumer, so its wait can only be for step j's load.
-  Four consumers still take an even ring only (``WsConfig``; the odd ring has not run again).
+  consumed the stage's last step itself. Where they take alternate steps (64 rows), a stage's
+  last step was the other one's: with one ready barrier a stage, a consumer could pass a stage
+  whose last load had not landed (one loader warp issues the steps in order, so only if a load
+  landed three steps late: never seen; the four-consumer experiment, whose consumers loaded
+  for themselves, did with an odd ring, 3 stages: 4-7% of outputs wrong on the H200). So those
+  tiles take a ready barrier a stage and step parity (``READY`` = 2 x STAGES where BN = 64):
+  step j's is j % READY, last used by step j - READY of the same consumer, so its wait can
+  only be for step j's load.
 * Each consumer waits for its step's wgmma before its next decode writes a register: a wgmma
   reads its register operand while it runs (``_hopper_kernels.retired`` says why Triton's own
   schedule is not trusted with that). ``tests/test_hopper_layout.py`` reads the SASS for it.
@@ -77,16 +74,11 @@ MAXNREG = 168
 # without the loader warp (and the 3 warps Triton pads it with): 8 warps, all the registers
 MAXNREG_8_WARPS = 255
 WORKER_REGS = gl.constexpr(256)  # the second consumer's then (setmaxnreg)
-# four consumers (``PHASES`` = 2): 16 warps, so 128 registers a thread, launched and kept
-MAXNREG_16_WARPS = 128
-WORKER_REGS_16_WARPS = gl.constexpr(128)
 
 
-def launch_regs(loader_warp: int, phases: int) -> int:
+def launch_regs(loader_warp: int) -> int:
     """The registers a thread ``mma_ws`` is launched with (``maxnreg``) for a WsConfig's form."""
-    if loader_warp:
-        return MAXNREG
-    return MAXNREG_8_WARPS if phases == 1 else MAXNREG_16_WARPS
+    return MAXNREG if loader_warp else MAXNREG_8_WARPS
 
 
 # alpha kind (0 none, 2 a device scalar, 3 one per token) -> the stride of the consumers' load
@@ -186,14 +178,13 @@ def mma_step(a, x_bufs, empty, s, acc0, acc1):
 def _consumer(
     w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
-    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr, PHASES: gl.constexpr,
+    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: each of its steps decode, issue the step's wgmma (one group over the
     tile's tokens or one a 64-token half), wait for them, give the stage back (and with
     ``LOADS`` fill it with step j + STAGES). With 128-row tiles it takes every step of rows
     off_n + 64 * ROLE .. + 63 and stores them; with 64-row tiles every other step (from ROLE),
-    and the first consumer adds the second's sums (``partial``, ``done``) and stores. With
-    ``PHASES`` = 2 (128 rows, four consumers) both: rows by ROLE % 2, steps by ROLE // 2."""
+    and the first consumer adds the second's sums (``partial``, ``done``) and stores."""
     BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
@@ -204,12 +195,11 @@ def _consumer(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, XW, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    SPLIT_ROWS: gl.constexpr = BN >= 128
+    SPLIT_ROWS: gl.constexpr = BN >= 128  # each takes half the rows, else every other step
     ROWS: gl.constexpr = BN // 2 if SPLIT_ROWS else BN  # this consumer's
-    PART: gl.constexpr = ROLE % 2 if SPLIT_ROWS else 0  # its half of the rows
-    FIRST_STEP: gl.constexpr = ROLE // 2 if SPLIT_ROWS else ROLE  # and of the steps
-    EVERY: gl.constexpr = PHASES if SPLIT_ROWS else 2
-    ROW0: gl.constexpr = ROWS * PART
+    FIRST_STEP: gl.constexpr = 0 if SPLIT_ROWS else ROLE
+    EVERY: gl.constexpr = 1 if SPLIT_ROWS else 2
+    ROW0: gl.constexpr = ROWS * ROLE if SPLIT_ROWS else 0
     off_n = off_n + ROW0
     row_part, kw = _rows(off_n, N, cp, ROWS, BKW, op)
     acc0 = gl.zeros((ROWS, XW), gl.float32, mma)
@@ -228,17 +218,17 @@ def _consumer(
                     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n - ROW0, off_t, first,
                     j + STAGES, BKW,
                 )  # fmt: skip
-    if EVERY == 2 and FIRST_STEP == 1:  # the second phase's sums, for the first to add
-        partial.index(PART * HALVES).store(acc0)
+    if EVERY == 2 and FIRST_STEP == 1:  # the second consumer's sums, for the first to add
+        partial.index(0).store(acc0)
         if HALVES == 2:
-            partial.index(PART * HALVES + 1).store(acc1)
-        mbarrier.arrive(done.index(PART))
+            partial.index(1).store(acc1)
+        mbarrier.arrive(done.index(0))
     else:
         if EVERY == 2:
-            mbarrier.wait(done.index(PART), 0)
-            acc0 += partial.index(PART * HALVES).load(mma)
+            mbarrier.wait(done.index(0), 0)
+            acc0 += partial.index(0).load(mma)
             if HALVES == 2:
-                acc1 += partial.index(PART * HALVES + 1).load(mma)
+                acc1 += partial.index(1).load(mma)
         _store(acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on,
                alpha_stride, HALVES)  # fmt: skip
 
@@ -297,7 +287,7 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, PHASES: gl.constexpr = 1,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -312,23 +302,22 @@ def mma_ws(
     out_ptr += pid_k * split_stride
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, XW], x_desc.layout)
-    # Consumers on alternate steps (64 rows, or PHASES = 2) take a ready barrier for each
-    # stage and step parity, so that each barrier is one consumer's (the design rules).
-    READY: gl.constexpr = 2 * STAGES if BN == 64 or PHASES == 2 else STAGES
+    # Consumers on alternate steps (64 rows) take a ready barrier for each stage and step
+    # parity, so that each barrier is one consumer's (the design rules).
+    READY: gl.constexpr = 2 * STAGES if BN == 64 else STAGES
     ready = gl.allocate_shared_memory(gl.int64, [READY, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [PHASES, 1], mbarrier.MBarrierLayout())
-    # the second phase's sums, for the first to add (64-row tiles; PHASES = 2: both halves')
+    done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # the second consumer's sums, for the first to add (64-row tiles)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    PARTS: gl.constexpr = HALVES * (2 if PHASES == 2 else 1) if BN == 64 or PHASES == 2 else 1
+    PARTS: gl.constexpr = HALVES if BN == 64 else 1
     partial = gl.allocate_shared_memory(gl.float32, [PARTS, 64, XW], plain)
     for r in gl.static_range(READY):
         mbarrier.init(ready.index(r), count=1)
     for s in gl.static_range(STAGES):
         # with 128 rows or more both consumers read every stage; with 64 each stage is one's
         mbarrier.init(empty.index(s), count=2 if BN >= 128 else 1)
-    for h in gl.static_range(PHASES):
-        mbarrier.init(done.index(h), count=1)
+    mbarrier.init(done.index(0), count=1)
     fence_async_shared()
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
     if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
@@ -337,56 +326,24 @@ def mma_ws(
                 _load_step(
                     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW
                 )
-        if PHASES == 2:  # four consumers (16 warps, 128 registers): the second row half's load
-            gl.warp_specialize(
-                [
-                    (
-                        _consumer,
-                        (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
-                         out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                         stride_on, alpha_stride, w_desc, x_desc, 0, False, PHASES),
-                    ),
-                    (
-                        _consumer,
-                        (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
-                         out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                         stride_on, alpha_stride, w_desc, x_desc, 1, True, PHASES),
-                    ),
-                    (
-                        _consumer,
-                        (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
-                         out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                         stride_on, alpha_stride, w_desc, x_desc, 2, False, PHASES),
-                    ),
-                    (
-                        _consumer,
-                        (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
-                         out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                         stride_on, alpha_stride, w_desc, x_desc, 3, True, PHASES),
-                    ),
-                ],
-                [4, 4, 4],
-                [WORKER_REGS_16_WARPS, WORKER_REGS_16_WARPS, WORKER_REGS_16_WARPS],
-            )  # fmt: skip
-        else:
-            gl.warp_specialize(
-                [
-                    (
-                        _consumer,
-                        (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
-                         out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                         stride_on, alpha_stride, w_desc, x_desc, FIRST, False, 1),
-                    ),
-                    (
-                        _consumer,
-                        (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
-                         out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                         stride_on, alpha_stride, w_desc, x_desc, SECOND, True, 1),
-                    ),
-                ],
-                [4],
-                [WORKER_REGS],
-            )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
+                     out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
+                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False),
+                ),
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
+                     out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
+                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True),
+                ),
+            ],
+            [4],
+            [WORKER_REGS],
+        )  # fmt: skip
     else:
         gl.warp_specialize(
             [
@@ -394,13 +351,13 @@ def mma_ws(
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, FIRST, False, 1),
+                     alpha_stride, w_desc, x_desc, FIRST, False),
                 ),
                 (
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, SECOND, False, 1),
+                     alpha_stride, w_desc, x_desc, SECOND, False),
                 ),
                 (
                     _loader,

@@ -54,10 +54,7 @@ class WsConfig:
     0: choose from the SM count), the tokens one wgmma takes (64: a 128-token tile is
     multiplied in two halves; or block_t: one wgmma over the whole tile), whether a warp
     of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
-    a thread where 12 warps leave 168; 128 rows or more), and the consumers' step phases (2:
-    four consumers, two a row half taking alternate steps, for a decode twice as wide beside
-    each MMA; 16 warps, 128 registers: 128 rows x at most 128 tokens, no loader warp, an
-    even number of stages)."""
+    a thread where 12 warps leave 168; 128 rows or more)."""
 
     block_n: int
     block_t: int
@@ -65,26 +62,14 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    phases: int = 1
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):
             raise ValueError(f"mma_tokens must be 64 or block_t, got {self.mma_tokens}")
         if self.loader_warp not in (0, 1) or (not self.loader_warp and self.block_n < 128):
             raise ValueError(f"loader_warp must be 1, or 0 with block_n >= 128, got {self}")
-        four = (self.block_n, self.loader_warp, self.mma_tokens) == (128, 0, self.block_t)
-        if self.phases not in (1, 2) or (self.phases == 2 and not (four and self.block_t <= 128)):
-            raise ValueError(
-                "phases must be 1, or 2 with block_n 128, block_t <= 128, mma_tokens block_t "
-                f"and loader_warp 0, got {self}"
-            )
         if self.split < 0:
             raise ValueError(f"split must be >= 0 (1: none, 0: from the SM count), got {self}")
-        # With an odd ring a stage's steps alternate between the two phases, and a consumer
-        # that loads nothing ran ahead past its stage's unloaded step: a parity wait cannot
-        # tell that step's phase from the one two before (4-7% of outputs wrong, 3 stages).
-        if self.phases == 2 and self.stages % 2:
-            raise ValueError(f"four consumers (phases 2) need an even number of stages, got {self}")
 
 
 @dataclass(frozen=True)
