@@ -433,6 +433,8 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if 33 <= m <= 512 and "ready1" in families:
+        if not READY1.is_file():  # say so before any point runs, not as a failed kernel
+            raise SystemExit(f"family ready1 needs {READY1}: see the comment above READY1")
         for c in hopper_configs.candidates("ws", m):
             if c.block_n == 64:
                 out["ready1 " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
