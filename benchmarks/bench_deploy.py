@@ -6,12 +6,14 @@ Runs the command line twice in fresh processes at fp4select's default settings (
    ``TORCH_EXTENSIONS_DIR``): what a new machine pays;
 2. compiled: the Triton cache and the C++ key the first run left, an empty decision cache:
    what is left when nothing needs compiling. ``1 - compiled / cold`` bounds the JIT share.
+3. with ``--serial``: cold again, from its own empty Triton cache, with ``--compile-jobs 1``
+   (no compile-ahead: each kernel compiles when it is first tuned), for compile-ahead's gain.
 
 Each run's wall time is the whole process (start-up and imports included), beside the
 ``wall_seconds`` warm reports itself. Issue 19's target: the cold run of Llama-3.1-8B's shapes
 within 60 s on the H200.
 
-    python benchmarks/bench_deploy.py [--preset llama3-8b] [--max-m 8192] [--out DIR]
+    python benchmarks/bench_deploy.py [--preset llama3-8b] [--max-m 8192] [--serial] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from _common import RESULTS, dumps, machine, table
 from bench_cold import PRESETS, compiled_kernels, kernel_signatures
 
 
-def warm(shapes: list[tuple[int, int]], max_m: int, env: dict[str, str]) -> dict:
+def warm(
+    shapes: list[tuple[int, int]], max_m: int, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> dict:
     """One ``fp4select warm --json`` in a fresh process: its report and the process's wall."""
     command = [sys.executable, "-m", "fp4select", "warm", "--json", "--quiet", "--max-m"]
-    command.append(str(max_m))
+    command += [str(max_m), *extra]
     for n, k in shapes:
         command += ["--shape", f"{n},{k}"]
     start = time.perf_counter()
@@ -50,6 +54,7 @@ def warm(shapes: list[tuple[int, int]], max_m: int, env: dict[str, str]) -> dict
         "warm_wall_s": report["wall_seconds"],
         "keys": len(report["results"]),
         "native_key": report["native_key"],
+        "compile_ahead": report.get("compile_ahead"),
         "winners": winners,
     }
 
@@ -59,6 +64,12 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     parser.add_argument("--max-m", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--serial",
+        action="store_true",
+        help="also a third run: cold again (its own empty Triton cache) with --compile-jobs 1, "
+        "each kernel compiled when first tuned, for compile-ahead's gain side by side",
+    )
     args = parser.parse_args()
     shapes = PRESETS[args.preset]
     with tempfile.TemporaryDirectory() as scratch:
@@ -71,9 +82,12 @@ def main() -> None:
         for name in ("FP4SELECT_ISOLATION", "FP4SELECT_TIME_BUDGET_S", "FP4SELECT_TACTICS"):
             env.pop(name, None)  # fp4select's defaults
         runs = {}
-        for run in ("cold", "compiled"):
+        for run in ("cold", "compiled") + (("cold serial",) if args.serial else ()):
             env["FP4SELECT_CACHE_DIR"] = str(root / f"decisions_{run}")  # empty each time
-            runs[run] = warm(shapes, args.max_m, env)
+            if run == "cold serial":
+                env["TRITON_CACHE_DIR"] = str(root / "triton_serial")
+            extra = ("--compile-jobs", "1") if run == "cold serial" else ()
+            runs[run] = warm(shapes, args.max_m, env, extra)
             print(f"{run}: {runs[run]['process_s']:.1f} s", flush=True)
             if run == "cold":  # what it compiled, and what told the hopper-ws variants apart
                 triton_cache = str(root / "triton")

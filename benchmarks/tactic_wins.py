@@ -5,7 +5,7 @@ Each tactic candidate costs deploying a compile (``hopper_tactics``). From the d
 backend and tactic: at how many keys it was timed, at how many it was the backend's fastest,
 at how many of those its backend won the key, and what dropping it would cost there (the
 backend's next tactic, or the key's next backend if that is faster, over its time). The
-tuning times are short (``_TUNE_BUDGET_S`` a candidate): a loss of a percent or two is noise.
+tuning times are short (``TUNE_BUDGET_S`` a candidate): a loss of a percent or two is noise.
 
     python benchmarks/tactic_wins.py DECISIONS_DIR [--out DIR]
 """

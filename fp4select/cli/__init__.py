@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tune on these GPUs (of one kind) in parallel, one worker each",
     )
     p.add_argument(
+        "--compile-jobs",
+        type=positive_int,
+        metavar="N",
+        help="compile the kernels to tune first, in N processes (default: half the CPUs, at "
+        "most 8; 1: no compile-ahead, each compiles when first tuned)",
+    )
+    p.add_argument(
         "--export", metavar="FILE", help="afterwards, write this environment's decisions to FILE"
     )
     p.add_argument("--dry-run", action="store_true", help="print the layers and keys; tune nothing")

@@ -77,6 +77,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from fp4select.api import selector
+    from fp4select.compile_ahead import compile_ahead
     from fp4select.multi_gpu import DeviceError, decision_row, warm_parallel
 
     plan = warm_plan(args)  # a bad input raises WarmUsageError: one line, exit 2
@@ -96,6 +97,10 @@ def cmd_warm(args: argparse.Namespace) -> int:
     # The C++ key compiles on one CPU core while the GPU tunes: the two do not wait on each other.
     builder = ThreadPoolExecutor(1, thread_name_prefix="fp4select-native")
     native_built = builder.submit(warm_native_key, sel.settings, quiet)
+    device = devices[0] if devices else parse_device(args.device)
+    ahead = compile_ahead(sel, problems, device, args.compile_jobs)
+    if ahead.groups and not quiet:
+        print(ahead.describe())
     if devices is not None:
 
         def progress(row: dict[str, Any]) -> None:
@@ -110,9 +115,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
             timing=sel.timing,
             progress=progress,
         )
-        device = devices[0]
     else:
-        device = parse_device(args.device)
         bar = progress_bar(len(problems), "fp4select warm", "key", off=quiet)
         results = []
         try:
@@ -152,6 +155,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
                 "wall_seconds": round(wall, 3),
                 "exported": exported,
                 "native_key": native,
+                "compile_ahead": ahead.to_json(),
             }
         )
     else:
