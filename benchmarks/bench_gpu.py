@@ -22,7 +22,10 @@ dense and shared-expert MLPs, Qwen3-235B attention projections) and M from 1 to 
   ``quantize_share_of_pick`` = quantize_us / the pick's time (target: at most 0.10 at
   M <= 16); ``layer_us`` = quantize_us + the pick's time, the W4A4 layer an engine runs,
   ``quantize_share_of_layer`` = quantize_us / layer_us and ``layer_over_bf16`` = layer_us /
-  bf16_us.
+  bf16_us. At M <= 16 also ``quantize_in_chain_share``: what the quantizer adds to a chain of
+  layers (one graph replaying quantize + pick back to back, as a served model does, against the
+  pick alone, side by side, both with PDL), over the pick alone; ``..._no_pdl_share`` without
+  PDL.
 
 Also: cold and warm tuning wall time for Llama-3.1-8B's shapes (cold first, with an empty
 Triton cache if the caller gave one, so JIT compile counts), and the warm-path overhead of
@@ -30,7 +33,7 @@ best_mm_fp4 eager and under CUDA-graph replay. Stops adding shapes when --time-l
 spent and records which were left out. Writes benchmarks/results/gpu_h200.json and
 gpu_h200.png (or under --out).
 
-    python benchmarks/bench_gpu.py [--out DIR] [--time-limit-s 330]
+    python benchmarks/bench_gpu.py [--out DIR] [--time-limit-s 330] [--ms 1,2,4,8,16]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,6 +81,9 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 4096, 8192]
 COLD_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3.1-8B
 COLD_MS = [1, 16, 256, 2048, 8192]
 ORACLE = TimingOptions(budget_s=0.5, min_rounds=15, max_rounds=60)
+# The layer chain's three candidates differ by a few percent on purpose: none is dropped early.
+LAYER_TIMING = TimingOptions(budget_s=0.5, min_rounds=30, max_rounds=30)
+LAYER_MAX_M = 16  # the quantizer's target covers M <= 16
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -169,15 +176,25 @@ def measure_point(
     for d in dq:
         del d
     try:
-        row.update(quantizer_point(m, k, device, row))
+        pick = registry.get(picked).fast_runner_for(problem, decision.tactic(picked))
+        row.update(quantizer_point(m, k, device, row, problem, pick, sets))
     except Exception:  # the GEMMs' row stands without it
         row["quantize_error"] = traceback.format_exc()
         print(f"quantizer at M={m} K={k} failed:\n{row['quantize_error']}")
     return row
 
 
-def quantizer_point(m: int, k: int, device: torch.device, row: dict) -> dict:
-    """The activation quantizer at (M, K), timed as the GEMMs are, and its share of the layer."""
+def quantizer_point(
+    m: int,
+    k: int,
+    device: torch.device,
+    row: dict,
+    problem: Problem,
+    pick: Callable[..., torch.Tensor],
+    sets: list[validate.ProbeInputs],
+) -> dict:
+    """The activation quantizer at (M, K), timed as the GEMMs are, and its share of the layer:
+    alone, and at M <= LAYER_MAX_M as what it adds to a chain of layers (``layer_chain``)."""
     x0 = activations(m, k, device, seed=m + k)
     gs = calibrated_scale(x0)
     a, sf = quantize.fp4_quantize(x0, gs)
@@ -200,8 +217,50 @@ def quantizer_point(m: int, k: int, device: torch.device, row: dict) -> dict:
         "quantize_share_of_layer": t.median_us / (t.median_us + pick_us) if pick_us else None,
         "layer_over_bf16": (t.median_us + pick_us) / row["bf16_us"] if pick_us else None,
     }
+    if m <= LAYER_MAX_M and pick_us:
+        out.update(layer_chain(problem, pick, sets, xs, gs, device))
     del xs, calls
     return out
+
+
+def layer_chain(
+    problem: Problem,
+    pick: Callable[..., torch.Tensor],
+    sets: list[validate.ProbeInputs],
+    xs: list[torch.Tensor],
+    gs: torch.Tensor,
+    device: torch.device,
+) -> dict:
+    """What the quantizer adds to a model's layers: a graph replays many calls back to back,
+    as a served model's graph does, of the pick alone and of quantize + pick (the pick reading
+    what the quantizer wrote), with and without PDL; all three side by side in one run."""
+
+    def layer(s: validate.ProbeInputs, x: torch.Tensor, pdl: bool) -> Callable[[], torch.Tensor]:
+        args = list(s.args(problem))
+
+        def call() -> torch.Tensor:
+            args[0], args[2] = quantize.fp4_quantize(x, gs, enable_pdl=pdl)
+            args[10] = pdl
+            return pick(*args)
+
+        return call
+
+    pairs = [(s, xs[i % len(xs)]) for i, s in enumerate(sets)]
+    calls = {
+        "gemm": [functools.partial(pick, *s.args(problem)) for s in sets],
+        "layer": [layer(s, x, True) for s, x in pairs],
+        "layer without PDL": [layer(s, x, False) for s, x in pairs],
+    }
+    timings, _ = timing.time_interleaved(calls, device, LAYER_TIMING)
+    gemm, pdl, plain = (timings[n].median_us for n in calls)
+    return {
+        "chain_gemm_us": gemm,
+        "chain_layer_us": pdl,
+        "chain_layer_no_pdl_us": plain,
+        "quantize_in_chain_us": pdl - gemm,
+        "quantize_in_chain_share": (pdl - gemm) / gemm,
+        "quantize_in_chain_no_pdl_share": (plain - gemm) / gemm,
+    }
 
 
 def cold_and_warm(device: torch.device, budget_s: float) -> dict:
@@ -385,12 +444,22 @@ def summarize(rows: list[dict], bw: float) -> dict:
             )
     decode_quant = [r for r in rows if r["m"] <= 16 and r.get("quantize_share_of_pick") is not None]
     shares = [r["quantize_share_of_pick"] for r in decode_quant]
+    chain = [r["quantize_in_chain_share"] for r in decode_quant if "quantize_in_chain_share" in r]
+    plain = [
+        r["quantize_in_chain_no_pdl_share"] for r in decode_quant if "quantize_in_chain_share" in r
+    ]
     return {
         "quantize_decode": {
             "rows": len(decode_quant),
             "share_of_pick_worst": max(shares, default=None),
             "share_of_pick_median": statistics.median(shares) if shares else None,
             "rows_over_target": sum(s > 0.10 for s in shares),
+            "in_chain_rows": len(chain),
+            "in_chain_share_median": statistics.median(chain) if chain else None,
+            "in_chain_share_worst": max(chain, default=None),
+            "in_chain_rows_over_target": sum(s > 0.10 for s in chain),
+            "in_chain_no_pdl_share_median": statistics.median(plain) if plain else None,
+            "in_chain_no_pdl_rows_over_target": sum(s > 0.10 for s in plain),
             "quantize_us_range": [
                 min((r["quantize_us"] for r in decode_quant), default=None),
                 max((r["quantize_us"] for r in decode_quant), default=None),
@@ -430,6 +499,9 @@ def main() -> None:
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--max-shapes", type=int, default=len(SHAPES))
     parser.add_argument("--name", default="gpu_h200", help="output file stem")
+    parser.add_argument(
+        "--ms", type=lambda t: [int(x) for x in t.split(",")], default=MS, help="M values, 1,2,..."
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     started = time.perf_counter()
@@ -469,7 +541,7 @@ def main() -> None:
             if time.perf_counter() - started > args.time_limit_s:
                 skipped.append(label)
                 continue
-            for m in MS:
+            for m in args.ms:
                 try:
                     row = measure_point(sel, n, k, m, device, bw)
                 except Exception:
@@ -513,7 +585,7 @@ def main() -> None:
 def quantizer_table(rows: list[dict]) -> str:
     """The quantizer against the GEMM it feeds at M <= 16 (the issue's target's range)."""
     header = ["shape", "M", "quant us", "pick", "pick us", "quant/pick", "layer us", "bf16 us"]
-    header += ["layer/bf16", "exact"]
+    header += ["layer/bf16", "in chain", "no PDL", "exact"]
     body = [
         [
             r["shape"],
@@ -525,6 +597,8 @@ def quantizer_table(rows: list[dict]) -> str:
             f"{r['layer_us']:.2f}" if r["layer_us"] else "-",
             f"{r['bf16_us']:.2f}",
             f"{r['layer_over_bf16']:.2f}" if r["layer_over_bf16"] else "-",
+            _pct(r.get("quantize_in_chain_share")),
+            _pct(r.get("quantize_in_chain_no_pdl_share")),
             "yes" if r["quantize_exact"] else "NO",
         ]
         for r in rows

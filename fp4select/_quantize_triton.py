@@ -37,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4select.backends._triton_kernels import PDL_SUPPORTED as PDL_SUPPORTED
+from fp4select.backends._triton_kernels import pdl_start
+
 if TYPE_CHECKING:
     from fp4select.quantize import QuantConfig
 
@@ -181,7 +184,11 @@ def _quantize_kernel(
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr,
     PAD_PROGRAMS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # Launched with PDL (``pdl``), this kernel starts while the layer before it is still
+    # running, waits here until that has finished, and lets the GEMM it feeds launch now.
+    pdl_start(PDL, True)
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     if PAD_PROGRAMS and pid_m == TILES_M:
@@ -216,9 +223,10 @@ def grid(m: int, cp: int, cfg: QuantConfig) -> tuple[int, int, int]:
 
 
 def quantize(
-    x: torch.Tensor, gs: torch.Tensor, cfg: QuantConfig
+    x: torch.Tensor, gs: torch.Tensor, cfg: QuantConfig, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (M, K) bf16/fp16/fp32, ``gs`` one float32 element on x's device."""
+    """``x`` (M, K) bf16/fp16/fp32, ``gs`` one float32 element on x's device; ``pdl``:
+    launch with programmatic dependent launch (SM90+, a Triton with ``launch_pdl``)."""
     m, k = x.shape
     rp, cp = -(-m // 128) * 128, -(-k // 64) * 4
     out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
@@ -234,5 +242,6 @@ def quantize(
         SPLIT=cfg.split,
         PAD_PROGRAMS=cfg.pad_programs,
         num_warps=cfg.num_warps,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
     return out, sf.view(torch.float8_e4m3fn)

@@ -193,6 +193,9 @@ def triton_available() -> str | None:
     return None
 
 
+_pdl_devices: dict[int, bool] = {}
+
+
 def _triton() -> Any:
     global _kernels
     if _kernels is None:
@@ -208,6 +211,7 @@ def fp4_quantize(
     *,
     implementation: str = "auto",
     config: QuantConfig | None = None,
+    enable_pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``(M, K)`` activations to NVFP4 as flashinfer does (see the module docstring).
 
@@ -216,6 +220,11 @@ def fp4_quantize(
     for a CUDA tensor, else PyTorch), ``"triton"`` or ``"torch"``. The Triton kernel also runs
     on CPU tensors under ``TRITON_INTERPRET=1`` (for tests). ``config``: the kernel's tiling
     (default: :func:`config_for` M); every configuration computes the same bytes.
+    ``enable_pdl`` (as flashinfer's ``fp4_quantize`` and ``mm_fp4``): launch the kernel with
+    programmatic dependent launch where the GPU (SM90+) and Triton (3.4+) have it, so that it
+    starts while the kernel before it finishes and the GEMM after it launches early (launch
+    gaps hidden in a CUDA graph); ``None`` (the default) and ``True`` ask for it, ``False``
+    never. The bytes are the same either way.
     """
     if implementation == "auto":
         use_triton = x.is_cuda and triton_available() is None
@@ -230,4 +239,17 @@ def fp4_quantize(
         raise RuntimeError(
             "the Triton quantizer runs on CUDA tensors (or under TRITON_INTERPRET=1)"
         )
-    return _triton().quantize(x, gs, config or config_for(x.shape[0]))
+    kernels = _triton()
+    pdl = enable_pdl is not False and _pdl_here(x.device, kernels)
+    return kernels.quantize(x, gs, config or config_for(x.shape[0]), pdl)
+
+
+def _pdl_here(device: torch.device, kernels: Any) -> bool:
+    """Whether ``device`` launches with PDL by default: SM90+ and this Triton (once a device)."""
+    if device.type != "cuda" or not kernels.PDL_SUPPORTED:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pdl = _pdl_devices.get(index)
+    if pdl is None:
+        pdl = _pdl_devices[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return pdl

@@ -166,3 +166,50 @@ def test_the_layer_op_is_opaque_and_replays_in_a_cuda_graph(gpu_selector):
         fullgraph=True,
     )
     assert torch.equal(compiled(x), eager)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 128])
+def test_layers_chained_with_pdl_in_a_graph_compute_what_they_compute_apart(gpu_selector, m):
+    """Launched with PDL (the default from SM90), the quantizer starts before the GEMM whose
+    output it reads has finished, and the GEMM before its quantizer has: each kernel's wait
+    must hold it until then. Four layers (quantize, GEMM, the output the next layer's input)
+    replayed in one graph give the bits of the same layers run eagerly without PDL."""
+    n = k = 4096
+    layers = []
+    for i in range(4):
+        weight, weight_scale_linear, weight_scale_2 = _layer_weights(n, k, seed=10 + i)
+        layers.append((weight, _layer.prepare_weight_scale(weight_scale_linear), weight_scale_2))
+    x0 = _activations(m, k, seed=m)
+
+    def chain(x, scales, pdl):
+        outs = []
+        for (weight, weight_scale, weight_scale_2), gs in zip(layers, scales):
+            a, a_sf = q.fp4_quantize(x, gs, enable_pdl=pdl)
+            alpha = weight_scale_2 / gs
+            x = fp4select.best_mm_fp4(
+                a, weight.T, a_sf, weight_scale.T, alpha, torch.bfloat16, enable_pdl=pdl
+            )
+            outs.append(x)
+        return outs
+
+    scales, x = [], x0  # each layer's calibrated global scale, from the eager chain
+    for weight, weight_scale, weight_scale_2 in layers:
+        gs = (448.0 * 6.0 / x.abs().max().float()).reshape(1)
+        scales.append(gs)
+        a, a_sf = q.fp4_quantize(x, gs, enable_pdl=False)
+        x = fp4select.best_mm_fp4(  # tunes each key once, eagerly
+            a, weight.T, a_sf, weight_scale.T, weight_scale_2 / gs, torch.bfloat16,
+            enable_pdl=False,
+        )  # fmt: skip
+    eager = chain(x0, scales, pdl=False)
+    chain(x0, scales, pdl=True)  # compiles the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(x0, scales, pdl=True)
+    for _ in range(3):
+        for out in captured:
+            out.fill_(float("nan"))  # a layer that read before its input was written shows
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (got, want) in enumerate(zip(captured, eager)):
+            assert torch.equal(got, want), f"layer {i} differs at M={m}"

@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from fp4select import quantize as q
+from fp4select import validate
+from fp4select.backends import emulation
+from fp4select.keys import Problem
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -60,13 +63,29 @@ def test_bench_gpu_times_the_quantizer_beside_the_pick_and_reports_its_share():
     row = {"shape": "s", "n": 64, "k": 64, "m": 4, "backend_us": {"x": 8.0}, "picked": "x"}
     row |= {"oracle": "x", "regret": 1.0, "bf16_us": 16.0, "floor_us": 1.0}
     # On the CPU fp4_quantize runs the PyTorch path; the bench's code is the same.
-    row |= bench_gpu.quantizer_point(4, 64, torch.device("cpu"), row)
+    problem = Problem(n=64, k=64, m_bucket=4)
+    sets = [validate.make_inputs(problem, 4, torch.device("cpu"), seed=s) for s in (1, 2)]
+    seen = []
+
+    def pick(*args):  # the pick: emulation, after checking what the layer hands it
+        seen.append((args[0].shape, args[2].shape, args[10]))
+        return emulation.make_runner(problem)(*args)
+
+    row |= bench_gpu.quantizer_point(4, 64, torch.device("cpu"), row, problem, pick, sets)
     assert row["quantize_exact"] is True and row["quantize_us"] > 0
     assert row["quantize_config"] == q.config_for(4).label
     assert row["quantize_share_of_pick"] == pytest.approx(row["quantize_us"] / 8.0)
     assert row["layer_us"] == pytest.approx(row["quantize_us"] + 8.0)
     assert row["layer_over_bf16"] == pytest.approx(row["layer_us"] / 16.0)
     assert row["quantize_share_of_layer"] == pytest.approx(row["quantize_us"] / row["layer_us"])
+    # The layer chain: the pick alone, and fed by the quantizer with PDL and without.
+    gemm = row["chain_gemm_us"]
+    assert row["quantize_in_chain_us"] == pytest.approx(row["chain_layer_us"] - gemm)
+    assert row["quantize_in_chain_share"] == pytest.approx(row["quantize_in_chain_us"] / gemm)
+    plain = (row["chain_layer_no_pdl_us"] - gemm) / gemm
+    assert row["quantize_in_chain_no_pdl_share"] == pytest.approx(plain)
+    assert {(a, sf) for a, sf, _ in seen} == {((4, 32), q.scale_shape(4, 64))}
+    assert {pdl for *_, pdl in seen} == {True, False}
     summary = bench_gpu.summarize([row], 1e12)["quantize_decode"]
     assert summary["rows"] == 1 and summary["share_of_pick_worst"] == row["quantize_share_of_pick"]
     assert summary["rows_over_target"] == int(row["quantize_share_of_pick"] > 0.10)
