@@ -308,6 +308,32 @@ def test_pdl_puts_the_grid_dependency_wait_first_and_nothing_without_it(pdl):
             assert "griddepcontrol" not in body
 
 
+QUANT_SIGNATURE = {
+    "x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*u8", "sf_ptr": "*u8", "M": "i32",
+    "K": "i32", "stride_xm": "i32", "stride_xk": "i32", "CP": "i32", "TILES_M": "i32",
+} | {name: "constexpr" for name in ("BLOCK_M", "BLOCK_C", "SPLIT", "PAD_PROGRAMS", "PDL")}  # fmt: skip
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_quantizer_lets_the_gemm_launch_before_it_waits_for_the_layer_before(pdl):
+    """With PDL the activation quantizer triggers its dependents (the GEMM it feeds) first,
+    then waits for the kernel before it, before it reads anything; without PDL, neither."""
+    from fp4select import _quantize_triton
+
+    constexprs = {"BLOCK_M": 1, "BLOCK_C": 16, "SPLIT": True, "PAD_PROGRAMS": True, "PDL": pdl}
+    ptx = _compile(_quantize_triton._quantize_kernel, QUANT_SIGNATURE, constexprs, 1, 3)
+    body = ptx.asm["ptx"][ptx.asm["ptx"].index("{", ptx.asm["ptx"].index(".entry")) :]
+    if pdl:
+        trigger, wait = (
+            body.index("griddepcontrol.launch_dependents"),
+            body.index("griddepcontrol.wait"),
+        )
+        assert trigger < wait
+        assert "ld.global" not in body[:wait]
+    else:
+        assert "griddepcontrol" not in body
+
+
 @pytest.mark.parametrize("evict_first", [True, False])
 def test_the_gemv_asks_l2_to_evict_the_weight_first_only_when_told(evict_first):
     """``GemvConfig.evict_first`` reaches the weight's loads as an eviction hint (measured

@@ -40,7 +40,7 @@ import triton.language as tl
 from fp4select.backends._hopper_planes import _PAIR_TO_F16, _PAIR_TO_F16_CVT
 from fp4select.backends._triton_kernels import _e2m1_f16 as _code_f16
 from fp4select.backends._triton_kernels import _sf_offset as sf_offset
-from fp4select.backends._triton_kernels import pdl_start, prefetch_l2
+from fp4select.backends._triton_kernels import pdl_start
 
 cdiv = triton.cdiv
 
@@ -522,29 +522,24 @@ def gemv_dp4a(
     PDL: tl.constexpr = False,
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
-    L2_LINES: tl.constexpr = 0,
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
     Per block: the exact integer dot product (``dp4a``) of the weight's positive and negative
     magnitudes with a's signed values, then both block scales once, in float32. Each row of a
     has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
-    cores, no shared memory, no split-K. With ``L2_LINES`` (PDL only), before waiting for the
-    kernel before, each program asks L2 for its rows' first L2_LINES lines of 128 bytes.
+    cores, no shared memory, no split-K.
     """
-    pid = tl.program_id(0)
-    rows = pid * R + tl.arange(0, R)
-    rows_c = tl.where(rows < N, rows, N - 1)
-    w_rows = w_ptr + rows_c[:, None].to(tl.int64) * stride_wn
-    if PDL and ASM and L2_LINES > 0:
-        lines = tl.minimum(tl.arange(0, L2_LINES) * 16, KW - 1)  # 16 words: 128 bytes
-        prefetch_l2(w_rows + lines[None, :])
     pdl_start(PDL, True)
     # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
     # float8 cannot take zeros for the masked lanes.
     sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
     sw_ptr = sw_ptr.to(tl.pointer_type(tl.uint8))
+    pid = tl.program_id(0)
+    rows = pid * R + tl.arange(0, R)
+    rows_c = tl.where(rows < N, rows, N - 1)
     kk = tl.arange(0, BK)
+    w_rows = w_ptr + rows_c[:, None].to(tl.int64) * stride_wn
     sw_rows = sw_ptr + sf_row_part(rows_c, cp, False)[:, None]
     acc0 = tl.zeros((R, BK), dtype=tl.float32)
     acc1 = tl.zeros((R, BK), dtype=tl.float32)

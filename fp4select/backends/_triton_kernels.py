@@ -36,17 +36,6 @@ def pdl_start(PDL: tl.constexpr, TRIGGER: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (``prefetch.global.L2``): a hint, no value
-    read into the program, so it may come before ``gdc_wait``: L2 is where every kernel's
-    writes meet, so a line written later is updated there, never read stale."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _e2m1_f16(c):
     """Nibble code (low 4 bits of an int32) -> float16 holding e2m1 * 2**-14, exactly."""
     bits = ((c & 7) << 9) | ((c & 8) << 12)

@@ -256,13 +256,9 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
-        **({"L2_LINES": GEMV_L2_LINES} if pdl and GEMV_L2_LINES else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
-
-
-GEMV_L2_LINES = 0  # experiment: lines of each weight row asked of L2 before the PDL wait
 
 
 def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
