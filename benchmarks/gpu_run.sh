@@ -23,10 +23,11 @@
 #          timed, about 30-40 s); not part of all (its tests marked gpu run in tests)
 #   floor  benchmarks/hopper_sweep.py --families mma,floor at M = 1 and 16: each small-M
 #          tiling beside itself without its decode (about 1-2 min); not part of all
-#   deploy benchmarks/bench_deploy.py: `fp4select warm` of Llama-3.1-8B's shapes as a user
-#          runs it, from nothing and again with the kernels compiled (the JIT share); then
+#   deploy benchmarks/bench_deploy.py --serial: `fp4select warm` of Llama-3.1-8B's shapes as a
+#          user runs it, from nothing, again with the kernels compiled (the JIT share), and
+#          from nothing without compile-ahead (--compile-jobs 1); then
 #          benchmarks/bench_cold.py, where that time goes (seconds per backend and phase,
-#          kernels compiled); about 4 minutes; not part of all
+#          kernels compiled); about 5 minutes; not part of all
 #   hazard benchmarks/hazard_stress.py: each hopper-mma and hopper-ws tactic many times on the
 #          same inputs, under load, compared bit for bit (the wgmma register hazard that
 #          tools/wgmma_hazards.py found in hopper-mma's Triton 3.6 SASS); not part of all
@@ -113,7 +114,7 @@ step() {  # step NAME COMMAND...: run it, remember a failure, go on
       --families mma,floor --ms 1,16 --name hopper_sweep_floor --out "$OUT" --time-limit-s 240
   fi
   if [ "$MODE" = deploy ]; then
-    step "fp4select warm, from nothing" timeout 300 python3 benchmarks/bench_deploy.py --out "$OUT"
+    step "fp4select warm, from nothing" timeout 300 python3 benchmarks/bench_deploy.py --serial --out "$OUT"
     step "where warm-up time goes" timeout 250 python3 benchmarks/bench_cold.py \
       --device cuda --preset llama3-8b --max-m 8192 --defaults --jit-share --time-limit-s 200
     cp benchmarks/results/cold_llama3-8b_cuda.json "$OUT/" 2>/dev/null
