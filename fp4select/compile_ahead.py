@@ -31,7 +31,7 @@ import math
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -173,11 +173,13 @@ def compile_ahead(
     device: torch.device,
     jobs: int | None = None,
     deadline_s: float = DEADLINE_S,
+    announce: Callable[[str], None] | None = None,
 ) -> Summary:
     """Compile the kernels ``problems`` will tune on ``device`` in up to ``jobs`` children.
 
     Returns at once (nothing to do) off CUDA, where nothing is compiled, with ``jobs`` < 2, or
-    when every key is decided.
+    when every key is decided. ``announce`` gets one line before the children start (a long
+    silence otherwise: seconds to a minute).
     """
     started = time.perf_counter()
     jobs = default_jobs() if jobs is None else jobs
@@ -187,6 +189,8 @@ def compile_ahead(
         device = torch.device("cuda", torch.cuda.current_device())
     groups = plan_groups(sel, problems, device)
     shares = _share(groups, jobs)
+    if shares and announce is not None:
+        announce(f"compile-ahead: compiling {len(groups)} kernel groups in {len(shares)} processes")
     stopped, failed = run_children(device, shares, sel.settings, deadline_s)
     keys = len({p for share in shares for p, _ in share})
     return Summary(len(shares), len(groups), keys, time.perf_counter() - started, stopped, failed)

@@ -88,7 +88,9 @@ def test_off_cuda_or_with_one_job_nothing_is_planned_or_started(tmp_path, native
     # No subprocess marker: a child started here would fail the test (suite_selection's guard).
     sel = fp4select.configure(cache_dir=tmp_path, isolation="inprocess")
     problems = [Problem(n=256, k=256, m_bucket=1)]
-    assert ca.compile_ahead(sel, problems, CPU, jobs=4) == ca.Summary(0, 0, 0, 0.0)
+    said = []
+    assert ca.compile_ahead(sel, problems, CPU, 4, announce=said.append) == ca.Summary(0, 0, 0, 0.0)
+    assert said == []  # nothing announced when nothing runs
     cuda = torch.device("cuda", 0)
     assert ca.compile_ahead(sel, problems, cuda, jobs=1) == ca.Summary(0, 0, 0, 0.0)
     assert ca.compile_ahead(sel, [], cuda, jobs=4) == ca.Summary(0, 0, 0, 0.0)
@@ -188,8 +190,10 @@ def test_compile_ahead_leaves_nothing_for_the_tuning_to_compile(tmp_path, monkey
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     sel = fp4select.configure(cache_dir=tmp_path / "decisions", isolation="inprocess")
     problems = [Problem(n=4096, k=4096, m_bucket=m) for m in (1, 16, 128)]
-    summary = ca.compile_ahead(sel, problems, torch.device("cuda"), jobs=3)
+    said = []
+    summary = ca.compile_ahead(sel, problems, torch.device("cuda"), jobs=3, announce=said.append)
     assert summary.groups >= 3 and summary.keys == 3
+    assert said == [f"compile-ahead: compiling {summary.groups} kernel groups in 3 processes"]
     assert (summary.killed, summary.failed) == (0, 0)
     before = _compiled(cache)
     assert before, "the children compiled nothing"

@@ -98,7 +98,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
     builder = ThreadPoolExecutor(1, thread_name_prefix="fp4select-native")
     native_built = builder.submit(warm_native_key, sel.settings, quiet)
     device = devices[0] if devices else parse_device(args.device)
-    ahead = compile_ahead(sel, problems, device, args.compile_jobs)
+    ahead = compile_ahead(
+        sel, problems, device, args.compile_jobs, announce=None if quiet else print
+    )
     if ahead.groups and not quiet:
         print(ahead.describe())
     if devices is not None:
