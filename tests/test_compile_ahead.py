@@ -97,8 +97,8 @@ def test_off_cuda_or_with_one_job_nothing_is_planned_or_started(tmp_path, native
     assert ca.Summary(0, 0, 0, 0.0).describe() == "compile-ahead: nothing to compile"
 
 
-def test_default_jobs_is_half_the_cpus_at_most_eight(monkeypatch):
-    for cpus, jobs in ((1, 1), (2, 1), (6, 3), (16, 8), (64, 8)):
+def test_default_jobs_is_half_the_cpus_at_most_four(monkeypatch):
+    for cpus, jobs in ((1, 1), (2, 1), (6, 3), (8, 4), (64, 4)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert ca.default_jobs() == jobs
 

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         metavar="N",
         help="compile the kernels to tune first, in N processes (default: half the CPUs, at "
-        "most 8; 1: no compile-ahead, each compiles when first tuned)",
+        "most 4; 1: no compile-ahead, each compiles when first tuned)",
     )
     p.add_argument(
         "--export", metavar="FILE", help="afterwards, write this environment's decisions to FILE"
