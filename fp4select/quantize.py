@@ -226,6 +226,8 @@ def fp4_quantize(
     gaps hidden in a CUDA graph); ``None`` (the default) and ``True`` ask for it, ``False``
     never. The bytes are the same either way.
     """
+    if enable_pdl is not None and not isinstance(enable_pdl, bool):
+        raise TypeError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")
     if implementation == "auto":
         use_triton = x.is_cuda and triton_available() is None
     elif implementation in ("triton", "torch"):

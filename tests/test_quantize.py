@@ -167,6 +167,10 @@ def test_output_shapes_and_argument_checks():
         q.fp4_quantize(torch.randn(2, 16), torch.ones(2))
     with pytest.raises(ValueError, match="implementation"):
         q.fp4_quantize(torch.randn(2, 16), 1.0, implementation="cuda")
+    with pytest.raises(TypeError, match="enable_pdl must be None, True or False, got 'yes'"):
+        q.fp4_quantize(torch.randn(2, 16), 1.0, enable_pdl="yes")
+    for pdl in (None, True, False):  # no PDL off CUDA, whatever is asked: the same bytes
+        assert torch.equal(q.fp4_quantize(x, 1.0, enable_pdl=pdl)[0], q.quantize_torch(x, 1.0)[0])
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(RuntimeError, match="CUDA tensors"):
             q.fp4_quantize(torch.randn(2, 16), 1.0, implementation="triton")
