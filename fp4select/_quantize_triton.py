@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4select.backends._triton_kernels import PDL_SUPPORTED as PDL_SUPPORTED
 from fp4select.backends._triton_kernels import gdc_launch_dependents, pdl_start
 
 if TYPE_CHECKING:

@@ -193,7 +193,11 @@ def triton_available() -> str | None:
     return None
 
 
-_pdl_devices: dict[int, bool] = {}
+def _pdl_possible(device: torch.device) -> bool:
+    """As the GEMMs decide it (``triton_hopper.pdl_possible``, cached per device)."""
+    from fp4select.backends.triton_hopper import pdl_possible
+
+    return pdl_possible(device)
 
 
 def _triton() -> Any:
@@ -242,16 +246,5 @@ def fp4_quantize(
             "the Triton quantizer runs on CUDA tensors (or under TRITON_INTERPRET=1)"
         )
     kernels = _triton()
-    pdl = enable_pdl is not False and _pdl_here(x.device, kernels)
+    pdl = enable_pdl is not False and x.is_cuda and _pdl_possible(x.device)
     return kernels.quantize(x, gs, config or config_for(x.shape[0]), pdl)
-
-
-def _pdl_here(device: torch.device, kernels: Any) -> bool:
-    """Whether ``device`` launches with PDL by default: SM90+ and this Triton (once a device)."""
-    if device.type != "cuda" or not kernels.PDL_SUPPORTED:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    pdl = _pdl_devices.get(index)
-    if pdl is None:
-        pdl = _pdl_devices[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return pdl

@@ -188,13 +188,17 @@ def _flags(device: torch.device) -> tuple[bool, bool]:
     return flags
 
 
+def pdl_possible(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch with PDL: a CUDA GPU of SM90+ and a Triton with
+    grid dependency control (the activation quantizer asks too)."""
+    return device.type == "cuda" and _flags(device)[0]
+
+
 def _pdl(args: tuple[Any, ...], device: torch.device) -> bool:
     """Launch with programmatic dependent launch: as mm_fp4's ``enable_pdl`` asks, where the
     GPU has it (SM90+) and this Triton can express it. It hides the launch gap between the
     kernels of a call (and before the first), about a microsecond each."""
-    if not args[10] or device.type != "cuda":
-        return False
-    return _flags(device)[0]
+    return bool(args[10]) and pdl_possible(device)
 
 
 def _e4m3_in_hardware(device: torch.device) -> bool:
