@@ -201,7 +201,7 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
+# "evict", "persist", "pfa", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -400,6 +400,20 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
                 out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
+    if m <= 8 and "persist" in families:  # the GEMV's tactics with at most 4-16 programs an
+        # SM, each streaming its row groups back to back (its next group's first step loaded
+        # during this group's last), beside the tactics (one program a row group)
+        for c in hopper_configs.candidates("gemv", m):
+            for per_sm in (4, 8, 16):
+                cc = dataclasses.replace(c, persist=per_sm)
+                name = "persist " + " ".join(map(str, dataclasses.astuple(cc)))
+                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
+    if m <= 2 and "pfa" in families:  # the GEMV loading a's next rows with the weight's
+        for c in GEMV + list(hopper_configs.candidates("gemv", m)):
+            cc = dataclasses.replace(c, prefetch=2)
+            out["pfa " + " ".join(map(str, dataclasses.astuple(cc)))] = functools.partial(
+                triton_hopper.run_gemv, cfg=cc
+            )
     if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
         for c in hopper_configs.candidates("gemv", m):
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
@@ -610,6 +624,8 @@ def main() -> None:
                         "gemv2",
                         "gemv3",
                         "evict",
+                        "persist",
+                        "pfa",
                         "deep",
                         "ws",
                         "wsk",

@@ -440,6 +440,32 @@ def _gemv_row(
 
 
 @triton.jit
+def _a_row(a_ptr, sa_ptr, r, M, k, KW, stride_am, cp, A_8X4: tl.constexpr):
+    """Row r of a at blocks k: its words and scale bytes (zeros past K), for a prefetch."""
+    k_ok = k < KW
+    row = tl.minimum(r, M - 1)
+    x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
+    a_col = _scale_cols(k, KW, A_8X4)[None, :]
+    sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col, mask=k_ok[None, :], other=0)
+    return x, sa
+
+
+@triton.jit
+def _row_dot(
+    p0, p1, p2, p3, n0, n1, n2, n3, sw, x, sa, ASM: tl.constexpr, SPLIT: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):  # fmt: skip
+    """``_gemv_row`` with a's words and scale bytes already loaded."""
+    sa = e4m3_f32(sa, HW_E4M3)
+    x0, x1, x2, x3 = decode_s8(x, ASM)
+    if SPLIT:
+        d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
+    else:
+        d = dot4(p0, p1, p2, p3, x0, x1, x2, x3, ASM)
+    return d.to(tl.float32) * (sw * sa)
+
+
+@triton.jit
 def _gemv_store(
     acc, r, M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA: tl.constexpr
 ):
@@ -496,6 +522,90 @@ def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
 
 
 @triton.jit
+def _gemv_step(
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr, M, k, KW, stride_am,
+    cp, A_8X4: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, HW_E4M3: tl.constexpr,
+):  # fmt: skip
+    """One step of K: the weight tile ``w`` (scales ``sw``) against each row of a."""
+    k_ok = k < KW
+    swf = e4m3_f32(sw, HW_E4M3)
+    # One row of a: split magnitudes (fewer integer ops, twice the dp4a). Several rows
+    # share the weight's decode, so each dp4a counts more: signed values.
+    if BM == 1:
+        p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM)
+    else:
+        p0, p1, p2, p3 = decode_s8(w, ASM)
+        n0, n1, n2, n3 = p0, p1, p2, p3
+    a_col = _scale_cols(k, KW, A_8X4)[None, :]
+    # Row r of a against the weight tile, one accumulator per row (BM is at most 8).
+    acc0 += _gemv_row(
+        p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 0,
+        M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+    )  # fmt: skip
+    if BM > 1:
+        acc1 += _gemv_row(
+            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 1,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+        )  # fmt: skip
+    if BM > 2:
+        acc2 += _gemv_row(
+            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 2,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+        )  # fmt: skip
+        acc3 += _gemv_row(
+            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 3,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+        )  # fmt: skip
+    if BM > 4:
+        acc4 += _gemv_row(
+            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 4,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+        )  # fmt: skip
+        acc5 += _gemv_row(
+            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 5,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+        )  # fmt: skip
+        acc6 += _gemv_row(
+            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 6,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+        )  # fmt: skip
+        acc7 += _gemv_row(
+            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 7,
+            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+        )  # fmt: skip
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _gemv_store_rows(
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr, stride_om, stride_on,
+    alpha_ptr, alpha_value, ALPHA: tl.constexpr, BM: tl.constexpr,
+):  # fmt: skip
+    args = (M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA)
+    _gemv_store(acc0, 0, *args)
+    if BM > 1:
+        _gemv_store(acc1, 1, *args)
+    if BM > 2:
+        _gemv_store(acc2, 2, *args)
+        _gemv_store(acc3, 3, *args)
+    if BM > 4:
+        _gemv_store(acc4, 4, *args)
+        _gemv_store(acc5, 5, *args)
+        _gemv_store(acc6, 6, *args)
+        _gemv_store(acc7, 7, *args)
+
+
+@triton.jit
+def _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R: tl.constexpr):
+    """Row group g's rows, its weight rows' word pointers and scale rows' byte offsets."""
+    rows = g * R + tl.arange(0, R)
+    rows_c = tl.where(rows < N, rows, N - 1)
+    w_rows = w_ptr + rows_c[:, None].to(tl.int64) * stride_wn
+    sw_rows = sw_ptr + sf_row_part(rows_c, cp, False)[:, None]
+    return rows, w_rows, sw_rows
+
+
+@triton.jit
 def gemv_dp4a(
     a_ptr,  # int64 view of a: (M, K/16), one word per block
     w_ptr,  # int64 view of the weight: (N, K/16)
@@ -522,13 +632,17 @@ def gemv_dp4a(
     PDL: tl.constexpr = False,
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
+    PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
+    PREFETCH_A: tl.constexpr = False,  # with PREFETCH, a's rows too (BM <= 2)
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
     Per block: the exact integer dot product (``dp4a``) of the weight's positive and negative
     magnitudes with a's signed values, then both block scales once, in float32. Each row of a
     has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
-    cores, no shared memory, no split-K.
+    cores, no shared memory, no split-K. PERSIST: a grid smaller than the row groups, each
+    program streaming its groups back to back (with PREFETCH, the next group's first step
+    loads during this group's last).
     """
     pdl_start(PDL, True)
     # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
@@ -536,87 +650,101 @@ def gemv_dp4a(
     sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
     sw_ptr = sw_ptr.to(tl.pointer_type(tl.uint8))
     pid = tl.program_id(0)
-    rows = pid * R + tl.arange(0, R)
-    rows_c = tl.where(rows < N, rows, N - 1)
     kk = tl.arange(0, BK)
-    w_rows = w_ptr + rows_c[:, None].to(tl.int64) * stride_wn
-    sw_rows = sw_ptr + sf_row_part(rows_c, cp, False)[:, None]
-    acc0 = tl.zeros((R, BK), dtype=tl.float32)
-    acc1 = tl.zeros((R, BK), dtype=tl.float32)
-    acc2 = tl.zeros((R, BK), dtype=tl.float32)
-    acc3 = tl.zeros((R, BK), dtype=tl.float32)
-    acc4 = tl.zeros((R, BK), dtype=tl.float32)
-    acc5 = tl.zeros((R, BK), dtype=tl.float32)
-    acc6 = tl.zeros((R, BK), dtype=tl.float32)
-    acc7 = tl.zeros((R, BK), dtype=tl.float32)
-    if PREFETCH:
-        w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
-    for k0 in range(0, KW, BK):
-        k = k0 + kk
-        k_ok = k < KW
+    if PERSIST:
+        groups = tl.cdiv(N, R)
+        programs = tl.num_programs(0)
+        rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
         if PREFETCH:
-            w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)
-        else:
-            w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
-        swf = e4m3_f32(sw, HW_E4M3)
-        # One row of a: split magnitudes (fewer integer ops, twice the dp4a). Several rows
-        # share the weight's decode, so each dp4a counts more: signed values.
-        if BM == 1:
-            p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM)
-        else:
-            p0, p1, p2, p3 = decode_s8(w, ASM)
-            n0, n1, n2, n3 = p0, p1, p2, p3
-        a_col = _scale_cols(k, KW, A_8X4)[None, :]
-        # Row r of a against the weight tile, one accumulator per row (BM is at most 8).
-        acc0 += _gemv_row(
-            p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 0,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
+            w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
+        for g in range(pid, groups, programs):
+            acc0 = tl.zeros((R, BK), dtype=tl.float32)
+            acc1 = tl.zeros((R, BK), dtype=tl.float32)
+            acc2 = tl.zeros((R, BK), dtype=tl.float32)
+            acc3 = tl.zeros((R, BK), dtype=tl.float32)
+            acc4 = tl.zeros((R, BK), dtype=tl.float32)
+            acc5 = tl.zeros((R, BK), dtype=tl.float32)
+            acc6 = tl.zeros((R, BK), dtype=tl.float32)
+            acc7 = tl.zeros((R, BK), dtype=tl.float32)
+            rows, w_rows, sw_rows = _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R)
+            # the next group's rows; past the last group its loads are masked (k from KW)
+            _, w_next_rows, sw_next_rows = _gemv_rows(
+                g + programs, N, w_ptr, sw_ptr, stride_wn, cp, R
+            )
+            next_start = tl.where(g + programs < groups, 0, KW)
+            for k0 in range(0, KW, BK):
+                k = k0 + kk
+                if PREFETCH:
+                    if k0 + BK < KW:
+                        w_next, sw_next = _gemv_weight(w_rows, sw_rows, k + BK, KW, EVICT_FIRST)
+                    else:
+                        w_next, sw_next = _gemv_weight(
+                            w_next_rows, sw_next_rows, next_start + kk, KW, EVICT_FIRST
+                        )
+                else:
+                    w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
+                    M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3,
+                )  # fmt: skip
+                if PREFETCH:
+                    w, sw = w_next, sw_next
+            _gemv_store_rows(
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
+                stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
+            )  # fmt: skip
+    else:
+        rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
+        acc0 = tl.zeros((R, BK), dtype=tl.float32)
+        acc1 = tl.zeros((R, BK), dtype=tl.float32)
+        acc2 = tl.zeros((R, BK), dtype=tl.float32)
+        acc3 = tl.zeros((R, BK), dtype=tl.float32)
+        acc4 = tl.zeros((R, BK), dtype=tl.float32)
+        acc5 = tl.zeros((R, BK), dtype=tl.float32)
+        acc6 = tl.zeros((R, BK), dtype=tl.float32)
+        acc7 = tl.zeros((R, BK), dtype=tl.float32)
+        if PREFETCH:
+            w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
+        if PREFETCH_A:
+            xa0, sa0 = _a_row(a_ptr, sa_ptr, 0, M, kk, KW, stride_am, cp, A_8X4)
+            xa1, sa1 = _a_row(a_ptr, sa_ptr, 1, M, kk, KW, stride_am, cp, A_8X4)
+        for k0 in range(0, KW, BK):
+            k = k0 + kk
+            if PREFETCH:
+                w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)
+            else:
+                w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
+            if PREFETCH_A:
+                xn0, sn0 = _a_row(a_ptr, sa_ptr, 0, M, k + BK, KW, stride_am, cp, A_8X4)
+                if BM > 1:
+                    xn1, sn1 = _a_row(a_ptr, sa_ptr, 1, M, k + BK, KW, stride_am, cp, A_8X4)
+                else:
+                    xn1, sn1 = xn0, sn0
+                swf = e4m3_f32(sw, HW_E4M3)
+                if BM == 1:
+                    p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM)
+                else:
+                    p0, p1, p2, p3 = decode_s8(w, ASM)
+                    n0, n1, n2, n3 = p0, p1, p2, p3
+                acc0 += _row_dot(
+                    p0, p1, p2, p3, n0, n1, n2, n3, swf, xa0, sa0, ASM, BM == 1, HW_E4M3
+                )
+                if BM > 1:
+                    acc1 += _row_dot(
+                        p0, p1, p2, p3, n0, n1, n2, n3, swf, xa1, sa1, ASM, False, HW_E4M3
+                    )
+                xa0, sa0, xa1, sa1 = xn0, sn0, xn1, sn1
+            else:
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
+                    M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3,
+                )  # fmt: skip
+            if PREFETCH:
+                w, sw = w_next, sw_next
+        _gemv_store_rows(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
+            stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
         )  # fmt: skip
-        if BM > 1:
-            acc1 += _gemv_row(
-                p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 1,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
-            )  # fmt: skip
-        if BM > 2:
-            acc2 += _gemv_row(
-                p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 2,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
-            )  # fmt: skip
-            acc3 += _gemv_row(
-                p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 3,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
-            )  # fmt: skip
-        if BM > 4:
-            acc4 += _gemv_row(
-                p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 4,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
-            )  # fmt: skip
-            acc5 += _gemv_row(
-                p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 5,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
-            )  # fmt: skip
-            acc6 += _gemv_row(
-                p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 6,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
-            )  # fmt: skip
-            acc7 += _gemv_row(
-                p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 7,
-                M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1, HW_E4M3,
-            )  # fmt: skip
-        if PREFETCH:
-            w, sw = w_next, sw_next
-    args = (M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA)
-    _gemv_store(acc0, 0, *args)
-    if BM > 1:
-        _gemv_store(acc1, 1, *args)
-    if BM > 2:
-        _gemv_store(acc2, 2, *args)
-        _gemv_store(acc3, 3, *args)
-    if BM > 4:
-        _gemv_store(acc4, 4, *args)
-        _gemv_store(acc5, 5, *args)
-        _gemv_store(acc6, 6, *args)
-        _gemv_store(acc7, 7, *args)
 
 
 @triton.jit(do_not_specialize=["M"])  # see mma_planes

@@ -28,8 +28,9 @@ class GemvConfig:
     rows_per_program: int
     blocks_per_step: int
     num_warps: int
-    prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
+    prefetch: int = 0  # 1: the next step's weight is loaded before this step's math; 2: a's too
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
+    persist: int = 0  # n: at most n programs an SM, each streaming row groups back to back
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,8 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     b_descale, a8x4 = args[3], args[8]
     if c.m > 8:
         raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
+    if cfg is not None and cfg.prefetch == 2 and (c.m > 2 or cfg.persist):
+        raise ValueError(f"prefetch=2 takes M <= 2 and no persist, got M={c.m}, {cfg}")
     if c.m == 0 or c.n == 0:
         return c.out
     if a64 is None or w64 is None:
@@ -252,7 +254,10 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     cfg = cfg or for_m(GEMV_BY_M, c.m)
     pdl = _pdl(args, c.out.device)
     k = kernels()
-    k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
+    groups = k.cdiv(c.n, cfg.rows_per_program)
+    if cfg.persist:
+        groups = min(groups, cfg.persist * (triton_fp4._sms(c.out.device) if c.out.is_cuda else 1))
+    k.gemv_dp4a[(groups,)](
         a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
         c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
         c.cp, c.alpha_value,
@@ -260,6 +265,8 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
+        **({"PERSIST": True} if cfg.persist else {}),
+        **({"PREFETCH_A": True} if cfg.prefetch == 2 else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
