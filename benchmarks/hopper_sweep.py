@@ -201,7 +201,7 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "persist", "pfa", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
+# "evict", "persist", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -408,12 +408,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 cc = dataclasses.replace(c, persist=per_sm)
                 name = "persist " + " ".join(map(str, dataclasses.astuple(cc)))
                 out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m <= 2 and "pfa" in families:  # the GEMV loading a's next rows with the weight's
-        for c in GEMV + list(hopper_configs.candidates("gemv", m)):
-            cc = dataclasses.replace(c, prefetch=2)
-            out["pfa " + " ".join(map(str, dataclasses.astuple(cc)))] = functools.partial(
-                triton_hopper.run_gemv, cfg=cc
-            )
     if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
         for c in hopper_configs.candidates("gemv", m):
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
@@ -625,7 +619,6 @@ def main() -> None:
                         "gemv3",
                         "evict",
                         "persist",
-                        "pfa",
                         "deep",
                         "ws",
                         "wsk",

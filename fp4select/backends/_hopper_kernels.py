@@ -440,32 +440,6 @@ def _gemv_row(
 
 
 @triton.jit
-def _a_row(a_ptr, sa_ptr, r, M, k, KW, stride_am, cp, A_8X4: tl.constexpr):
-    """Row r of a at blocks k: its words and scale bytes (zeros past K), for a prefetch."""
-    k_ok = k < KW
-    row = tl.minimum(r, M - 1)
-    x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
-    a_col = _scale_cols(k, KW, A_8X4)[None, :]
-    sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col, mask=k_ok[None, :], other=0)
-    return x, sa
-
-
-@triton.jit
-def _row_dot(
-    p0, p1, p2, p3, n0, n1, n2, n3, sw, x, sa, ASM: tl.constexpr, SPLIT: tl.constexpr,
-    HW_E4M3: tl.constexpr,
-):  # fmt: skip
-    """``_gemv_row`` with a's words and scale bytes already loaded."""
-    sa = e4m3_f32(sa, HW_E4M3)
-    x0, x1, x2, x3 = decode_s8(x, ASM)
-    if SPLIT:
-        d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
-    else:
-        d = dot4(p0, p1, p2, p3, x0, x1, x2, x3, ASM)
-    return d.to(tl.float32) * (sw * sa)
-
-
-@triton.jit
 def _gemv_store(
     acc, r, M, rows, N, out_ptr, stride_om, stride_on, alpha_ptr, alpha_value, ALPHA: tl.constexpr
 ):
@@ -633,16 +607,14 @@ def gemv_dp4a(
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
     PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
-    PREFETCH_A: tl.constexpr = False,  # with PREFETCH, a's rows too (BM <= 2)
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
     Per block: the exact integer dot product (``dp4a``) of the weight's positive and negative
     magnitudes with a's signed values, then both block scales once, in float32. Each row of a
     has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
-    cores, no shared memory, no split-K. PERSIST: a grid smaller than the row groups, each
-    program streaming its groups back to back (with PREFETCH, the next group's first step
-    loads during this group's last).
+    cores, no shared memory, no split-K. PERSIST: each program takes row groups pid,
+    pid + programs, ... (``run_gemv`` caps the grid at ``persist`` programs an SM).
     """
     pdl_start(PDL, True)
     # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
@@ -651,13 +623,9 @@ def gemv_dp4a(
     sw_ptr = sw_ptr.to(tl.pointer_type(tl.uint8))
     pid = tl.program_id(0)
     kk = tl.arange(0, BK)
-    if PERSIST:
-        groups = tl.cdiv(N, R)
-        programs = tl.num_programs(0)
-        rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
-        if PREFETCH:
-            w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
-        for g in range(pid, groups, programs):
+    if PERSIST:  # (without PREFETCH: GemvConfig refuses both)
+        for g in range(pid, tl.cdiv(N, R), tl.num_programs(0)):
+            rows, w_rows, sw_rows = _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R)
             acc0 = tl.zeros((R, BK), dtype=tl.float32)
             acc1 = tl.zeros((R, BK), dtype=tl.float32)
             acc2 = tl.zeros((R, BK), dtype=tl.float32)
@@ -666,29 +634,13 @@ def gemv_dp4a(
             acc5 = tl.zeros((R, BK), dtype=tl.float32)
             acc6 = tl.zeros((R, BK), dtype=tl.float32)
             acc7 = tl.zeros((R, BK), dtype=tl.float32)
-            rows, w_rows, sw_rows = _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R)
-            # the next group's rows; past the last group its loads are masked (k from KW)
-            _, w_next_rows, sw_next_rows = _gemv_rows(
-                g + programs, N, w_ptr, sw_ptr, stride_wn, cp, R
-            )
-            next_start = tl.where(g + programs < groups, 0, KW)
             for k0 in range(0, KW, BK):
                 k = k0 + kk
-                if PREFETCH:
-                    if k0 + BK < KW:
-                        w_next, sw_next = _gemv_weight(w_rows, sw_rows, k + BK, KW, EVICT_FIRST)
-                    else:
-                        w_next, sw_next = _gemv_weight(
-                            w_next_rows, sw_next_rows, next_start + kk, KW, EVICT_FIRST
-                        )
-                else:
-                    w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
+                w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
                     M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3,
                 )  # fmt: skip
-                if PREFETCH:
-                    w, sw = w_next, sw_next
             _gemv_store_rows(
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
                 stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
@@ -705,40 +657,16 @@ def gemv_dp4a(
         acc7 = tl.zeros((R, BK), dtype=tl.float32)
         if PREFETCH:
             w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
-        if PREFETCH_A:
-            xa0, sa0 = _a_row(a_ptr, sa_ptr, 0, M, kk, KW, stride_am, cp, A_8X4)
-            xa1, sa1 = _a_row(a_ptr, sa_ptr, 1, M, kk, KW, stride_am, cp, A_8X4)
         for k0 in range(0, KW, BK):
             k = k0 + kk
             if PREFETCH:
                 w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)
             else:
                 w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
-            if PREFETCH_A:
-                xn0, sn0 = _a_row(a_ptr, sa_ptr, 0, M, k + BK, KW, stride_am, cp, A_8X4)
-                if BM > 1:
-                    xn1, sn1 = _a_row(a_ptr, sa_ptr, 1, M, k + BK, KW, stride_am, cp, A_8X4)
-                else:
-                    xn1, sn1 = xn0, sn0
-                swf = e4m3_f32(sw, HW_E4M3)
-                if BM == 1:
-                    p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM)
-                else:
-                    p0, p1, p2, p3 = decode_s8(w, ASM)
-                    n0, n1, n2, n3 = p0, p1, p2, p3
-                acc0 += _row_dot(
-                    p0, p1, p2, p3, n0, n1, n2, n3, swf, xa0, sa0, ASM, BM == 1, HW_E4M3
-                )
-                if BM > 1:
-                    acc1 += _row_dot(
-                        p0, p1, p2, p3, n0, n1, n2, n3, swf, xa1, sa1, ASM, False, HW_E4M3
-                    )
-                xa0, sa0, xa1, sa1 = xn0, sn0, xn1, sn1
-            else:
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
-                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
-                    M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3,
-                )  # fmt: skip
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
+                M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3,
+            )  # fmt: skip
             if PREFETCH:
                 w, sw = w_next, sw_next
         _gemv_store_rows(

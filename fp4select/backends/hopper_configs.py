@@ -28,9 +28,13 @@ class GemvConfig:
     rows_per_program: int
     blocks_per_step: int
     num_warps: int
-    prefetch: int = 0  # 1: the next step's weight is loaded before this step's math; 2: a's too
+    prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
-    persist: int = 0  # n: at most n programs an SM, each streaming row groups back to back
+    persist: int = 0  # n: at most n programs an SM, each taking row groups in turn
+
+    def __post_init__(self) -> None:
+        if self.persist and self.prefetch:
+            raise ValueError("a persistent GEMV (persist > 0) does not prefetch (prefetch=0)")
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,13 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # key: those that won their key nowhere, or where dropping them cost at most 2.1%, were dropped
 # (here 8 x 256 and 4 x 64 prefetching; in MMA_TACTICS 128 x 32 split 8, 128 x 64 of 4 stages,
 # 64 x 64 of either kind; results/tactic_wins_h200.json, the record's 16 shapes).
+#
+# At M <= 2 also two of them in the persistent form (each program takes row groups in turn,
+# at most 16 programs an SM), which on the H200 took 0.78-0.90 of the same tiling's time at
+# M = 2 on four shapes of twelve and up to 1.21x on others (results/hopper_sweep_persist.json,
+# _pfa.json): the best of both forms over the best of these three, 0.87-0.90 at 4096 x 14336,
+# 4096 x 7168 and 8192 x 7168. Those points had no more row groups than programs, so what
+# differs there is the compiled loop, not the streaming (why the form is faster is unmeasured).
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
@@ -120,6 +131,8 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
             GemvConfig(8, 128, 2),
             GemvConfig(4, 256, 4),
             GemvConfig(8, 64, 1),
+            GemvConfig(8, 128, 2, persist=16),
+            GemvConfig(8, 64, 1, persist=16),
         ),
     ),
     (

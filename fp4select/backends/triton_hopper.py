@@ -5,20 +5,16 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 
 * ``hopper-gemv`` (M <= 8; from SM90 buckets to M = 4): CUDA cores. Each block of 16 values
   is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once by both
-  block scales. At M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so from SM90
+  block scales; a tactic's ``persist`` caps the grid at that many programs an SM. At M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so from SM90
   the selector does not spend warm-up time on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle. a is decoded once per call into a float16
   workspace in the kernel's K order and the weight inside the main loop, so no decoded copy
-  of the weight exists in memory. (Its large-tile twin, ``hopper-prefill``, won no point on
-  the H200 and was retired; ``benchmarks/hopper_sweep.py``'s ``prefill`` family times those
-  tiles as ``hopper-mma``.)
+  of the weight exists in memory.
 * ``hopper-ws`` (SM90 only, buckets M = 33-2048): the same product warp-specialized in Gluon
   (``_hopper_ws``): two consumer warpgroups decode and multiply in turn, fed by TMA, with
-  split-K (``_ws_split``) where its tiles alone leave SMs idle. (Stream-K, equal runs of K
-  steps one program an SM, beat every other candidate at only 2 of 18 H200 points (by 2-6%)
-  and was removed: see docs, measured at commit 223faa6.)
+  split-K (``_ws_split``) where its tiles alone leave SMs idle.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
@@ -245,8 +241,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     b_descale, a8x4 = args[3], args[8]
     if c.m > 8:
         raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
-    if cfg is not None and cfg.prefetch == 2 and (c.m > 2 or cfg.persist):
-        raise ValueError(f"prefetch=2 takes M <= 2 and no persist, got M={c.m}, {cfg}")
     if c.m == 0 or c.n == 0:
         return c.out
     if a64 is None or w64 is None:
@@ -266,7 +260,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
         **({"PERSIST": True} if cfg.persist else {}),
-        **({"PREFETCH_A": True} if cfg.prefetch == 2 else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
