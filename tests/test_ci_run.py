@@ -18,6 +18,8 @@ pytestmark = pytest.mark.subprocess  # each test runs the CI script and pytest i
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_FAST_TEST = "test_the_readme_is_a_short_page"
+# Where it is: collecting the whole suite in each xdist worker took most of a minute a test.
+ITS_FILE = "tests/test_readme.py"
 
 
 def _ci(tmp_path: Path, *steps: str, addopts: str = "", pythonpath: str = ""):
@@ -46,7 +48,7 @@ def _summary(out: str) -> list[str]:
 
 
 def test_a_selection_of_no_tests_passes(tmp_path):
-    proc = _ci(tmp_path, "tests", addopts="-k no_test_is_named_like_this")
+    proc = _ci(tmp_path, "tests", addopts=f"{ITS_FILE} -k no_test_is_named_like_this")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = _summary(proc.stdout)
     assert len(summary) == 1 and summary[0].split()[:2] == ["tests", "passed"], summary
@@ -59,7 +61,10 @@ def test_a_failing_test_fails_ci_and_the_summary_says_which_step(tmp_path):
         "def pytest_runtest_call(item):\n    raise AssertionError('planted by test_ci_run')\n"
     )
     proc = _ci(
-        tmp_path, "tests", addopts=f"-p planted_failure -k {ONE_FAST_TEST}", pythonpath=str(plugin)
+        tmp_path,
+        "tests",
+        addopts=f"{ITS_FILE} -p planted_failure -k {ONE_FAST_TEST}",
+        pythonpath=str(plugin),
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "planted by test_ci_run" in proc.stdout

@@ -54,10 +54,19 @@ def test_doctor_on_this_cpu_lists_flashinfers_runtime_backends(tmp_path):
     assert rows["emulation"]["available"] is True
 
 
+def doctor_here(capsys, *args: str) -> dict:
+    """``doctor --json`` in this process: each process start costs torch's and flashinfer's
+    import (seconds on a CI machine), and the tests above run the command as a process."""
+    from fp4select.cli import main
+
+    assert main(["doctor", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 @pytest.mark.flashinfer
 @pytest.mark.parametrize("cc", [90, 100, 120])
-def test_doctor_what_if_reports_flashinfers_own_support_matrix(tmp_path, cc):
-    report = json.loads(run(tmp_path, "doctor", "--json", "--cc", str(cc)))
+def test_doctor_what_if_reports_flashinfers_own_support_matrix(cache_dir, capsys, cc):
+    report = doctor_here(capsys, "--cc", str(cc))
     rows = {r["backend"]: r for r in report["backends"]}
     for name in _runtime_listing():
         supported = flashinfer.mm_fp4.is_backend_supported(name, cc)
@@ -77,7 +86,7 @@ def test_doctor_prints_a_table(tmp_path):
 
 
 @pytest.mark.flashinfer
-def test_doctor_says_how_the_hopper_kernels_launch_with_this_triton(tmp_path):
+def test_doctor_says_how_the_hopper_kernels_launch_with_this_triton(cache_dir, capsys):
     triton = pytest.importorskip("triton")
     try:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401
@@ -85,15 +94,15 @@ def test_doctor_says_how_the_hopper_kernels_launch_with_this_triton(tmp_path):
         expected = "without PDL: this Triton has no grid dependency control"
     else:
         expected = "with PDL where mm_fp4's enable_pdl is True"
-    said = json.loads(run(tmp_path, "doctor", "--json", "--cc", "90"))["hopper_launch"]
+    said = doctor_here(capsys, "--cc", "90")["hopper_launch"]
     assert said.startswith(expected), (triton.__version__, said)
     assert said.endswith("; the e4m3 scales converted by the GPU's cvt")
-    said = json.loads(run(tmp_path, "doctor", "--json", "--cc", "89"))["hopper_launch"]
+    said = doctor_here(capsys, "--cc", "89")["hopper_launch"]
     assert said.startswith("without PDL: it needs SM90 or newer (this is SM89);")
     assert said.endswith("by the GPU's cvt")
-    said = json.loads(run(tmp_path, "doctor", "--json", "--cc", "80"))["hopper_launch"]
+    said = doctor_here(capsys, "--cc", "80")["hopper_launch"]
     assert said.endswith("converted in integer arithmetic (the GPU's cvt: SM89+)")
-    said = json.loads(run(tmp_path, "doctor", "--json", "--device", "cpu"))["hopper_launch"]
+    said = doctor_here(capsys, "--device", "cpu")["hopper_launch"]
     assert said.startswith("not run here: needs a CUDA GPU")
 
 
