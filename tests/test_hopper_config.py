@@ -75,7 +75,7 @@ def test_a_persistent_gemv_refuses_to_prefetch():
     """The persistent loop has no prefetch (the prefetching tactic in that form was slower at
     every M = 4-8 point swept), so asking for both is an error, not a silently plain loop."""
     assert hc.GemvConfig(8, 128, 2, persist=16).persist == 16
-    with pytest.raises(ValueError, match="persistent GEMV .* does not prefetch"):
+    with pytest.raises(ValueError, match=r"persistent GEMV .* does not prefetch"):
         hc.GemvConfig(8, 128, 2, prefetch=1, persist=16)
 
 
