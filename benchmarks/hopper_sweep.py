@@ -201,7 +201,7 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "persist", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
+# "evict", "persist", "persist3", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -407,6 +407,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             for per_sm in (4, 8, 16):
                 cc = dataclasses.replace(c, persist=per_sm)
                 name = "persist " + " ".join(map(str, dataclasses.astuple(cc)))
+                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
+    if m <= 2 and "persist3" in families:  # more tilings in the persistent form
+        for c in dict.fromkeys(GEMV + GEMV3):
+            if not c.prefetch:
+                cc = dataclasses.replace(c, persist=16)
+                name = "persist3 " + " ".join(map(str, dataclasses.astuple(cc)))
                 out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
         for c in hopper_configs.candidates("gemv", m):
@@ -619,6 +625,7 @@ def main() -> None:
                         "gemv3",
                         "evict",
                         "persist",
+                        "persist3",
                         "deep",
                         "ws",
                         "wsk",
