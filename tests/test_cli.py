@@ -106,33 +106,22 @@ def test_doctor_says_how_the_hopper_kernels_launch_with_this_triton(cache_dir, c
     assert said.startswith("not run here: needs a CUDA GPU")
 
 
-def test_warm_then_show_explain_export_import_clear(tmp_path, monkeypatch, capsys):
-    def here(cache, *args, expect=0):
-        """A command reading the first store, in this process (each process start costs
-        seconds of imports; warming, importing and clearing run as the user's processes)."""
-        from fp4select import settings
-        from fp4select.cli import main
-
-        monkeypatch.setenv("FP4SELECT_CACHE_DIR", str(cache))
-        settings.use(None)
-        assert main(list(args)) == expect
-        return capsys.readouterr().out
-
+def test_warm_then_show_explain_export_import_clear(tmp_path):
     cache = tmp_path / "a"
     out = run(cache, "warm", "--shape", "64,128", "--shape", "32x256", "--max-m", "4", "--quiet")
     assert out.count("emulation") == 6  # 2 shapes x buckets 1, 2, 4
     shown = run(cache, "show")
     assert "N=64 K=128 M=3..4" in shown and "emulation" in shown
-    explained = here(cache, "explain", "--n", "64", "--k", "128", "--m", "3")
+    explained = run(cache, "explain", "--n", "64", "--k", "128", "--m", "3")
     assert "winner:  emulation" in explained and "source:  disk" in explained
     assert "cutlass" in explained and "unavailable" in explained
-    record = json.loads(here(cache, "explain", "--n", "64", "--k", "128", "--m", "3", "--json"))
+    record = json.loads(run(cache, "explain", "--n", "64", "--k", "128", "--m", "3", "--json"))
     assert record["verdicts"]["emulation"]["status"] == "passed"
-    missing = here(cache, "explain", "--n", "64", "--k", "128", "--m", "300", expect=1)
+    missing = run(cache, "explain", "--n", "64", "--k", "128", "--m", "300", expect=1)
     assert "no decision yet" in missing
 
     archive = tmp_path / "decisions.json"
-    assert "exported 6 entries" in here(cache, "export", str(archive))
+    assert "exported 6 entries" in run(cache, "export", str(archive))
     other = tmp_path / "b"
     assert "imported 6 entries" in run(other, "import", str(archive))
     assert (
