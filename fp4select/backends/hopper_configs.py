@@ -122,8 +122,9 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # at most 16 programs an SM), which on the H200 took 0.78-0.90 of the same tiling's time at
 # M = 2 on four shapes of twelve and up to 1.21x on others (results/hopper_sweep_persist.json,
 # _pfa.json): the best of both forms over the best of these three, 0.87-0.90 at 4096 x 14336,
-# 4096 x 7168 and 8192 x 7168. Those points had no more row groups than programs, so what
-# differs there is the compiled loop, not the streaming (why the form is faster is unmeasured).
+# 4096 x 7168 and 8192 x 7168. Those points had no more row groups than programs: what differs
+# there is PDL, under which the plain form replayed back to back took 1.16-1.19x its own time
+# without it and the persistent form did not (results/hopper_sweep_persist_nopdl.json).
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
