@@ -401,9 +401,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
                 out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m <= 8 and "persist" in families:  # the GEMV's tactics with at most 4-16 programs an
-        # SM, each streaming its row groups back to back (its next group's first step loaded
-        # during this group's last), beside the tactics (one program a row group)
+        # SM, each taking row groups in turn, beside the tactics (one program a row group).
+        # hopper_sweep_persist.json ran 2-8 an SM and prefetching tactics too (d1cc168's
+        # persistent loop prefetched across groups; removed since, GemvConfig refuses both)
         for c in hopper_configs.candidates("gemv", m):
+            if c.prefetch:
+                continue
             for per_sm in (4, 8, 16):
                 cc = dataclasses.replace(c, persist=per_sm)
                 name = "persist " + " ".join(map(str, dataclasses.astuple(cc)))

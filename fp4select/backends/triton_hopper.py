@@ -5,8 +5,9 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 
 * ``hopper-gemv`` (M <= 8; from SM90 buckets to M = 4): CUDA cores. Each block of 16 values
   is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once by both
-  block scales; a tactic's ``persist`` caps the grid at that many programs an SM. At M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so from SM90
-  the selector does not spend warm-up time on it there.
+  block scales; a tactic's ``persist`` caps the grid at that many programs an SM. At
+  M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so from SM90 the selector does
+  not spend warm-up time on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle. a is decoded once per call into a float16
