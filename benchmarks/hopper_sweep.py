@@ -495,6 +495,8 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
+                if "late" in families and kind != "ws":  # PDL's trigger after the K loop
+                    out[name + " late"] = functools.partial(run, cfg=dataclasses.replace(c, late=1))
     if m >= 64 or "old" in families:
         out["torch-dequant"] = dequant.run_torch
     if m >= 256 and "dq" not in families:

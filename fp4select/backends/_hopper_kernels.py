@@ -40,7 +40,7 @@ import triton.language as tl
 from fp4select.backends._hopper_planes import _PAIR_TO_F16, _PAIR_TO_F16_CVT
 from fp4select.backends._triton_kernels import _e2m1_f16 as _code_f16
 from fp4select.backends._triton_kernels import _sf_offset as sf_offset
-from fp4select.backends._triton_kernels import pdl_start
+from fp4select.backends._triton_kernels import pdl_start, pdl_trigger
 
 cdiv = triton.cdiv
 
@@ -607,6 +607,7 @@ def gemv_dp4a(
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
     PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
+    LATE_TRIGGER: tl.constexpr = False,  # PDL's next launch allowed after the K loop, not before
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -616,7 +617,7 @@ def gemv_dp4a(
     cores, no shared memory, no split-K. PERSIST: each program takes row groups pid,
     pid + programs, ... (``run_gemv`` caps the grid at ``persist`` programs an SM).
     """
-    pdl_start(PDL, True)
+    pdl_start(PDL, not LATE_TRIGGER)
     # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
     # float8 cannot take zeros for the masked lanes.
     sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
@@ -641,6 +642,8 @@ def gemv_dp4a(
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
                     M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3,
                 )  # fmt: skip
+            if LATE_TRIGGER:
+                pdl_trigger(PDL)
             _gemv_store_rows(
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
                 stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
@@ -669,6 +672,8 @@ def gemv_dp4a(
             )  # fmt: skip
             if PREFETCH:
                 w, sw = w_next, sw_next
+        if LATE_TRIGGER:
+            pdl_trigger(PDL)
         _gemv_store_rows(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
             stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
@@ -802,6 +807,7 @@ def mma_planes(
     HW_E4M3: tl.constexpr = False,  # the weight's scales converted by the GPU (SM89+)
     SUM_LAST: tl.constexpr = False,  # the last split program of a tile sums the partials
     PDL: tl.constexpr = False,
+    LATE_TRIGGER: tl.constexpr = False,  # PDL's next launch allowed after the K loop
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -812,7 +818,7 @@ def mma_planes(
     tiles are visited in groups of GROUP weight tiles so that consecutive programs share
     activation tiles in L2.
     """
-    pdl_start(PDL, True)
+    pdl_start(PDL, not LATE_TRIGGER)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BN)
@@ -844,6 +850,8 @@ def mma_planes(
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
         acc = retired(tl.dot(w, tl.load(xb), acc), ASM)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
+    if LATE_TRIGGER:
+        pdl_trigger(PDL)
     mask_t = offs_t < M
     mask = (offs_n[:, None] < N) & mask_t[None, :]
     if PARTIALS:

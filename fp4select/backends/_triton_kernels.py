@@ -36,6 +36,15 @@ def pdl_start(PDL: tl.constexpr, TRIGGER: tl.constexpr):
 
 
 @triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """The next launch may start now: for a kernel that waited with ``pdl_start(PDL, False)``
+    and triggers late, after its main loop, so the next kernel's programs do not sit on the SMs
+    it still streams through."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _e2m1_f16(c):
     """Nibble code (low 4 bits of an int32) -> float16 holding e2m1 * 2**-14, exactly."""
     bits = ((c & 7) << 9) | ((c & 8) << 12)

@@ -31,6 +31,7 @@ class GemvConfig:
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     persist: int = 0  # n: at most n programs an SM, each taking row groups in turn
+    late: int = 0  # 1: under PDL the next launch is allowed after the K loop, not at the start
 
     def __post_init__(self) -> None:
         if self.persist and self.prefetch:
@@ -47,6 +48,7 @@ class MmaConfig:
     split: int = 0  # K split across programs; 0: choose from the SM count
     group: int = 8  # weight tiles visited together, sharing activation tiles in L2
     sum_last: int = 0  # 1: a K split is summed by each tile's last program, not a kernel of its own
+    late: int = 0  # 1: under PDL the next launch is allowed after the K loop, not at the start
 
     def __post_init__(self) -> None:
         _check_step(self.words_per_step)

@@ -261,6 +261,7 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
         **({"PERSIST": True} if cfg.persist else {}),
+        **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
@@ -329,7 +330,7 @@ def _run_planes(
     # at M <= 16 and cost up to 1.3x with 32- and 64-token tiles (hopper_sweep_pdl.json).
     # The a decode and the split-K reduction take it always (one compile each, not two):
     # next to a main loop launched without it, it changes nothing.
-    pdl_main = pdl and cfg.block_t <= 16
+    pdl_main = pdl and (cfg.block_t <= 16 or bool(cfg.late))
     kw = c.kh // 4
     bkw = cfg.words_per_step
     sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
@@ -350,6 +351,7 @@ def _run_planes(
         per_split, c.alpha_value, shifts if counts is None else counts,
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
+        **({"LATE_TRIGGER": True} if cfg.late and pdl_main else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if parts is not None and counts is None:
