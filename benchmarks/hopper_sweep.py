@@ -201,7 +201,8 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "persist", "persist3", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int" and "occ".
+# "evict", "persist", "persist3", "late", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int"
+# and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -495,8 +496,13 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
-                if "late" in families and kind != "ws":  # PDL's trigger after the K loop
-                    out[name + " late"] = functools.partial(run, cfg=dataclasses.replace(c, late=1))
+                if "late" in families and kind == "gemv":  # the other trigger under PDL
+                    # (hopper_sweep_late.json ran the mma tactics' too, before ``mma_planes``
+                    # let the next launch in after its K loop always: ab05436)
+                    other = dataclasses.replace(c, late=1 - c.late)
+                    out[name + (" late" if other.late else " early")] = functools.partial(
+                        run, cfg=other
+                    )
     if m >= 64 or "old" in families:
         out["torch-dequant"] = dequant.run_torch
     if m >= 256 and "dq" not in families:

@@ -252,7 +252,7 @@ GEMV_SIGNATURE = {
     name: "constexpr"
     for name in (
         "A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL", "EVICT_FIRST", "HW_E4M3",
-        "PERSIST",
+        "PERSIST", "LATE_TRIGGER",
     )
 }  # fmt: skip
 
@@ -263,7 +263,7 @@ def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
     constexprs = {"A_8X4": a_8x4, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
     constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
     constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
-    constexprs |= {"PERSIST": bool(cfg.persist)}
+    constexprs |= {"PERSIST": bool(cfg.persist), "LATE_TRIGGER": bool(cfg.late)}
     # the scales as validate.make_inputs and flashinfer's quantizer hand them: float8_e4m3fn
     signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
     ttgir = _ttgir(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3)
@@ -290,24 +290,36 @@ def test_the_gemv_layout_check_can_fail():
 @pytest.mark.parametrize("pdl", [True, False])
 def test_pdl_puts_the_grid_dependency_wait_first_and_nothing_without_it(pdl):
     """With PDL the kernels wait for the kernel before them (griddepcontrol.wait) before they
-    read anything and let the next launch (launch_dependents); without it, neither is there
-    (it would fail to assemble below SM90, where nothing asks for PDL)."""
+    read anything and let the next launch (launch_dependents): ``mma_planes`` and a ``late``
+    GEMV only after their K loop (its last wgmma or dp4a), so that the next kernel's programs
+    do not wait on the SMs the loop streams through; without PDL neither is there (it would
+    fail to assemble below SM90, where nothing asks for PDL)."""
     cfg = hopper_configs.MMA_TACTICS[0][1][0]
     constexprs = {"ALPHA": 2, "PARTIALS": True, "GROUP": cfg.group, "ASM": True, "PDL": pdl}
     constexprs |= {"BN": cfg.block_n, "BT": cfg.block_t, "BKW": cfg.words_per_step}
     mma = _compile(hk.mma_planes, SIGNATURE, constexprs, cfg.num_warps, cfg.num_stages)
-    gemv_constexprs = {"A_8X4": False, "ALPHA": 2, "BM": 4, "R": 8, "BK": 64, "ASM": True}
-    gemv_constexprs |= {"PREFETCH": True, "PDL": pdl, "EVICT_FIRST": False, "HW_E4M3": True}
-    gemv = _compile(hk.gemv_dp4a, GEMV_SIGNATURE, gemv_constexprs, 1, 3)
-    for kernel in (mma, gemv):
+    kernels = {"mma": mma}
+    for late in (False, True):
+        gemv_constexprs = {"A_8X4": False, "ALPHA": 2, "BM": 4, "R": 8, "BK": 64, "ASM": True}
+        gemv_constexprs |= {"PREFETCH": True, "PDL": pdl, "EVICT_FIRST": False, "HW_E4M3": True}
+        gemv_constexprs |= {"LATE_TRIGGER": late}
+        gemv = _compile(hk.gemv_dp4a, GEMV_SIGNATURE, gemv_constexprs, 1, 3)
+        kernels["gemv late" if late else "gemv"] = gemv
+    for name, kernel in kernels.items():
         ptx = kernel.asm["ptx"]
         body = ptx[ptx.index("{", ptx.index(".entry")) :]
-        if pdl:
-            wait = body.index("griddepcontrol.wait")
-            assert "griddepcontrol.launch_dependents" in body
-            assert "ld.global" not in body[:wait] and "cp.async" not in body[:wait]
-        else:
+        if not pdl:
             assert "griddepcontrol" not in body
+            continue
+        wait = body.index("griddepcontrol.wait")
+        trigger = body.index("griddepcontrol.launch_dependents")
+        assert "ld.global" not in body[:wait] and "cp.async" not in body[:wait]
+        loop_op = "wgmma.mma_async" if name == "mma" else "dp4a.s32"
+        last_loop_op = body.rindex(loop_op)
+        if name == "gemv":
+            assert trigger < body.index(loop_op), name  # at the start
+        else:
+            assert last_loop_op < trigger < body.index("st.global"), name
 
 
 QUANT_SIGNATURE = {

@@ -607,7 +607,7 @@ def gemv_dp4a(
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
     PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
-    LATE_TRIGGER: tl.constexpr = False,  # PDL's next launch allowed after the K loop, not before
+    LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -807,7 +807,6 @@ def mma_planes(
     HW_E4M3: tl.constexpr = False,  # the weight's scales converted by the GPU (SM89+)
     SUM_LAST: tl.constexpr = False,  # the last split program of a tile sums the partials
     PDL: tl.constexpr = False,
-    LATE_TRIGGER: tl.constexpr = False,  # PDL's next launch allowed after the K loop
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -816,9 +815,11 @@ def mma_planes(
     the tokens (few, in decode) its narrow side; it is decoded in the registers the MMA reads,
     so nothing decoded goes to memory. Program axis 1 splits K (partial sums reduced after);
     tiles are visited in groups of GROUP weight tiles so that consecutive programs share
-    activation tiles in L2.
+    activation tiles in L2. Under PDL the next launch is let in after the K loop, not at the
+    start: its programs would otherwise sit on the SMs this loop streams through (on the H200
+    4-12% faster at M = 2-16 on most shapes, hopper_sweep_late.json).
     """
-    pdl_start(PDL, not LATE_TRIGGER)
+    pdl_start(PDL, False)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BN)
@@ -850,8 +851,7 @@ def mma_planes(
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
         acc = retired(tl.dot(w, tl.load(xb), acc), ASM)
     acc = acc * 268435456.0  # 2**28: both operands carry 2**-14
-    if LATE_TRIGGER:
-        pdl_trigger(PDL)
+    pdl_trigger(PDL)
     mask_t = offs_t < M
     mask = (offs_n[:, None] < N) & mask_t[None, :]
     if PARTIALS:

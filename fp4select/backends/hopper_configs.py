@@ -31,7 +31,7 @@ class GemvConfig:
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     persist: int = 0  # n: at most n programs an SM, each taking row groups in turn
-    late: int = 0  # 1: under PDL the next launch is allowed after the K loop, not at the start
+    late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
 
     def __post_init__(self) -> None:
         if self.persist and self.prefetch:
@@ -48,7 +48,6 @@ class MmaConfig:
     split: int = 0  # K split across programs; 0: choose from the SM count
     group: int = 8  # weight tiles visited together, sharing activation tiles in L2
     sum_last: int = 0  # 1: a K split is summed by each tile's last program, not a kernel of its own
-    late: int = 0  # 1: under PDL the next launch is allowed after the K loop, not at the start
 
     def __post_init__(self) -> None:
         _check_step(self.words_per_step)
@@ -90,7 +89,7 @@ class GemmTile:
     num_stages: int
 
 
-GEMV_BY_M = ((2, GemvConfig(8, 128, 2)), (8, GemvConfig(8, 64, 1, 1)))
+GEMV_BY_M = ((2, GemvConfig(8, 128, 2, late=1)), (8, GemvConfig(8, 64, 1, 1)))
 # Up to 32 tokens the K split is summed by each tile's last program (``sum_last``): the best
 # configuration at each point 0.99-1.09x the time of the best with a kernel of its own
 # (single configurations 0.90-1.16x; results/hopper_sweep_cvt.json and _fuse.json, M <= 32),
@@ -127,13 +126,17 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # 4096 x 7168 and 8192 x 7168. Those points had no more row groups than programs: what differs
 # there is PDL, under which the plain form replayed back to back took 1.16-1.19x its own time
 # without it and the persistent form did not (results/hopper_sweep_persist_nopdl.json).
+# Letting the next launch in after the K loop instead of at the start (``late``) took those
+# two plain tilings 0.81-1.00x their time at M = 2 (0.98-1.02x at M = 1; 4 x 256 there
+# 1.00-1.04x, so it keeps the early trigger) and left the persistent form the best at 2 of
+# 12 points of M <= 2, by 5 and 9% (results/hopper_sweep_late.json, 6 shapes).
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
         (
-            GemvConfig(8, 128, 2),
+            GemvConfig(8, 128, 2, late=1),
             GemvConfig(4, 256, 4),
-            GemvConfig(8, 64, 1),
+            GemvConfig(8, 64, 1, late=1),
             GemvConfig(8, 128, 2, persist=16),
             GemvConfig(8, 64, 1, persist=16),
         ),

@@ -5,9 +5,8 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 
 * ``hopper-gemv`` (M <= 8; from SM90 buckets to M = 4): CUDA cores. Each block of 16 values
   is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once by both
-  block scales; a tactic's ``persist`` caps the grid at that many programs an SM. At
-  M = 5..8 ``hopper-mma`` won every H200 point by 2x or more, so from SM90 the selector does
-  not spend warm-up time on it there.
+  block scales (``GemvConfig``: the tactics' forms). At M = 5..8 ``hopper-mma`` won every
+  H200 point by 2x or more, so from SM90 the selector spends no warm-up time on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle. a is decoded once per call into a float16
@@ -326,11 +325,11 @@ def _run_planes(
         return _fallback(args)
     k = kernels()
     pdl = _pdl(args, c.out.device)
-    # The main loop joins PDL with the narrowest token tiles only: on the H200 it saved 2-12%
-    # at M <= 16 and cost up to 1.3x with 32- and 64-token tiles (hopper_sweep_pdl.json).
+    # The main loop joins PDL with the narrowest token tiles only: it saved 2-12% at M <= 16 and
+    # cost 1.1-1.3x with 32- and 64-token tiles (H200: hopper_sweep_pdl.json, _late.json).
     # The a decode and the split-K reduction take it always (one compile each, not two):
     # next to a main loop launched without it, it changes nothing.
-    pdl_main = pdl and (cfg.block_t <= 16 or bool(cfg.late))
+    pdl_main = pdl and cfg.block_t <= 16
     kw = c.kh // 4
     bkw = cfg.words_per_step
     sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
@@ -351,7 +350,6 @@ def _run_planes(
         per_split, c.alpha_value, shifts if counts is None else counts,
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
-        **({"LATE_TRIGGER": True} if cfg.late and pdl_main else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if parts is not None and counts is None:
