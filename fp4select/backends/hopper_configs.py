@@ -89,7 +89,7 @@ class GemmTile:
     num_stages: int
 
 
-GEMV_BY_M = ((2, GemvConfig(8, 128, 2, late=1)), (8, GemvConfig(8, 64, 1, 1)))
+GEMV_BY_M = ((2, GemvConfig(8, 128, 2, late=1)), (8, GemvConfig(8, 64, 1, 1, late=1)))
 # Up to 32 tokens the K split is summed by each tile's last program (``sum_last``): the best
 # configuration at each point 0.99-1.09x the time of the best with a kernel of its own
 # (single configurations 0.90-1.16x; results/hopper_sweep_cvt.json and _fuse.json, M <= 32),
@@ -137,16 +137,16 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
             GemvConfig(8, 128, 2, late=1),
             GemvConfig(4, 256, 4),
             GemvConfig(8, 64, 1, late=1),
-            GemvConfig(8, 128, 2, persist=16),
-            GemvConfig(8, 64, 1, persist=16),
+            GemvConfig(8, 128, 2, persist=16, late=1),
+            GemvConfig(8, 64, 1, persist=16, late=1),
         ),
     ),
     (
         8,
         (
-            GemvConfig(8, 64, 1, 1),
-            GemvConfig(4, 128, 2, evict_first=1),
-            GemvConfig(8, 128, 2, evict_first=1),
+            GemvConfig(8, 64, 1, 1, late=1),
+            GemvConfig(4, 128, 2, evict_first=1, late=1),
+            GemvConfig(8, 128, 2, evict_first=1, late=1),
         ),
     ),
 )
