@@ -300,3 +300,48 @@ def test_a_hopeless_candidate_never_runs_once_per_input_set(monkeypatch):
     assert timings["fallback"].calls_per_sample == 1
     assert timings["fallback"].median_us == 1e6 * 2.0**-10 * 30
     assert timings["fast"].samples == 3
+
+
+def test_samples_far_slower_than_calibration_are_taken_again_once(monkeypatch):
+    # The H200: a few graphs in a thousand replayed 40-180x slower than their kernels, every
+    # replay of their life (a 20 us GEMV read 3.6 ms), so the fastest candidate could lose.
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+    runs = []
+
+    def stalls_in_its_first_samples() -> None:  # 2 calibration calls, then 3 stalled samples
+        runs.append(1)
+        clock.now += 2.0**-10 * (100 if 3 <= len(runs) <= 5 else 1)
+
+    calls = {"rival": [clock.cost(2.0**-10 * 1.2)], "stalls": [stalls_in_its_first_samples]}
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=3, target_sample_s=0)
+    timings, method = time_interleaved(calls, CPU, options)
+    assert len(runs) == 8  # sampled again: three samples more
+    assert timings["stalls"].method == method + "+resampled"
+    assert timings["stalls"].median_us == pytest.approx(1e6 * 2.0**-10)
+    assert timings["rival"].method == method
+    assert rank(timings, {}).winner == "stalls"
+
+
+def test_a_candidate_stalled_again_is_sampled_again_only_once(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+    runs = []
+
+    def stalls_after_calibration() -> None:
+        runs.append(1)
+        clock.now += 2.0**-10 * (1 if len(runs) <= 2 else 100)
+
+    calls = {"rival": [clock.cost(2.0**-10)], "stalls": [stalls_after_calibration]}
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=3, target_sample_s=0)
+    timings, method = time_interleaved(calls, CPU, options)
+    assert len(runs) == 8 and timings["stalls"].method == method + "+resampled"
+    assert rank(timings, {}).winner == "rival"
+
+
+@pytest.mark.parametrize(
+    ("sampled_us", "calibration_us", "stalled"),
+    [(3600.0, 20.0, True), (59.0, 19.0, False), (71.0, 20.0, True), (300.0, 120.0, False)],
+)
+def test_stalled_needs_both_the_factor_and_the_margin(sampled_us, calibration_us, stalled):
+    assert timing_module.stalled(sampled_us, calibration_us) is stalled
