@@ -127,9 +127,11 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # there is PDL, under which the plain form replayed back to back took 1.16-1.19x its own time
 # without it and the persistent form did not (results/hopper_sweep_persist_nopdl.json).
 # Letting the next launch in after the K loop instead of at the start (``late``) took those
-# two plain tilings 0.81-1.00x their time at M = 2 (0.98-1.02x at M = 1; 4 x 256 there
-# 1.00-1.04x, so it keeps the early trigger) and left the persistent form the best at 2 of
-# 12 points of M <= 2, by 5 and 9% (results/hopper_sweep_late.json, 6 shapes).
+# two plain tilings 0.81-1.00x their time at M = 2 (0.98-1.02x at M = 1) and left the
+# persistent form the best at 2 of 12 points of M <= 2, by 5 and 9%
+# (results/hopper_sweep_late.json); in a graph of layers (quantize, then the GEMV) every
+# tactic's chain took 0.94-0.99x in the geomean late (results/chain_sweep_late.json), so all
+# trigger late but 4 x 256, 1.01x alone late (up to 1.05x) and 0.99x in the chain.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
