@@ -201,7 +201,7 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "persist", "persist3", "late", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int"
+# "evict", "persist", "persist3", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int"
 # and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
@@ -418,6 +418,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 cc = dataclasses.replace(c, persist=16)
                 name = "persist3 " + " ".join(map(str, dataclasses.astuple(cc)))
                 out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
+    if m <= 8 and "late3" in families:  # every GEMV tiling swept before, with PDL's late
+        # trigger (the earlier sweeps ran them with the early one; not run yet)
+        for c in dict.fromkeys(GEMV + GEMV2 + GEMV3):
+            cc = dataclasses.replace(c, late=1)
+            name = "late3 " + " ".join(map(str, dataclasses.astuple(cc)))
+            out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
         for c in hopper_configs.candidates("gemv", m):
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
@@ -637,6 +643,7 @@ def main() -> None:
                         "evict",
                         "persist",
                         "persist3",
+                        "late3",
                         "deep",
                         "ws",
                         "wsk",
