@@ -37,7 +37,8 @@ Design rules:
 * A candidate whose samples ran far slower per call than its own calibration (``stalled``)
   gets a new sampler (on CUDA its graph captured again) and its samples taken again, once:
   on the H200 a few graphs in a thousand replayed 40-180x slower than their kernels run,
-  every replay of its life, while the graphs beside it ran normally (docs/hopper_kernels.md).
+  every replay of their life, while the graphs beside them ran normally
+  (docs/hopper_kernels.md).
 """
 
 from __future__ import annotations
