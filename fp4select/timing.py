@@ -34,11 +34,9 @@ Design rules:
   call counts: the first may pay for a compile, and a single wall-clock call can be stretched
   by the host (on the H200, in the record's timing, a hopper-ws call of about 32 us took 377
   us at its second call: ruled hopeless where it was the fastest; timed again, it was not).
-* A candidate whose samples ran far slower per call than its own calibration (``stalled``)
-  gets a new sampler (on CUDA its graph captured again) and its samples taken again, once:
-  on the H200 a few graphs in a thousand replayed 40-180x slower than their kernels run,
-  every replay of their life, while the graphs beside them ran normally
-  (docs/hopper_kernels.md).
+* A candidate whose samples ran far slower per call than its own calibration (``_stalls``:
+  the rule and the H200's reason) gets a new sampler (on CUDA its graph captured again) and
+  its samples taken again, once; its timing's method then ends in ``+resampled``.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from fp4select._stalls import stalled
 from fp4select.records import Timing, TimingOptions
 
 MIN_TIE_TOLERANCE = 0.02
@@ -58,8 +57,6 @@ MAX_TIE_TOLERANCE = 0.05
 DROP_FACTOR = 1.25  # after min_rounds, a median this far behind the fastest stops being sampled
 HOPELESS_FACTOR = 10.0  # a calibration this far behind the fastest's: not sampled at all
 CALIBRATION_RETRIES = 2  # calls more for a candidate whose first looked hopeless
-STALL_FACTOR = 3.0  # samples this many times slower per call than calibration: sampled again
-STALL_MARGIN_US = 50.0  # ... and slower by at least this much per call
 
 
 def input_sets_for_cold_l2(device: torch.device, bytes_per_set: int, cold_l2: bool) -> int:
@@ -68,18 +65,6 @@ def input_sets_for_cold_l2(device: torch.device, bytes_per_set: int, cold_l2: bo
         return 1
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
     return max(1, min(64, -(-3 * l2 // bytes_per_set)))
-
-
-def stalled(sampled_us: float, calibration_us: float) -> bool:
-    """Whether a candidate's samples (median, per call) ran far slower than its calibration.
-
-    Calibration runs the same calls launched one by one, with the host waiting at the end, so
-    a graph replaying them (or the same loop timed again) is not meaningfully slower unless
-    something outside the kernels stretched every sample.
-    """
-    return sampled_us > STALL_FACTOR * calibration_us and sampled_us - calibration_us > (
-        STALL_MARGIN_US
-    )
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:

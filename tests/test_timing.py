@@ -24,7 +24,9 @@ from fp4select.timing import (
 CPU = torch.device("cpu")
 
 
-def test_candidates_are_interleaved_round_by_round():
+def test_candidates_are_interleaved_round_by_round(monkeypatch):
+    # On the fake clock: a loaded machine stretching the samples could have them taken again.
+    monkeypatch.setattr(timing_module, "time", _FakeClock())
     log = []
     calls = {name: [lambda n=name: log.append(n)] for name in "abc"}
     options = TimingOptions(budget_s=0.0, min_rounds=4, max_rounds=4, target_sample_s=0)

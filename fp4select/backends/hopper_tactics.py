@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from fp4select import settings as settings_mod
+from fp4select._stalls import stalled
 from fp4select.backends import hopper_configs
 
 OP = "hopper"
@@ -68,16 +69,25 @@ def _time_us(calls: Sequence[Callable[[], Any]], device: torch.device, budget_s:
     for call in calls:  # compiles, first-launch costs and workspaces: out of the samples
         call()
     torch.cuda.synchronize(device)
-    replay = _graphed(calls, device)
-    samples: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(calls))  # ms per round -> us per call
+    started = time.perf_counter()
+    for call in calls:  # the same calls eagerly, the host waiting: what a replay must not exceed
+        call()
+    torch.cuda.synchronize(device)
+    eager_us = (time.perf_counter() - started) * 1e6 / len(calls)
+    for _ in range(2):  # a stalled graph is captured again, once (``_stalls``)
+        replay = _graphed(calls, device)
+        samples: list[float] = []
+        deadline = time.perf_counter() + budget_s
+        while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 50):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / len(calls))  # ms/round -> us/call
+        if not stalled(statistics.median(samples), eager_us):
+            break
+        del replay  # its graph's memory pool is freed before the next capture
     return statistics.median(samples)
 
 
