@@ -201,8 +201,8 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "persist", "persist3", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1", "fuse", "int"
-# and "occ".
+# "evict", "persist", "persist3", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1",
+# "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
