@@ -149,6 +149,55 @@ def test_timing_uses_graph_replay_with_cold_l2_and_ranks_a_slower_candidate_lowe
     assert timing.rank(timings, {"one": 50, "two": 10}).winner == "one"
 
 
+def _stalled(replay):
+    """``replay`` made to sleep on the GPU first (torch.cuda._sleep: about 25 ms)."""
+
+    def stalled() -> None:
+        torch.cuda._sleep(50_000_000)
+        replay()
+
+    return stalled
+
+
+@pytest.mark.parametrize("timer", ["selector", "tactics"])
+def test_a_graph_stalled_for_its_life_is_captured_again(monkeypatch, timer):
+    # On the H200 a few graphs in a thousand replayed 40-180x slower than their kernels for
+    # their whole life (fp4select/_stalls.py): the timing must capture once more, not rank it.
+    from fp4select.backends import hopper_tactics
+
+    device = torch.device("cuda")
+    x = torch.randn(1 << 20, device=device)
+    made = []
+    if timer == "selector":
+        real_sampler = timing._Sampler
+
+        def sampler(*args, **kwargs):
+            made.append(real_sampler(*args, **kwargs))
+            if len(made) == 1:  # its graph's every replay stalls
+                graph = made[0].graph
+                made[0].graph = type(
+                    "Stalled", (), {"replay": staticmethod(_stalled(graph.replay))}
+                )
+            return made[-1]
+
+        monkeypatch.setattr(timing, "_Sampler", sampler)
+        options = timing.TimingOptions(budget_s=0.0, min_rounds=3, max_rounds=3)
+        timings, method = timing.time_interleaved({"a": [lambda: x * 2]}, device, options)
+        assert timings["a"].method == method + "+resampled"
+        us = timings["a"].median_us
+    else:
+        real_graphed = hopper_tactics._graphed
+
+        def graphed(*args):
+            made.append(real_graphed(*args))
+            return _stalled(made[0]) if len(made) == 1 else made[-1]
+
+        monkeypatch.setattr(hopper_tactics, "_graphed", graphed)
+        us = hopper_tactics._time_us([lambda: x * 2], device, 0.0)
+    assert len(made) == 2  # captured again, once
+    assert us < 1000  # the stalled graph took about 25 ms a call
+
+
 @pytest.mark.parametrize("timer", ["selector", "tactics"])
 def test_timing_graphs_give_their_memory_back(timer):
     # Each capture takes a memory pool of its own. Captured without emptying the allocator's
