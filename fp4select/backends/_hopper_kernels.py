@@ -817,7 +817,7 @@ def mma_planes(
     tiles are visited in groups of GROUP weight tiles so that consecutive programs share
     activation tiles in L2. Under PDL the next launch is let in after the K loop, not at the
     start: its programs would otherwise sit on the SMs this loop streams through (on the H200
-    4-12% faster at M = 2-16 on most shapes, hopper_sweep_late.json).
+    up to 12% faster at M = 1-16, hopper_sweep_late.json).
     """
     pdl_start(PDL, False)
     pid = tl.program_id(0)
