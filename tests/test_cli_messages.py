@@ -103,6 +103,30 @@ def test_explain_refuses_a_shape_warm_refuses_with_the_same_line(tune, capsys, c
     assert "K must be a multiple of 32 for mxfp4" in capsys.readouterr().err
 
 
+def test_explain_marks_a_timing_taken_again_after_a_stall(monkeypatch, capsys):
+    import fp4select.api
+
+    def timed(median: float, method: str) -> dict:
+        return {"median_us": median, "p10_us": median, "p90_us": median, "method": method}
+
+    record = {
+        "source": "disk",
+        "winner": "a",
+        "ranking": {"margin": 0.5},
+        "verdicts": {"a": {"status": "passed"}, "b": {"status": "passed"}},
+        "timings": {
+            "a": timed(10.0, "cuda-graph+cold-l2+resampled"),
+            "b": timed(15.0, "cuda-graph+cold-l2"),
+        },
+        "method": "cuda-graph+cold-l2",
+    }
+    monkeypatch.setattr(fp4select.api, "explain", lambda **_: record)
+    assert _main(["explain", "--n", "512", "--k", "1024", "--m", "1"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert rows["a"].split()[4] == "*" and "*" not in rows["b"]
+    assert rows["*"].startswith("* sampled again")
+
+
 def test_blacklist_clear_of_a_backend_not_blacklisted_fails_and_says_so(capsys, cache_dir):
     from fp4select.keys import environment
     from fp4select.store import Store

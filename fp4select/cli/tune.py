@@ -225,13 +225,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
         + ("  [near-tie: preference order]" if ranking.get("tie_broken_by_preference") else "")
     )
     rows = []
+    resampled = False
     for name, v in record["verdicts"].items():
         t = record["timings"].get(name)
         time_s = f"{t['median_us']:.2f} [{t['p10_us']:.2f}-{t['p90_us']:.2f}]" if t else "-"
+        if t and str(t.get("method", "")).endswith("+resampled"):
+            time_s, resampled = time_s + " *", True
         tactic, why_untuned = tactic_summary(v)
         reason = v.get("reason") or why_untuned
         rows.append([name, v["status"], time_s, tactic, reason[:100]])
     print(table(rows, ["backend", "verdict", "median us [p10-p90]", "tactic", "reason"]))
+    if resampled:
+        print("* sampled again: its first samples ran far slower than its own calls (a stall)")
     if record.get("method"):
         print(f"timing:  {record['method']}")
     return 0 if record.get("winner") else 1
