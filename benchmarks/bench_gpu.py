@@ -10,8 +10,9 @@ dense and shared-expert MLPs, Qwen3-235B attention projections) and M from 1 to 
   bandwidth measured in the same run;
 * ``bf16_us``: cuBLAS bf16 ``a @ w.T`` on already-dequantized operands, timed the same way;
 * ``picked``: what fp4select's selector chooses (the real Selector, isolation inprocess, timing
-  budget --budget-s per key); ``oracle``: the fastest in ``backend_us``; ``regret`` = time of the
-  pick / time of the oracle, both from ``backend_us``;
+  budget --budget-s per key), ``picked_tactic`` the configuration it tuned the pick to (or
+  None); ``oracle``: the fastest in ``backend_us``; ``regret`` = time of the pick / time of the
+  oracle, both from ``backend_us``;
 * ``quantize_us``: fp4select's NVFP4 activation quantizer (``fp4select.quantize.fp4_quantize``,
   the Triton kernel with its ``QUANT_BY_M`` tiles) on bf16 activations of (M, K), what the
   engines' W4A4 path on Hopper runs before every GEMM; timed the same way in a run of its own
@@ -160,6 +161,8 @@ def measure_point(
         "floor_us": floor_us,
         "bf16_us": timings["bf16 cuBLAS"].median_us,
         "picked": picked,
+        # the pick's tactic as tuned (a hopper-* configuration, a flashinfer tactic), or None
+        "picked_tactic": (decision.tactic(picked) or {}).get("tactic"),
         "oracle": oracle,
         "regret": regret,
         "selector_us": {name: t.median_us for name, t in decision.timings.items()},
