@@ -1,16 +1,14 @@
 """Each small-M tactic in a chain of layers: what the activation quantizer adds before it.
 
     python benchmarks/chain_sweep.py [--shapes 16384x6656,...] [--ms 1,2,4,16] [--both-triggers]
-        [--warm 0,4,65536] [--time-limit-s 300]
+        [--time-limit-s 300]
 
 ``bench_gpu.py`` times the chain (a graph of quantize + GEMM, back to back, with PDL and
 without) for its pick only. Under PDL a kernel lets the next launch in early, so how two
 kernels overlap depends on both; a chain that is slow for one tactic is invisible there when
 another is picked. This times every ``hopper-gemv`` and ``hopper-mma`` tactic of each M in
 the same three ways side by side (``bench_gpu.layer_chain``) and prints one line per tactic:
-the GEMM alone, the chain with PDL and without, in microseconds (GPU only). ``--warm``: each
-tactic also with L2 asked for its first n weight steps before PDL's wait
-(``triton_hopper.WARM_STEPS``), its output checked bit for bit against the tactic's without.
+the GEMM alone, the chain with PDL and without, in microseconds (GPU only).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
-import itertools
 import time
 from pathlib import Path
 
@@ -32,9 +29,7 @@ from fp4select.backends import hopper_configs, triton_hopper
 from fp4select.keys import Problem, m_bucket
 
 
-def point(
-    n: int, k: int, m: int, device: torch.device, both_triggers: bool, warms: list[int]
-) -> list[dict]:
+def point(n: int, k: int, m: int, device: torch.device, both_triggers: bool) -> list[dict]:
     problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
     first = validate.make_inputs(problem, m, device, seed=11, with_reference=False)
     nbytes = first.nbytes() + m * n * 2
@@ -52,26 +47,14 @@ def point(
         cfgs = list(hopper_configs.candidates(kind, m))
         if kind == "gemv" and both_triggers:  # each also with PDL's trigger in the other place
             cfgs += [dataclasses.replace(c, late=1 - c.late) for c in cfgs]
-        for cfg, warm in itertools.product(cfgs, warms):
-            triton_hopper.WARM_STEPS[kind] = warm
+        for cfg in cfgs:
             pick = functools.partial(run, cfg=cfg)
-            same = None
-            if warm:  # a hint: the output must not change
-                triton_hopper.WARM_STEPS[kind] = 0
-                plain = pick(*first.args(problem)).clone()
-                triton_hopper.WARM_STEPS[kind] = warm
-                same = bool(torch.equal(pick(*first.args(problem)), plain))
             got = layer_chain(problem, pick, sets, xs, gs, device)
-            triton_hopper.WARM_STEPS[kind] = 0
             tactic = f"{kind} " + " ".join(map(str, dataclasses.astuple(cfg)))
-            rows.append(
-                {"n": n, "k": k, "m": m, "tactic": tactic, "warm": warm, "same": same} | got
-            )
+            rows.append({"n": n, "k": k, "m": m, "tactic": tactic} | got)
             print(
-                f"{n:5d}x{k:5d} M={m:3d} {tactic:34s} warm={warm:5d} "
-                f"gemm={got['chain_gemm_us']:7.1f} pdl={got['chain_layer_us']:7.1f} "
-                f"plain={got['chain_layer_no_pdl_us']:7.1f}"
-                + ("" if same in (None, True) else " DIFFERS"),
+                f"{n:5d}x{k:5d} M={m:3d} {tactic:34s} gemm={got['chain_gemm_us']:7.1f} "
+                f"pdl={got['chain_layer_us']:7.1f} plain={got['chain_layer_no_pdl_us']:7.1f}",
                 flush=True,
             )
     return rows
@@ -86,11 +69,9 @@ def main() -> None:
     parser.add_argument(
         "--both-triggers", action="store_true", help="each GEMV tactic also with the other `late`"
     )
-    parser.add_argument("--warm", default="0", help="L2 warm steps to try, e.g. 0,4,65536")
     parser.add_argument("--time-limit-s", type=float, default=1e9)
     args = parser.parse_args()
     device = torch.device("cuda")
-    warms = [int(w) for w in args.warm.split(",")]
     started = time.perf_counter()
     rows = []
     for shape in args.shapes.split(","):
@@ -99,7 +80,7 @@ def main() -> None:
             if time.perf_counter() - started > args.time_limit_s:
                 print(f"time limit: skipped {n}x{k} M={m}")
                 continue
-            rows += point(n, k, m, device, args.both_triggers, warms)
+            rows += point(n, k, m, device, args.both_triggers)
             record = {
                 "benchmark": "chain_sweep",
                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -40,7 +40,7 @@ import triton.language as tl
 from fp4select.backends._hopper_planes import _PAIR_TO_F16, _PAIR_TO_F16_CVT
 from fp4select.backends._triton_kernels import _e2m1_f16 as _code_f16
 from fp4select.backends._triton_kernels import _sf_offset as sf_offset
-from fp4select.backends._triton_kernels import l2_warm, pdl_start, pdl_trigger
+from fp4select.backends._triton_kernels import pdl_start, pdl_trigger
 
 cdiv = triton.cdiv
 
@@ -608,7 +608,6 @@ def gemv_dp4a(
     HW_E4M3: tl.constexpr = False,
     PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
-    WARM: tl.constexpr = 0,  # n: L2 asked for the first n steps of the rows first (not PERSIST)
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -618,12 +617,6 @@ def gemv_dp4a(
     cores, no shared memory, no split-K. PERSIST: each program takes row groups pid,
     pid + programs, ... (``run_gemv`` caps the grid at ``persist`` programs an SM).
     """
-    if WARM:  # before PDL's wait: the weight is not what the kernel before writes
-        first = tl.program_id(0) * R
-        l2_warm(
-            w_ptr + first.to(tl.int64) * stride_wn, stride_wn * 8,
-            tl.minimum(WARM * BK, KW) // 2 * 16, tl.minimum(N - first, R),
-        )  # fmt: skip
     pdl_start(PDL, not LATE_TRIGGER)
     # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
     # float8 cannot take zeros for the masked lanes.
@@ -814,7 +807,6 @@ def mma_planes(
     HW_E4M3: tl.constexpr = False,  # the weight's scales converted by the GPU (SM89+)
     SUM_LAST: tl.constexpr = False,  # the last split program of a tile sums the partials
     PDL: tl.constexpr = False,
-    WARM: tl.constexpr = 0,  # n: L2 asked for the first n steps of the tile's rows first
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -827,6 +819,7 @@ def mma_planes(
     start: its programs would otherwise sit on the SMs this loop streams through (on the H200
     up to 12% faster at M = 1-16, hopper_sweep_late.json).
     """
+    pdl_start(PDL, False)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BN)
@@ -836,14 +829,6 @@ def mma_planes(
     size = tl.minimum(grid_n - first_n, GROUP)
     pid_n = first_n + (pid % in_group) % size
     pid_t = (pid % in_group) // size
-    if WARM:  # before PDL's wait: the weight is not what the kernel before writes
-        k_first = pid_k * iters_per_split * BKW
-        words = tl.minimum(tl.minimum(WARM, iters_per_split) * BKW, KW - k_first)
-        l2_warm(
-            w_ptr + (pid_n * BN).to(tl.int64) * stride_wn + k_first, stride_wn * 4,
-            tl.maximum(words, 0) // 4 * 16, tl.minimum(N - pid_n * BN, BN),
-        )  # fmt: skip
-    pdl_start(PDL, False)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_t = pid_t * BT + tl.arange(0, BT)
     rows_n = tl.where(offs_n < N, offs_n, 0)

@@ -45,37 +45,6 @@ def pdl_trigger(PDL: tl.constexpr):
 
 
 @triton.jit
-def l2_warm(base, row_bytes, seg_bytes, rows):
-    """Ask L2 for ``rows`` segments of ``seg_bytes`` bytes, ``row_bytes`` apart from ``base``
-    (16-byte aligned, multiples of 16): thread t asks for row t, with one bulk prefetch (SM90).
-
-    A hint that reads nothing into registers: L2 is where every write to the GPU's memory
-    lands, so it may be issued before PDL's wait, while the kernel before still runs, and
-    whatever it asked for is what a load after the wait finds.
-    """
-    tl.inline_asm_elementwise(
-        """{
-        .reg .u32 t;
-        .reg .pred p, q;
-        .reg .u64 o, a;
-        mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, $4;
-        setp.ne.u32 q, $3, 0;
-        and.pred p, p, q;
-        mul.wide.u32 o, t, $2;
-        add.u64 a, $1, o;
-        @p cp.async.bulk.prefetch.L2.global [a], $3;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r,r,r",
-        [base.to(tl.int64, bitcast=True), row_bytes, seg_bytes, rows],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _e2m1_f16(c):
     """Nibble code (low 4 bits of an int32) -> float16 holding e2m1 * 2**-14, exactly."""
     bits = ((c & 7) << 9) | ((c & 8) << 12)

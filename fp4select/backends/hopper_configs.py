@@ -132,6 +132,10 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # (results/hopper_sweep_late.json); in a graph of layers (quantize, then the GEMV) every
 # tactic's chain took 0.94-0.99x in the geomean late (results/chain_sweep_late.json), so all
 # trigger late but 4 x 256, 1.01x alone late (up to 1.05x) and 0.99x in the chain.
+# Every tiling swept again with the late trigger (results/hopper_sweep_late3c.json, the
+# record's ten shapes with N, K >= 4096, M = 1-16): 4 x 128 at M = 1 (the best of it and these
+# over these, 0.975 in the geomean, 0.90 at 4096 x 14336) and 4 x 64 at M = 3-8 (0.992; 0.93
+# at 6144 x 4096, M = 4) joined; nothing else beat these by more than 0.3% in the geomean.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
@@ -141,6 +145,7 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
             GemvConfig(8, 64, 1, late=1),
             GemvConfig(8, 128, 2, persist=16, late=1),
             GemvConfig(8, 64, 1, persist=16, late=1),
+            GemvConfig(4, 128, 2, late=1),
         ),
     ),
     (
@@ -149,6 +154,7 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
             GemvConfig(8, 64, 1, 1, late=1),
             GemvConfig(4, 128, 2, evict_first=1, late=1),
             GemvConfig(8, 128, 2, evict_first=1, late=1),
+            GemvConfig(4, 64, 1, late=1),
         ),
     ),
 )

@@ -231,17 +231,6 @@ def launch_path(env: Mapping[str, Any]) -> str:
     )
 
 
-# Weight steps L2 is asked for at each program's start, before PDL's wait (0: none), by kernel.
-WARM_STEPS = {"gemv": 0, "mma": 0}
-
-
-def _warm(kind: str, words: torch.Tensor, word_bytes: int) -> dict[str, int]:
-    """A launch's WARM argument: SM90's bulk prefetch wants 16-byte aligned rows."""
-    steps = WARM_STEPS[kind]
-    aligned = words.data_ptr() % 16 == 0 and words.stride(0) * word_bytes % 16 == 0
-    return {"WARM": steps} if steps and aligned and pdl_possible(words.device) else {}
-
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -272,7 +261,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
         **({"PERSIST": True} if cfg.persist else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
-        **({} if cfg.persist else _warm("gemv", w64, 8)),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
@@ -362,7 +350,6 @@ def _run_planes(
         per_split, c.alpha_value, shifts if counts is None else counts,
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
-        **_warm("mma", w32, 4),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if parts is not None and counts is None:
