@@ -8,8 +8,12 @@ range, each beside ``torch.mm`` of bf16 operands of the same shape:
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
         --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \\
-        python benchmarks/profile_ncu.py > ncu.txt
+        python benchmarks/profile_ncu.py [--cases small] > ncu.txt
     python benchmarks/profile_ncu.py --summarize ncu.txt   # -> results/ncu_h200.json
+
+``--cases small``: the small-M picks of the record of c8eadf5 at N = K = 8192 beside
+other tactics of the same M (add ``--section InstructionStats`` for the instruction counts,
+and ``--metrics`` with this module's ``STALLS`` for each warp stall reason's share).
 
 ncu flushes the caches before each kernel, so every operand comes from HBM.
 """
@@ -38,17 +42,46 @@ METRICS = (
     "Active Warps Per Scheduler",
     "Eligible Warps Per Scheduler",
     "Warp Cycles Per Issued Instruction",
+    "Executed Instructions",
+    "Memory Throughput",
+    "L1/TEX Hit Rate",
+    "L2 Hit Rate",
 )
 
 
-def run_cases() -> None:
+# Warp stall reasons, cycles per issued instruction (ask ncu for them with --metrics STALLS).
+STALL_REASONS = (
+    "long_scoreboard", "short_scoreboard", "wait", "math_pipe_throttle", "mio_throttle",
+    "lg_throttle", "barrier", "not_selected", "selected", "no_instruction", "dispatch_stall",
+    "drain", "imc_miss", "branch_resolving", "tex_throttle", "membar", "misc", "sleeping",
+)  # fmt: skip
+STALLS = ",".join(
+    f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in STALL_REASONS
+)
+STALL_METRIC = re.compile(
+    r"^\s+smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio\s+\S*\s+([\d.,]+)\s*$",
+    re.M,
+)
+
+
+def run_cases(which: str) -> None:
     import torch
 
     from fp4select import validate
     from fp4select.backends import triton_hopper as th
     from fp4select.keys import Problem, m_bucket
 
-    cases = [  # the record's picks at N = K = 8192 (benchmarks/results/gpu_h200.json)
+    gemv, mma = th.GemvConfig, th.MmaConfig
+    small = [  # c8eadf5's picks at N = K = 8192 (M = 1, 2, 4, 16) and a rival of each M
+        (8192, 8192, 1, th.run_gemv, gemv(4, 256, 4)),
+        (8192, 8192, 1, th.run_gemv, gemv(4, 128, 2, late=1)),
+        (8192, 8192, 2, th.run_gemv, gemv(8, 64, 1, late=1)),
+        (8192, 8192, 2, th.run_gemv, gemv(4, 256, 4)),
+        (8192, 8192, 4, th.run_gemv, gemv(4, 64, 1, late=1)),
+        (8192, 8192, 4, th.run_mma, mma(128, 16, 32, 4, 3, sum_last=1)),
+        (8192, 8192, 16, th.run_mma, mma(128, 16, 32, 4, 3, sum_last=1)),
+    ]
+    record = [  # the record's picks at N = K = 8192 (benchmarks/results/gpu_h200.json)
         (8192, 8192, 1, th.run_gemv, th.GemvConfig(8, 128, 2)),
         # the GEMV with its scale tiles in the weight's layout (e9917bd) at M = 2 and 4, beside
         # hopper-mma, which it now beats at M = 4 on some shapes
@@ -63,6 +96,7 @@ def run_cases() -> None:
         (8192, 8192, 256, th.run_ws, th.WsConfig(128, 128, 2, 0)),
         (8192, 8192, 512, th.run_ws, th.WsConfig(256, 128, 2, 0)),
     ]
+    cases = small if which == "small" else record
     runs = []
     for n, k, m, run, cfg in cases:
         problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
@@ -98,6 +132,8 @@ def summarize(text: str) -> list[dict[str, object]]:
             if found:
                 unit = found.group(1) or ""
                 row[f"{name} ({unit})" if unit else name] = float(found.group(2).replace(",", ""))
+        for reason, value in STALL_METRIC.findall(body):  # --metrics, where asked for
+            row[f"stall {reason}"] = float(value.replace(",", ""))
         stall = re.search(r"spends ([\d.]+) cycles being stalled (.*?)\.", " ".join(body.split()))
         if stall:
             row["top stall"] = f"{stall.group(1)} cycles {stall.group(2)}"
@@ -109,9 +145,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--summarize", metavar="NCU_TXT", help="ncu's text output to summarize")
     parser.add_argument("--out", default=str(RESULTS / "ncu_h200.json"))
+    parser.add_argument("--cases", choices=("record", "small"), default="record")
     args = parser.parse_args()
     if not args.summarize:
-        run_cases()
+        run_cases(args.cases)
         return
     rows = summarize(Path(args.summarize).read_text())
     record = {
