@@ -202,7 +202,7 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
 # "evict", "persist", "persist3", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1",
-# "fuse", "int", "occ" and "split".
+# "fuse", "int" and "occ".
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -424,16 +424,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, late=1)
             name = "late3 " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m <= 8 and "split" in families:  # the GEMV's K split over 2-4 programs a row group
-        tilings = [
-            *hopper_configs.candidates("gemv", m),
-            *(dataclasses.replace(g, late=1) for g in GEMV),
-        ]
-        for c in dict.fromkeys(t for t in tilings if not t.persist):
-            for split in (2, 3, 4):
-                cc = dataclasses.replace(c, split=split)
-                name = "split " + " ".join(map(str, dataclasses.astuple(cc)))
-                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
         for c in hopper_configs.candidates("gemv", m):
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
@@ -663,7 +653,6 @@ def main() -> None:
                         "fuse",
                         "int",
                         "occ",
-                        "split",
                     )
                 ),
                 default=float("nan"),

@@ -239,12 +239,9 @@ GEMV_SIGNATURE = {
     "sw_ptr": "*u8",
     "alpha_ptr": "*fp32",
     "out_ptr": "*bf16",
-    "part_ptr": "*fp32",
-    "count_ptr": "*i32",
     "M": "i32",
     "N": "i32",
     "KW": "i32",
-    "steps_per_split": "i32",
     "stride_am": "i32",
     "stride_wn": "i32",
     "stride_om": "i32",
@@ -255,7 +252,7 @@ GEMV_SIGNATURE = {
     name: "constexpr"
     for name in (
         "A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL", "EVICT_FIRST", "HW_E4M3",
-        "PERSIST", "LATE_TRIGGER", "SPLIT_K",
+        "PERSIST", "LATE_TRIGGER",
     )
 }  # fmt: skip
 
@@ -267,7 +264,6 @@ def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
     constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
     constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
     constexprs |= {"PERSIST": bool(cfg.persist), "LATE_TRIGGER": bool(cfg.late)}
-    constexprs |= {"SPLIT_K": cfg.split > 1}
     # the scales as validate.make_inputs and flashinfer's quantizer hand them: float8_e4m3fn
     signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
     ttgir = _ttgir(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3)
@@ -306,7 +302,7 @@ def test_pdl_puts_the_grid_dependency_wait_first_and_nothing_without_it(pdl):
     for late in (False, True):
         gemv_constexprs = {"A_8X4": False, "ALPHA": 2, "BM": 4, "R": 8, "BK": 64, "ASM": True}
         gemv_constexprs |= {"PREFETCH": True, "PDL": pdl, "EVICT_FIRST": False, "HW_E4M3": True}
-        gemv_constexprs |= {"LATE_TRIGGER": late, "PERSIST": False, "SPLIT_K": False}
+        gemv_constexprs |= {"LATE_TRIGGER": late}
         gemv = _compile(hk.gemv_dp4a, GEMV_SIGNATURE, gemv_constexprs, 1, 3)
         kernels["gemv late" if late else "gemv"] = gemv
     for name, kernel in kernels.items():

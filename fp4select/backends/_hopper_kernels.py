@@ -570,53 +570,6 @@ def _gemv_store_rows(
 
 
 @triton.jit
-def _gemv_partial(acc, r, M, rows, N, part_ptr):
-    if r < M:
-        tl.store(part_ptr + r * N + rows, tl.sum(acc, axis=1) * 0.25, mask=rows < N)
-
-
-@triton.jit
-def _gemv_partials(
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, part_ptr, BM: tl.constexpr
-):  # fmt: skip
-    """This program's K part of each output row, float32, for ``_gemv_sum_if_last``."""
-    _gemv_partial(acc0, 0, M, rows, N, part_ptr)
-    if BM > 1:
-        _gemv_partial(acc1, 1, M, rows, N, part_ptr)
-    if BM > 2:
-        _gemv_partial(acc2, 2, M, rows, N, part_ptr)
-        _gemv_partial(acc3, 3, M, rows, N, part_ptr)
-    if BM > 4:
-        _gemv_partial(acc4, 4, M, rows, N, part_ptr)
-        _gemv_partial(acc5, 5, M, rows, N, part_ptr)
-        _gemv_partial(acc6, 6, M, rows, N, part_ptr)
-        _gemv_partial(acc7, 7, M, rows, N, part_ptr)
-
-
-@triton.jit
-def _gemv_sum_if_last(
-    part_ptr, count_ptr, alpha_ptr, out_ptr, M, rows, N, stride_om, stride_on, alpha_value,
-    ALPHA: tl.constexpr, BM: tl.constexpr,
-):  # fmt: skip
-    """The K split's sum, by the row group's last program to arrive, in split order (as
-    ``_sum_if_last``, whose rules hold here: the barrier, acquire-release, the count reset)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    split = tl.num_programs(1)
-    if arrived == split - 1:
-        tl.store(count_ptr, 0)
-        offs_m = tl.arange(0, BM)
-        mask = (offs_m[:, None] < M) & (rows[None, :] < N)
-        base = part_ptr + offs_m[:, None] * N + rows[None, :]
-        total = tl.zeros(mask.shape, dtype=tl.float32)
-        for s in range(0, split):
-            total += tl.load(base + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-        total = total * _alpha_scale(offs_m, offs_m < M, alpha_ptr, alpha_value, ALPHA)[:, None]
-        ptrs = out_ptr + offs_m[:, None] * stride_om + rows[None, :] * stride_on
-        tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R: tl.constexpr):
     """Row group g's rows, its weight rows' word pointers and scale rows' byte offsets."""
     rows = g * R + tl.arange(0, R)
@@ -634,12 +587,9 @@ def gemv_dp4a(
     sw_ptr,  # uint8 scales of the weight (128x4)
     alpha_ptr,
     out_ptr,
-    part_ptr,  # float32 (split, M, N) partial sums when SPLIT_K
-    count_ptr,  # int32, one per row group, zeros between calls (SPLIT_K)
     M,
     N,
     KW,  # K / 16: blocks per row
-    steps_per_split,  # K steps of BK blocks per program along axis 1 (SPLIT_K)
     stride_am,  # in words
     stride_wn,  # in words
     stride_om,
@@ -658,7 +608,6 @@ def gemv_dp4a(
     HW_E4M3: tl.constexpr = False,
     PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
-    SPLIT_K: tl.constexpr = False,  # program axis 1 splits K; the last one sums (not PERSIST)
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -709,14 +658,9 @@ def gemv_dp4a(
         acc5 = tl.zeros((R, BK), dtype=tl.float32)
         acc6 = tl.zeros((R, BK), dtype=tl.float32)
         acc7 = tl.zeros((R, BK), dtype=tl.float32)
-        k_first = 0
-        k_end = KW
-        if SPLIT_K:
-            k_first = tl.program_id(1) * steps_per_split * BK
-            k_end = tl.minimum(KW, k_first + steps_per_split * BK)
         if PREFETCH:
-            w, sw = _gemv_weight(w_rows, sw_rows, k_first + kk, KW, EVICT_FIRST)
-        for k0 in range(k_first, k_end, BK):
+            w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
+        for k0 in range(0, KW, BK):
             k = k0 + kk
             if PREFETCH:
                 w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)
@@ -730,20 +674,10 @@ def gemv_dp4a(
                 w, sw = w_next, sw_next
         if LATE_TRIGGER:
             pdl_trigger(PDL)
-        if SPLIT_K:
-            _gemv_partials(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N,
-                part_ptr + tl.program_id(1) * M * N, BM,
-            )  # fmt: skip
-            _gemv_sum_if_last(
-                part_ptr, count_ptr + pid, alpha_ptr, out_ptr, M, rows, N, stride_om,
-                stride_on, alpha_value, ALPHA, BM,
-            )  # fmt: skip
-        else:
-            _gemv_store_rows(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
-                stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
-            )  # fmt: skip
+        _gemv_store_rows(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
+            stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])  # see mma_planes

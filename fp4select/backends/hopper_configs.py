@@ -32,13 +32,10 @@ class GemvConfig:
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     persist: int = 0  # n: at most n programs an SM, each taking row groups in turn
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
-    split: int = 1  # n: K split across n programs a row group, the last to finish sums
 
     def __post_init__(self) -> None:
         if self.persist and self.prefetch:
             raise ValueError("a persistent GEMV (persist > 0) does not prefetch (prefetch=0)")
-        if self.split < 1 or (self.persist and self.split > 1):
-            raise ValueError(f"split must be >= 1, and 1 with persist, got {self}")
 
 
 @dataclass(frozen=True)

@@ -251,22 +251,16 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     groups = k.cdiv(c.n, cfg.rows_per_program)
     if cfg.persist:
         groups = min(groups, cfg.persist * (triton_fp4._sms(c.out.device) if c.out.is_cuda else 1))
-    steps = k.cdiv(c.kh // 8, cfg.blocks_per_step)
-    split = k.cdiv(steps, k.cdiv(steps, cfg.split))  # no program without a step
-    parts = _partials(c, split)
-    counts = None if parts is None else triton_fp4._counts(c.out.device, groups)
-    split = split if counts is not None else 1  # none made inside a graph capture: unsplit
-    k.gemv_dp4a[(groups, split)](
-        a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out, parts if split > 1 else c.out,
-        c.out if counts is None else counts, c.m, c.n, c.kh // 8, k.cdiv(steps, split),
-        a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1), c.cp, c.alpha_value,
+    k.gemv_dp4a[(groups,)](
+        a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
+        c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
+        c.cp, c.alpha_value,
         A_8X4=a8x4, ALPHA=c.alpha_kind, BM=_next_pow2(c.m), R=cfg.rows_per_program,
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
         **({"PERSIST": True} if cfg.persist else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
-        **({"SPLIT_K": True} if split > 1 else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
