@@ -188,7 +188,7 @@ def _quantize_kernel(
     # Launched with PDL (``pdl``), this kernel starts while the layer before it is still
     # running and waits here until that has finished. It lets the GEMM it feeds launch first,
     # before that wait: the GEMM waits for this kernel in its own pdl_start, and its launch
-    # is then hidden behind both (layer time 0.97x where hopper-gemv follows on the H200).
+    # is then hidden behind both (measured: docs/hopper.md, 'In a chain of layers').
     if PDL:
         gdc_launch_dependents()
     pdl_start(PDL, False)

@@ -1,7 +1,7 @@
 """``warm``'s compile-ahead: the kernels a deploy will tune, compiled first by parallel processes.
 
-Why: from an empty Triton cache, compiling was up to half of warming a model on the H200 (33
-kernels of about a second each for Llama-3.1-8B), and the threads that compile a key's tactic
+Why: from an empty Triton cache, compiling was up to half of warming a model
+(docs/hopper_kernels.md, 'Compile-ahead'), and the threads that compile a key's tactic
 candidates together share one interpreter lock. Compiled kernels land in Triton's on-disk
 cache, where the tuning that follows (in this process or its sandbox child) finds them.
 
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["Summary", "compile_ahead", "default_jobs", "plan_groups", "run_children"]
 
 FAMILY = "native"  # fp4select's own kernels: the backends that compile on first use
-# A child holds a CUDA context and its inputs. On the H200 (16 CPUs) 4, 8 and 16 children took
-# Llama-3.1-8B's cold warm-up to 43.6, 44.3 and 46.2 s: more only cost memory.
+# A child holds a CUDA context and its inputs: more than 4 children were no faster and only
+# cost memory (measured: docs/hopper_kernels.md, 'Compile-ahead').
 _MAX_JOBS = 4
 DEADLINE_S = 300.0  # past it the children are killed and warm goes on to tune
 

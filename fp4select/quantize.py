@@ -104,9 +104,9 @@ class QuantConfig:
         return f"m{self.block_m} c{self.block_c} w{self.num_warps}{flags}"
 
 
-# (largest M, configuration), first match wins; None: any M. Not yet chosen on a GPU: each
+# (largest M, configuration), first match wins; None: any M. Set by rule, not by a sweep: each
 # thread holds one 16-byte vector of x (two above M = 16), and no program covers rows that do
-# not exist. Run benchmarks/quant_sweep.py on the H200 and set these from what it prints.
+# not exist. benchmarks/quant_sweep.py times every tiling against it (docs/hopper.md, 'Speed').
 QUANT_BY_M: tuple[tuple[int | None, QuantConfig], ...] = (
     (1, QuantConfig(1, 16, 1)),
     (2, QuantConfig(2, 8, 1)),

@@ -20,20 +20,20 @@ Design rules:
   timing failed) the preference order alone decides (``preference_ranking``).
 * On the CPU the same statistics come from ``time.perf_counter``.
 * A time budget bounds each key: rounds stop once it is spent and the minimum is met.
-* Hopeless candidates stop costing time (on the H200 they took most of a model's warm-up).
+* Hopeless candidates stop costing time (docs/hopper_kernels.md, 'Where the time goes').
   Once the minimum is met, a candidate sits out the later rounds when its median is over
   ``DROP_FACTOR`` (1.25) times the fastest's, or when even its fastest tenth (p10) is over
   twice the widest tie window behind the fastest's median: it could neither win nor tie. Its timing keeps the samples it has, and rounds end when one candidate is left
   (a candidate timed alone, with no rival, still gets the budget: repetition is the point).
   One whose calibration call took over ``HOPELESS_FACTOR`` (10) times the fastest's is not
-  sampled at all (a slow candidate; emulation, 20-100x behind on a GPU, is not timed there,
+  sampled at all (a slow candidate; emulation, far behind on a GPU, is not timed there,
   being a fallback the selector probes only when nothing else passes): its timing
   is that calibration run, one sample (wall clock, synchronized, so never less than the truth).
   Calibration starts with one call per candidate, so such a one never runs once per input set.
   One that looks hopeless runs up to ``CALIBRATION_RETRIES`` (2) calls more and its fastest
   call counts: the first may pay for a compile, and a single wall-clock call can be stretched
-  by the host (on the H200, in the record's timing, a hopper-ws call of about 32 us took 377
-  us at its second call: ruled hopeless where it was the fastest; timed again, it was not).
+  by the host (a record's fastest candidate was once ruled hopeless so; timed again, it was
+  not: docs/hopper_kernels.md, cfc0bea's outlier).
 * A candidate whose samples ran far slower per call than its own calibration (``_stalls``:
   the rule and the H200's reason) gets a new sampler (on CUDA its graph captured again) and
   its samples taken again, once; its timing's method then ends in ``+resampled``.

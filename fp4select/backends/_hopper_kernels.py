@@ -462,11 +462,11 @@ def _scale_cols(k, KW, LAYOUT_8X4: tl.constexpr):
     Blocks 2j and 2j + 1 have neighbouring scale bytes in both layouts, so the scale tile
     loads two bytes at a time, in the same register layout as the weight's 16-byte loads (two
     words): declared so, no step converts a tile's layout through shared memory. Before, each
-    step stored and reloaded the scale tile and the products behind four barriers; without
-    them the tactics took 0.57-1.19x their time at M = 1-8 on ten shapes, median 0.88x
-    (results/hopper_sweep_gemv3.json). Past K the offsets point
-    at the padding column beside the last block (the scale grids pad columns to 4) or at
-    blocks 0 and 1, so that the declaration holds everywhere; the loads there are masked.
+    step stored and reloaded the scale tile and the products behind four barriers, which made
+    the GEMV slower (measured: docs/hopper_kernels.md, 'The GEMV's loop converted layouts').
+    Past K the offsets point at the padding column beside the last block (the scale grids pad
+    columns to 4) or at blocks 0 and 1, so that the declaration holds everywhere; the loads
+    there are masked.
     """
     kc = tl.where(k < (KW + 1) // 2 * 2, k, k & 1)
     # the column's part of the offset here, not in a helper: a hint on a helper's result is
@@ -480,9 +480,9 @@ def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
     """A step's weight words and their scale bytes (zeros past K).
 
     EVICT_FIRST: the weight streams past L2 (read once) ahead of a's rows, which every program
-    reads again. With it, the steps without prefetch took 0.78-0.98x their time without it at
-    M = 4 on six shapes, and 0.91-1.04x at M = 1-2 (under 0.97 only on the noisiest shape),
-    where the tactics keep the plain loads (H200, results/hopper_sweep_evict.json).
+    reads again. It made the steps without prefetch faster at M = 4 and not at M = 1-2, where
+    the tactics keep the plain loads (measured: docs/hopper_kernels.md, 'The GEMV's weight
+    loads with `evict_first`').
     """
     k_ok = k < KW
     scales = sw_rows + _scale_cols(k, KW, False)[None, :]
@@ -730,8 +730,9 @@ def weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW: tl.constexpr):
     its block's scale.
 
     Each scale word holds 4 blocks (8 weight words) of a row: it is loaded once and broadcast
-    in registers (loaded once per weight word, the kernel took 1.16-1.36x as long at M = 16-64
-    on the H200). Words, not bytes: an 8-bit load sends the decoded tile through shared memory.
+    in registers (loaded once per weight word, the kernel was slower: docs/hopper_kernels.md,
+    'One scale load per 8 weight words'). Words, not bytes: an 8-bit load sends the decoded
+    tile through shared memory.
     Past K the scales of block 0 stand in (a valid scale times the zero words there).
     """
     k = k0 + tl.arange(0, BKW)
@@ -816,8 +817,8 @@ def mma_planes(
     so nothing decoded goes to memory. Program axis 1 splits K (partial sums reduced after);
     tiles are visited in groups of GROUP weight tiles so that consecutive programs share
     activation tiles in L2. Under PDL the next launch is let in after the K loop, not at the
-    start: its programs would otherwise sit on the SMs this loop streams through (on the H200
-    up to 12% faster at M = 1-16, hopper_sweep_late.json).
+    start: its programs would otherwise sit on the SMs this loop streams through (measured:
+    docs/hopper_kernels.md, 'PDL's trigger after the K loop').
     """
     pdl_start(PDL, False)
     pid = tl.program_id(0)

@@ -14,9 +14,9 @@ with 64 rows (twice the programs, for narrow layers) they take every other step 
 adds the second's sums through shared memory at the end (always with a loader warp). The two
 run apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores
 without touching registers a wgmma in flight reads. (Tiles of 16-32 tokens, for M <= 32, were
-slower than ``hopper-mma`` at every point timed: commit 15e63df, results/hopper_sweep_wss.json;
-four consumers, two a row half on alternate steps, 1.08x the best tactic's time at M = 128:
-removed, code at commit 5a144e9, docs/hopper_kernels.md.) The arithmetic is ``mma_planes``':
+slower than ``hopper-mma`` at every point timed, code at commit 15e63df; four consumers, two a
+row half on alternate steps, were no faster: removed, code at commit 5a144e9. Measured:
+docs/hopper_kernels.md, 'Tried and removed', 'Four consumers'.) The arithmetic is ``mma_planes``':
 a step of 16 words is decoded into 8 planes (``_PAIR_TO_F16_CVT``), plane p multiplies rows
 16p .. 16p + 15 of a's workspace (``decode_planes``' order), so each plane is one k16 wgmma.
 The planes are joined in the registers the MMA reads; ``convert_layout(...,
@@ -34,7 +34,7 @@ Design rules:
   last step was the other one's: with one ready barrier a stage, a consumer could pass a stage
   whose last load had not landed (one loader warp issues the steps in order, so only if a load
   landed three steps late: never seen; the four-consumer experiment, whose consumers loaded
-  for themselves, did with an odd ring, 3 stages: 4-7% of outputs wrong on the H200). So those
+  for themselves, did with an odd ring, 3 stages: wrong outputs on the H200). So those
   tiles take a ready barrier a stage and step parity (``READY`` = 2 x STAGES where BN = 64):
   step j's is j % READY, last used by step j - READY of the same consumer, so its wait can
   only be for step j's load.
@@ -130,7 +130,7 @@ def _scale_words(sw_ptr, row_part, kw, i, KW, BKW: gl.constexpr):
     """For each word of step i, the 128x4 scale word holding its block's scale (block
     (i * BKW + w) // 2 of its row; block 0's past K). L2 serves these: an eighth of the
     weight's bytes. (Loaded further ahead, through a cp.async ring, the 128-token tiles were
-    slower and 16-token tiles no faster: commit 15e63df, results/hopper_sweep_ring.json.)"""
+    slower and 16-token tiles no faster: commit 15e63df, docs/hopper_kernels.md.)"""
     blk = (i * BKW + kw) // 2
     blk = gl.where(blk * 2 < KW, blk, 0)
     return gl.load(sw_ptr + ((row_part[:, None] + (blk >> 2)[None, :] * 512) >> 2))

@@ -308,8 +308,8 @@ def dequant_bf16_words(
     """``dequant_bf16``'s output, bit for bit, from the packed data viewed as int32 words.
 
     ``x_ptr``: (R, KW) words of 8 codes (row stride ``stride_w`` words); ``out_ptr``: the
-    bfloat16 (R, 8 * KW) workspace, row-major. Why: the byte kernel ran at 2.6-3.0 TB/s on
-    the H200, where a copy reaches 4.2, bound by per-byte work (byte loads in a 3-D tile,
+    bfloat16 (R, 8 * KW) workspace, row-major. Why: the byte kernel ran well below a copy's
+    speed (docs/hopper_kernels.md), bound by per-byte work (byte loads in a 3-D tile,
     8-9 ops per value, a store per byte). Here a 32-bit load brings 8 values, two shifts and
     two masks decode two codes (``_e2m1_f16x2``), a word's 8 values leave as one 16-byte store,
     and each scale is loaded once per block (2 words NVFP4, 4 MXFP4), broadcast in registers.

@@ -2,9 +2,9 @@
 
 * ``torch-dequant``: cuBLAS. cuBLAS takes alpha only as a host number and callers pass a
   device tensor, so with alpha (or float16 out) the product goes through a float32 workspace
-  and a second pass applies alpha: 12-38% of the GEMM at M = 2048-4096 on the H200.
-* ``hopper-dequant``: a persistent Triton GEMM fed by TMA, which ran as fast as cuBLAS on
-  those shapes (1.00-1.02x, docs/hopper_kernels.md) and scales its float32 tile in registers.
+  and a second pass applies alpha, a large part of the GEMM's time at large M.
+* ``hopper-dequant``: a persistent Triton GEMM fed by TMA, which ran as fast as cuBLAS at
+  large M and scales its float32 tile in registers (docs/hopper_kernels.md).
   TMA needs compute capability 9.0+ and a Triton with host tensor descriptors.
 
 For large M the GEMM dominates, so paying one decode pass per operand is the cheapest way to
@@ -89,8 +89,8 @@ def growing(
     return ws[:rows]
 
 
-# The word kernel's tile (rows, words per program, warps): the fastest over five weight shapes
-# on the H200 (benchmarks/results/decode_sweep_cuda.json), within 2% of the best at each.
+# The word kernel's tile (rows, words per program, warps): the decode sweep's fastest
+# (measured: docs/hopper_kernels.md, 'The dequant paths' decode').
 WORDS_TILE = (8, 128, 4)
 
 
@@ -158,7 +158,7 @@ _has_mm_out_dtype: bool | None = None
 
 def torch_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
     """From SM90, NVFP4 buckets below ``MIN_M`` go to the kernels that decode in registers:
-    on the H200 they beat this at every such point (benchmarks/results/gpu_h200.json)."""
+    they beat this at every such point measured (docs/hopper_kernels.md)."""
     if cuda_from(env, MIN_CC) and problem.use_nvfp4 and problem.m_range[1] < MIN_M:
         return f"below M = {MIN_M}, NVFP4 from SM90 is left to the hopper-* kernels"
     return None

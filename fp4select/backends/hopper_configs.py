@@ -4,8 +4,8 @@ Design rules:
 
 * Data only (frozen dataclasses of ints) and no imports of torch or triton: the configurations
   are what a tactic record read from disk may name, so they live apart from the code that runs.
-* The tables were chosen on the H200 with ``benchmarks/hopper_sweep.py`` (results/hopper_sweep*.json):
-  the fastest configuration at N x K = 8192 x 8192, 28672 x 4096 and 4096 x 14336, or within 3%.
+* The tables were chosen with ``benchmarks/hopper_sweep.py`` (docs/hopper_kernels.md): the
+  fastest configuration at N x K = 8192 x 8192, 28672 x 4096 and 4096 x 14336, or within 3%.
   The tactic candidates are the ones that won at some shape; probing times them per shape.
 """
 
@@ -90,11 +90,10 @@ class GemmTile:
 
 
 GEMV_BY_M = ((2, GemvConfig(8, 128, 2, late=1)), (8, GemvConfig(8, 64, 1, 1, late=1)))
-# Up to 32 tokens the K split is summed by each tile's last program (``sum_last``): the best
-# configuration at each point 0.99-1.09x the time of the best with a kernel of its own
-# (single configurations 0.90-1.16x; results/hopper_sweep_cvt.json and _fuse.json, M <= 32),
-# where 64-token tiles were up to 1.15x slower with it (one program then reads 128 x 64
-# partial sums per split).
+# Up to 32 tokens the K split is summed by each tile's last program (``sum_last``), which was
+# faster than a reduction kernel of its own; 64-token tiles were slower with it (one program
+# then reads 128 x 64 partial sums per split). Measured: docs/hopper_kernels.md, 'Fusing
+# into `hopper-mma`'s main kernel'.
 MMA_BY_M = (
     (16, MmaConfig(128, 16, 32, 4, 3, sum_last=1)),
     (32, MmaConfig(128, 32, 16, 4, 3, sum_last=1)),
@@ -110,32 +109,24 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
     return table[-1][1]
 
 
-# By M, as the tensor-core ones. At M = 1-2 of the four whose best is closest to the best of 16
-# configurations at each of ten shapes (geomean 1.014x, results/hopper_sweep_gemv3.json); at
-# M = 3-8 of the prefetching 64-block steps (8 or 4 rows) and the 128-block steps that load
-# the weight with evict_first (results/hopper_sweep_pdl.json, _evict.json), still the best four
-# of the 16 there (geomean 1.005x). Each candidate costs deploying a compile and a tuning per
-# key: those that won their key nowhere, or where dropping them cost at most 2.1%, were dropped
-# (here 8 x 256 and 4 x 64 prefetching; in MMA_TACTICS 128 x 32 split 8, 128 x 64 of 4 stages,
-# 64 x 64 of either kind; results/tactic_wins_h200.json, the record's 16 shapes).
+# By M, as the tensor-core ones. At M = 1-2 the four whose best came closest to the best of 16
+# configurations at each of ten shapes; at M = 3-8 the prefetching 64-block steps (8 or 4 rows)
+# and the 128-block steps that load the weight with evict_first, still the best four of the 16
+# there. Each candidate costs deploying a compile and a tuning per key: those that won their
+# key nowhere, or cost little to drop, were dropped (here 8 x 256 and 4 x 64 prefetching; in
+# MMA_TACTICS 128 x 32 split 8, 128 x 64 of 4 stages, 64 x 64 of either kind). Measured:
+# docs/hopper_kernels.md, 'The GEMV's loop converted layouts', 'Which tactics earn their
+# compile'.
 #
 # At M <= 2 also two of them in the persistent form (each program takes row groups in turn,
-# at most 16 programs an SM), which on the H200 took 0.78-0.90 of the same tiling's time at
-# M = 2 on four shapes of twelve and up to 1.21x on others (results/hopper_sweep_persist.json,
-# _pfa.json): the best of both forms over the best of these three, 0.87-0.90 at 4096 x 14336,
-# 4096 x 7168 and 8192 x 7168. Those points had no more row groups than programs: what differs
-# there is PDL, under which the plain form replayed back to back took 1.16-1.19x its own time
-# without it and the persistent form did not (results/hopper_sweep_persist_nopdl.json).
-# Letting the next launch in after the K loop instead of at the start (``late``) took those
-# two plain tilings 0.81-1.00x their time at M = 2 (0.98-1.02x at M = 1) and left the
-# persistent form the best at 2 of 12 points of M <= 2, by 5 and 9%
-# (results/hopper_sweep_late.json); in a graph of layers (quantize, then the GEMV) every
-# tactic's chain took 0.94-0.99x in the geomean late (results/chain_sweep_late.json), so all
-# trigger late but 4 x 256, 1.01x alone late (up to 1.05x) and 0.99x in the chain.
-# Every tiling swept again with the late trigger (results/hopper_sweep_late3c.json, the
-# record's ten shapes with N, K >= 4096, M = 1-16): 4 x 128 at M = 1 (the best of it and these
-# over these, 0.975 in the geomean, 0.90 at 4096 x 14336) and 4 x 64 at M = 3-8 (0.992; 0.93
-# at 6144 x 4096, M = 4) joined; nothing else beat these by more than 0.3% in the geomean.
+# at most 16 programs an SM), faster on some shapes where there are no more row groups than
+# programs: under PDL the plain form, replayed back to back, lost to its own next launch's
+# early programs, and the persistent form did not. Letting the next launch in after the K loop
+# instead of at the start (``late``) gave the plain tilings most of that gain, alone and in a
+# graph of layers (quantize, then the GEMV), so all trigger late but 4 x 256, no faster so
+# alone. Every tiling swept again with the late trigger: 4 x 128 at M = 1-2 and 4 x 64 at
+# M = 3-8 joined, and nothing else beat these. Measured: docs/hopper_kernels.md, 'The GEMV in a
+# persistent form', 'PDL's trigger after the K loop', 'Every GEMV tiling again'.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
@@ -160,9 +151,9 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
 )
 MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
     # 64-row tiles use about half the registers of 128-row ones, so four programs fit an SM:
-    # split into 4 or 8 (the automatic split makes about two an SM) they were the fastest of
-    # 11 tilings at 4 of 6 shapes, up to 1.3x faster (results/hopper_sweep_occ.json); the
-    # 128-row tile at the other two. The two splits are one compiled kernel.
+    # split into 4 or 8 (the automatic split makes about two an SM) they were the fastest at
+    # most shapes, the 128-row tile at the others (measured: docs/hopper_kernels.md, 'What
+    # holds the loop'). The two splits are one compiled kernel.
     (
         16,
         (
@@ -171,8 +162,7 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
             MmaConfig(64, 16, 32, 4, 4, 8, sum_last=1),
         ),
     ),
-    # At M = 17-32 likewise a 64-row tile of 32-word steps split into 4, the fastest of 9
-    # tilings at 4 of 6 shapes, up to 1.11x (results/hopper_sweep_occ32.json).
+    # At M = 17-32 likewise a 64-row tile of 32-word steps split into 4 (measured: the same).
     (
         32,
         (
@@ -182,8 +172,8 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
     ),
     (64, (MmaConfig(128, 64, 16, 4, 3),)),
     # From M = 65 the tiles chosen with each step's wgmma waited for
-    # (``_hopper_kernels.retired``): 128 tokens wide, they took 1.1-1.45x their time with the
-    # wait and lost to 64 x 128 and 128 x 64 (results/hopper_sweep_retire_wide.json).
+    # (``_hopper_kernels.retired``): 128 tokens wide, they were slower with the wait and lost
+    # to 64 x 128 and 128 x 64 (measured: docs/hopper_kernels.md, the hazard section).
     (
         256,
         (
@@ -196,9 +186,8 @@ MMA_TACTICS: tuple[tuple[int, tuple[MmaConfig, ...]], ...] = (
 # wave of SMs so much better that it outweighs the large tile's own speed (``dequant_tile``).
 DEQUANT_LARGE = GemmTile(128, 256, 64, 8, 4)
 DEQUANT_SMALL = GemmTile(128, 128, 64, 4, 4)
-# How much better the small tile must fill the SMs' waves: with this margin the rule names
-# the faster tile at every point of the H200 sweep where the two differed by more than 2%
-# (results/hopper_sweep_dq.json: 6 shapes, M = 512-8192).
+# How much better the small tile must fill the SMs' waves: the margin with which the rule
+# names the sweep's faster tile (docs/hopper_kernels.md, '`hopper-dequant`'s GEMM tile').
 SMALL_TILE_FILL_GAIN = 1.08
 
 
@@ -220,18 +209,17 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 
 # hopper-ws: its tiles by M (the bucket's top M at most ``limit``), each with K split where its
-# tiles leave SMs idle (split 0: ``triton_hopper._ws_split``), which narrow layers need
-# (results/hopper_sweep_wsk.json). On the H200 (every configuration checked first):
+# tiles leave SMs idle (split 0: ``triton_hopper._ws_split``), which narrow layers need.
 # - the 128-token tiles take one wgmma over all their tokens (mma_tokens 128), one stage deeper
-#   than their halves ran fastest with: 1-5% faster tile for tile (results/hopper_sweep_wsw*.json);
+#   than their halves ran fastest with: faster tile for tile;
 # - from M = 129 a tile of 128 weight rows x 256 tokens, which only fits in registers without
-#   the loader warp (loader_warp 0: 255 registers a thread, not 168): the fastest tile at 27 of
-#   48 points at M = 128-2048, up to 1.25x faster than any tile before at M = 256-512 and faster
-#   than hopper-dequant at 2048 on 9 of 12 shapes (results/hopper_sweep_wso.json). Each
-#   candidate costs deploying a compile and a tuning per key, so M = 513-2048 time this tile
-#   alone (at M = 512-2048 the fastest ws tile at 20 of 24 points, within 6% at the others);
+#   the loader warp (loader_warp 0: 255 registers a thread, not 168): the fastest tile at most
+#   points, and faster than hopper-dequant at M = 2048 on most shapes. Each candidate costs
+#   deploying a compile and a tuning per key, so M = 513-2048 time this tile alone;
 # - 64-row tiles (the consumers on alternate steps) and 256 rows x 128 tokens (8 warps) for
 #   the narrower layers and M <= 128.
+# Measured (every configuration checked first): docs/hopper_kernels.md, '`hopper-ws` splitting
+# K', '`hopper-ws` multiplying each plane', 'What held `hopper-ws` at M = 256-512'.
 WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
     (64, (WsConfig(64, 64, 4, 0),)),  # the fastest ws tile at every M = 64 point timed
     (
@@ -247,7 +235,7 @@ WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
         (
             WsConfig(128, 256, 3, 0, 256, 0),
             WsConfig(128, 128, 3, 0, 128),
-            WsConfig(64, 128, 5, 0, 128),  # 1.07x faster than those two at 4096 x 7168, M = 256
+            WsConfig(64, 128, 5, 0, 128),  # the fastest of the three at 4096 x 7168, M = 256
         ),
     ),
     (2048, (WsConfig(128, 256, 3, 0, 256, 0),)),

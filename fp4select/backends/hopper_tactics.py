@@ -1,9 +1,9 @@
 """Tactics for the ``hopper-*`` backends: a few configurations timed per shape.
 
 The tables in ``hopper_configs`` hold one configuration per range of M, chosen at three shapes;
-the best one differs by shape (the H200 sweeps: up to a fifth). Like flashinfer's autotuner,
-probing times the candidates at the bucket's top M (``tune``), and the winner is stored with
-the decision.
+the best one differs by shape (docs/hopper_kernels.md, 'The configuration sweeps'). Like
+flashinfer's autotuner, probing times the candidates at the bucket's top M (``tune``), and the
+winner is stored with the decision.
 
 Design rules:
 
@@ -19,8 +19,9 @@ Design rules:
   on an H200) is skipped and named in the record; any other error is the backend's.
 * The candidates' first calls run together, one thread each (``compile_ahead``): a first call
   is mostly Triton compiling, which holds the GIL for only part of its time, and compiles were
-  a third of a model's warm-up on the H200. Their outputs are discarded (they may share a
-  workspace); what they raise is met again, one at a time, in the timed loop.
+  a large share of a model's warm-up (docs/hopper_kernels.md, 'Where the time goes'). Their
+  outputs are discarded (they may share a workspace); what they raise is met again, one at a
+  time, in the timed loop.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def _time_us(calls: Sequence[Callable[[], Any]], device: torch.device, budget_s:
     """Median of a few CUDA-event samples, each call taking the next input set in turn.
 
     The calls are replayed from a CUDA graph, as serving replays them: timed eagerly, a round
-    of small kernels measured the host's launches (on the H200 every GEMV tactic at M = 1 read
-    50-100 us, where the kernels take 16-26, so the pick among them was noise).
+    of small kernels measured the host's launches, so the pick among them was noise
+    (docs/hopper_kernels.md, 'Tactics are timed from CUDA graphs').
     """
     for call in calls:  # compiles, first-launch costs and workspaces: out of the samples
         call()

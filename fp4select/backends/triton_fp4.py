@@ -358,8 +358,8 @@ SUPERSEDED_FROM_CC = 90
 
 
 def declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
-    """NVFP4 from SM90 is left to the ``hopper-*`` kernels: on the H200 these kernels were
-    never the fastest at any shape or M (benchmarks/results/gpu_h200.json). MXFP4, which the
+    """NVFP4 from SM90 is left to the ``hopper-*`` kernels: these kernels were never the
+    fastest at any shape or M measured (docs/hopper_kernels.md). MXFP4, which the
     ``hopper-*`` tensor-core kernels decline, stays theirs."""
     if problem.use_nvfp4 and cuda_from(env, SUPERSEDED_FROM_CC):
         return "NVFP4 from SM90 is left to the hopper-* kernels, which won every point measured"

@@ -6,7 +6,7 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 * ``hopper-gemv`` (M <= 8; from SM90 buckets to M = 4): CUDA cores. Each block of 16 values
   is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once by both
   block scales (``GemvConfig``: the tactics' forms). At M = 5..8 ``hopper-mma`` won every
-  H200 point by 2x or more, so from SM90 the selector spends no warm-up time on it there.
+  point by far (docs/hopper_kernels.md), so from SM90 no warm-up time is spent on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle. a is decoded once per call into a float16
@@ -55,9 +55,9 @@ from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
 # hopper-ws takes the buckets from M = 33 to 2048 (those ending below WS_MIN_M or starting
-# above WS_MAX_M are declined): on the H200 it won points at M = 64-2048, was within 3% of
-# hopper-dequant either way at 4096 (not worth its tuning time when deploying) and lost at
-# every 8192 point (results/hopper_sweep_wso.json, _wso2.json).
+# above WS_MAX_M are declined): it won points at M = 64-2048; above, hopper-dequant was as fast
+# or faster, so hopper-ws is not worth its tuning time when deploying there (measured:
+# docs/hopper_kernels.md, 'What held `hopper-ws` at M = 256-512').
 WS_MIN_M = 64
 WS_MAX_M = 2048
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
@@ -198,8 +198,8 @@ def _pdl(args: tuple[Any, ...], device: torch.device) -> bool:
 
 
 def _e4m3_in_hardware(device: torch.device) -> bool:
-    """The GPU's e4m3 conversion, not integer arithmetic: the GEMV in 0.97x the time (median,
-    hopper_sweep_gemv3.json), the MMA loop in 0.96-1.0x (hopper_sweep_cvt.json); NaN is NaN."""
+    """The GPU's e4m3 conversion, not integer arithmetic: fewer instructions, no slower in the
+    GEMV or the MMA loop (docs/hopper_kernels.md, 'Converting the weight's scales'); NaN is NaN."""
     return ASM and device.type == "cuda" and _flags(device)[1]
 
 
@@ -270,7 +270,7 @@ def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
     if cfg.split:
         return cfg.split
     # About two programs per SM: each program runs a long serial K loop with 4-8 warps, so
-    # fewer leave the SMs waiting on memory (measured: 63 -> 47 us at N = K = 8192, M = 16).
+    # fewer leave the SMs waiting on memory (docs/hopper_kernels.md, '`hopper-mma`'s K split').
     tiles = math.ceil(n / cfg.block_n) * math.ceil(m / cfg.block_t)
     steps = math.ceil(kw / cfg.words_per_step)
     split = max(1, min(16, steps, round(2 * sms / max(tiles, 1))))
@@ -325,8 +325,8 @@ def _run_planes(
         return _fallback(args)
     k = kernels()
     pdl = _pdl(args, c.out.device)
-    # The main loop joins PDL with the narrowest token tiles only: it saved 2-12% at M <= 16 and
-    # cost 1.1-1.3x with 32- and 64-token tiles (H200: hopper_sweep_pdl.json, _late.json).
+    # The main loop joins PDL with the narrowest token tiles only: faster with 16-token tiles,
+    # slower with 32- and 64-token ones (docs/hopper_kernels.md, 'Programmatic dependent launch').
     # The a decode and the split-K reduction take it always (one compile each, not two):
     # next to a main loop launched without it, it changes nothing.
     pdl_main = pdl and cfg.block_t <= 16
@@ -368,9 +368,9 @@ def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
 
 def _ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
     """K split: cfg's if positive, else so that the programs fill the SMs at most once (one
-    program holds an SM: its registers), each keeping at least 8 steps. Rounded down: on the
-    H200, splitting 66-88 tiles in two (132 SMs) cost up to 1.26x, and fewer tiles gained up
-    to 4x (results/hopper_sweep_wsk.json)."""
+    program holds an SM: its registers), each keeping at least 8 steps. Rounded down: 66-88
+    tiles split in two (132 SMs) ran slower than unsplit, while fewer tiles gained much
+    (measured: docs/hopper_kernels.md, '`hopper-ws` splitting K')."""
     split = cfg.split if cfg.split > 0 else max(1, min(16, steps // 8, sms // max(tiles, 1)))
     per = math.ceil(steps / split)
     return math.ceil(steps / per)  # no program without a step
