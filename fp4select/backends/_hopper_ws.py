@@ -130,7 +130,7 @@ def _scale_words(sw_ptr, row_part, kw, i, KW, BKW: gl.constexpr):
     """For each word of step i, the 128x4 scale word holding its block's scale (block
     (i * BKW + w) // 2 of its row; block 0's past K). L2 serves these: an eighth of the
     weight's bytes. (Loaded further ahead, through a cp.async ring, the 128-token tiles were
-    slower and 16-token tiles no faster: commit 15e63df, docs/hopper_kernels.md.)"""
+    slower, which outweighed the 16-token tiles' gain: commit 15e63df, docs/hopper_kernels.md.)"""
     blk = (i * BKW + kw) // 2
     blk = gl.where(blk * 2 < KW, blk, 0)
     return gl.load(sw_ptr + ((row_part[:, None] + (blk >> 2)[None, :] * 512) >> 2))
