@@ -37,6 +37,7 @@ import triton.language as tl
 from _common import dumps, machine
 
 from fp4select import formats, timing, validate
+from fp4select.backends import _hopper_kernels as hk
 from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_fp4, triton_hopper
 from fp4select.backends._hopper_kernels import plane_major, weight_step
 from fp4select.keys import Problem, m_bucket
@@ -360,6 +361,45 @@ def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _gemv_floor(
+    a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, KW, stride_am, stride_wn, cp,
+    BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, A: tl.constexpr,
+):  # fmt: skip
+    """``gemv_dp4a``'s loads (its own helpers: the weight and its scales, with A also a's rows
+    and scales), none of its decode or dot products: what the tiling's memory traffic costs."""
+    sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
+    sw_ptr = sw_ptr.to(tl.pointer_type(tl.uint8))
+    kk = tl.arange(0, BK)
+    rows, w_rows, sw_rows = hk._gemv_rows(tl.program_id(0), N, w_ptr, sw_ptr, stride_wn, cp, R)
+    bits = tl.zeros((R, BK), dtype=tl.int64)
+    for k0 in range(0, KW, BK):
+        k = k0 + kk
+        w, sw = hk._gemv_weight(w_rows, sw_rows, k, KW)
+        bits = bits ^ w ^ sw.to(tl.int64)
+        if A:
+            a_col = hk._scale_cols(k, KW, False)[None, :]
+            for r in tl.static_range(BM):
+                row = tl.minimum(r, M - 1)
+                ok = (k < KW)[None, :]
+                x = tl.load(a_ptr + row * stride_am + k[None, :], mask=ok, other=0)
+                sa = tl.load(sa_ptr + hk.sf_row_part(row, cp, False) + a_col, mask=ok, other=0)
+                bits = bits ^ x ^ sa.to(tl.int64)
+    tl.store(out_ptr + rows, tl.sum(bits, axis=1).to(tl.float32), mask=rows < N)
+
+
+def run_gemv_floor(*args, cfg: triton_hopper.GemvConfig, with_a: bool) -> torch.Tensor:
+    """Launch ``_gemv_floor`` on mm_fp4's arguments with ``cfg``'s tiling (128x4 a-scales)."""
+    c, a64, w64 = triton_hopper._checked_words(args, "floor", torch.int64)
+    out = torch.empty(c.n, dtype=torch.float32, device=w64.device)
+    _gemv_floor[(triton.cdiv(c.n, cfg.rows_per_program),)](
+        a64, w64, c.a_descale, args[3], out, c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0),
+        c.cp, BM=triton_hopper._next_pow2(c.m), R=cfg.rows_per_program, BK=cfg.blocks_per_step,
+        A=with_a, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
 def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functools.partial]:
     out: dict[str, functools.partial] = {}
     if m <= 8 and "gemv" in families:
@@ -387,6 +427,13 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     out[f"floor-{'mma' if mma else 'loads'} {tiling}"] = functools.partial(
                         run_floor, cfg=c, mma=mma
                     )
+    if m <= 8 and "gfloor" in families:  # each GEMV candidate's loads alone, with a and without
+        for c in hopper_configs.candidates("gemv", m):
+            if not c.persist:
+                tiling = " ".join(map(str, dataclasses.astuple(c)))
+                for with_a in (False, True):
+                    name = f"floor-gemv{'-a' if with_a else ''} {tiling}"
+                    out[name] = functools.partial(run_gemv_floor, cfg=c, with_a=with_a)
     if m <= 8 and "gemv2" in families:
         for c in GEMV2:
             out[
