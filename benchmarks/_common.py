@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import statistics
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +91,16 @@ def activations(m: int, k: int, device: torch.device, seed: int) -> torch.Tensor
 def calibrated_scale(x: torch.Tensor) -> torch.Tensor:
     """flashinfer's global scale for ``x``, as a calibrated checkpoint's ``1 / input_scale``."""
     return (448.0 * 6.0 / x.abs().max().float()).reshape(1)
+
+
+def sweep_points(shapes: str, ms: str, time_limit_s: float) -> Iterator[tuple[int, int, int]]:
+    """(N, K, M) for each ``NxK`` of ``shapes`` and each M of ``ms`` (comma-separated), until
+    ``time_limit_s`` has passed since the first; the points left are named as skipped."""
+    started = time.perf_counter()
+    for shape in shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        for m in map(int, ms.split(",")):
+            if time.perf_counter() - started > time_limit_s:
+                print(f"time limit: skipped {n}x{k} M={m}")
+                continue
+            yield n, k, m

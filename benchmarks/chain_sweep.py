@@ -17,11 +17,10 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
-import time
 from pathlib import Path
 
 import torch
-from _common import activations, calibrated_scale, dumps, machine
+from _common import activations, calibrated_scale, dumps, machine, sweep_points
 from bench_gpu import layer_chain
 
 from fp4select import timing, validate
@@ -72,23 +71,17 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=1e9)
     args = parser.parse_args()
     device = torch.device("cuda")
-    started = time.perf_counter()
     rows = []
-    for shape in args.shapes.split(","):
-        n, k = map(int, shape.split("x"))
-        for m in map(int, args.ms.split(",")):
-            if time.perf_counter() - started > args.time_limit_s:
-                print(f"time limit: skipped {n}x{k} M={m}")
-                continue
-            rows += point(n, k, m, device, args.both_triggers)
-            record = {
-                "benchmark": "chain_sweep",
-                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "machine": machine(device),
-                "rows": rows,
-            }
-            path = Path(args.out) / f"{args.name}.json"
-            path.write_text(dumps(record))  # after each point: a time-out keeps what ran
+    for n, k, m in sweep_points(args.shapes, args.ms, args.time_limit_s):
+        rows += point(n, k, m, device, args.both_triggers)
+        record = {
+            "benchmark": "chain_sweep",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(device),
+            "rows": rows,
+        }
+        path = Path(args.out) / f"{args.name}.json"
+        path.write_text(dumps(record))  # after each point: a time-out keeps what ran
     print(f"wrote {Path(args.out) / args.name}.json")
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from _common import dumps, machine
+from _common import dumps, machine, sweep_points
 
 from fp4select import formats, timing, validate
 from fp4select.backends import _hopper_kernels as hk
@@ -654,70 +654,61 @@ def main() -> None:
     device = torch.device("cuda")
     started = time.perf_counter()
     rows = []
-    for shape in args.shapes.split(","):
-        n, k = map(int, shape.split("x"))
-        for m in map(int, args.ms.split(",")):
-            if time.perf_counter() - started > args.time_limit_s:
-                print(f"time limit: skipped {n}x{k} M={m}")
-                continue
-            try:
-                row = point(n, k, m, device, tuple(args.families.split(",")))
-            except Exception:
-                print(f"{n}x{k} M={m} failed:\n{traceback.format_exc()}")
-                continue
-            rows.append(row)
-            write(args, device, rows)
-            us = row["us"]
-            best: dict[str, tuple[float, str]] = {}
-            for nm, t in us.items():
-                f = family(nm)
-                if f not in best or t < best[f][0]:
-                    best[f] = (t, nm)
-            new = min(
-                (
-                    t
-                    for nm, t in us.items()
-                    if family(nm)
-                    in (
-                        "gemv",
-                        "mma",
-                        "prefill",
-                        "hopper-dequant",
-                        "wide",
-                        "dq",
-                        "gemv2",
-                        "gemv3",
-                        "evict",
-                        "persist",
-                        "persist3",
-                        "late3",
-                        "deep",
-                        "ws",
-                        "wsk",
-                        "wsw",
-                        "wso",
-                        "ready1",
-                        "fuse",
-                        "int",
-                        "occ",
-                    )
-                ),
-                default=float("nan"),
-            )
-            wrong = [nm for nm, v in row["verdicts"].items() if not v[0].startswith(("ok", "unch"))]
-            print(
-                f"{n:5d}x{k:5d} M={m:5d} bf16={us['bf16']:7.1f} new={new:7.1f} "
-                f"ratio={new / us['bf16']:5.2f} | "
-                + " ".join(
-                    f"{f}={t:.1f}[{nm[len(f) :].strip()}]" for f, (t, nm) in sorted(best.items())
+    for n, k, m in sweep_points(args.shapes, args.ms, args.time_limit_s):
+        try:
+            row = point(n, k, m, device, tuple(args.families.split(",")))
+        except Exception:
+            print(f"{n}x{k} M={m} failed:\n{traceback.format_exc()}")
+            continue
+        rows.append(row)
+        write(args, device, rows)
+        us = row["us"]
+        best: dict[str, tuple[float, str]] = {}
+        for nm, t in us.items():
+            f = family(nm)
+            if f not in best or t < best[f][0]:
+                best[f] = (t, nm)
+        new = min(
+            (
+                t
+                for nm, t in us.items()
+                if family(nm)
+                in (
+                    "gemv",
+                    "mma",
+                    "prefill",
+                    "hopper-dequant",
+                    "wide",
+                    "dq",
+                    "gemv2",
+                    "gemv3",
+                    "evict",
+                    "persist",
+                    "persist3",
+                    "late3",
+                    "deep",
+                    "ws",
+                    "wsk",
+                    "wsw",
+                    "wso",
+                    "ready1",
+                    "fuse",
+                    "int",
+                    "occ",
                 )
-                + (
-                    f" | BAD {wrong}: {[row['verdicts'][w][0][:120] for w in wrong]}"
-                    if wrong
-                    else ""
-                ),
-                flush=True,
+            ),
+            default=float("nan"),
+        )
+        wrong = [nm for nm, v in row["verdicts"].items() if not v[0].startswith(("ok", "unch"))]
+        print(
+            f"{n:5d}x{k:5d} M={m:5d} bf16={us['bf16']:7.1f} new={new:7.1f} "
+            f"ratio={new / us['bf16']:5.2f} | "
+            + " ".join(
+                f"{f}={t:.1f}[{nm[len(f) :].strip()}]" for f, (t, nm) in sorted(best.items())
             )
+            + (f" | BAD {wrong}: {[row['verdicts'][w][0][:120] for w in wrong]}" if wrong else ""),
+            flush=True,
+        )
     write(args, device, rows)
     print(f"wrote {Path(args.out) / args.name}.json in {time.perf_counter() - started:.0f} s")
 
