@@ -123,8 +123,8 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # programs: under PDL the plain form, replayed back to back, lost to its own next launch's
 # early programs, and the persistent form did not. Letting the next launch in after the K loop
 # instead of at the start (``late``) gave the plain tilings most of that gain, alone and in a
-# graph of layers (quantize, then the GEMV), so all trigger late but 4 x 256, no faster so
-# alone. Every tiling swept again with the late trigger: 4 x 128 at M = 1-2 and 4 x 64 at
+# graph of layers (quantize, then the GEMV), so all trigger late but 4 x 256, which alone
+# was no faster so. Every tiling swept again with the late trigger: 4 x 128 at M = 1-2 and 4 x 64 at
 # M = 3-8 joined, and nothing else beat these. Measured: docs/hopper_kernels.md, 'The GEMV in a
 # persistent form', 'PDL's trigger after the K loop', 'Every GEMV tiling again'.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
