@@ -203,7 +203,8 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
 # "evict", "persist", "persist3", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1",
-# "fuse", "int", "occ" and "u8".
+# "fuse", "int" and "occ". (Family "u8", the GEMV's biased decode and tables in registers
+# beside its earlier decode, is in commit 9285391: hopper_sweep_u8.json.)
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -539,14 +540,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out["int " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                 _int_scales, cfg=c
             )
-    if m <= 8 and "u8" in families:  # each GEMV candidate with the weight decoded to
-        # 128 + 2 * value (one dp4a a word where M >= 2 took two prmt more), with the decodes'
-        # tables held in registers, and both, beside itself
-        for c in hopper_configs.candidates("gemv", m):
-            for biased, tables in ((0, 0), (1, 0), (0, 1), (1, 1)):
-                cc = dataclasses.replace(c, biased=biased, tables=tables)
-                name = "u8 " + " ".join(map(str, dataclasses.astuple(cc)))
-                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
@@ -703,7 +696,6 @@ def main() -> None:
                     "fuse",
                     "int",
                     "occ",
-                    "u8",
                 )
             ),
             default=float("nan"),

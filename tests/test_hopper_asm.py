@@ -37,12 +37,12 @@ def _prmt(a, b, c):
     return out
 
 
-def _dp4a(a, b, c):
-    acc = c.astype(np.int64)
+def _dp4a(a, b, c, a_signed=True):
+    acc = c.view(np.int32).astype(np.int64)
     for i in range(4):
         x = ((a >> U32(8 * i)) & U32(255)).astype(np.int64)
         y = ((b >> U32(8 * i)) & U32(255)).astype(np.int64)
-        acc += np.where(x > 127, x - 256, x) * np.where(y > 127, y - 256, y)
+        acc += (np.where(x > 127, x - 256, x) if a_signed else x) * np.where(y > 127, y - 256, y)
     return (acc & 0xFFFFFFFF).astype(U32)
 
 
@@ -62,10 +62,15 @@ def _e4m3_f16_bits(b: np.ndarray) -> np.ndarray:
     return values.view(torch.int16).numpy().view(np.uint16).astype(U32)
 
 
-def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-    """Interpret one of the kernels' asm blocks; ``inputs`` maps $index -> uint32/uint64 array."""
-    regs: dict[str, np.ndarray] = {f"${i}": v for i, v in inputs.items()}
-    shape = next(iter(inputs.values())).shape
+def run_ptx(asm: str, inputs: dict[int, np.ndarray], lane: int = 0) -> dict[int, np.ndarray]:
+    """Interpret one of the kernels' asm blocks; ``inputs`` maps $index -> uint32/uint64 array
+    (or int: the same value everywhere, as the decodes' table operands are)."""
+    shape = next(v for v in inputs.values() if isinstance(v, np.ndarray)).shape
+    regs: dict[str, np.ndarray] = {
+        f"${i}": v if isinstance(v, np.ndarray) else np.full(shape, v, U32)
+        for i, v in inputs.items()
+    }
+    regs["%laneid"] = np.full(shape, lane, U32)
 
     def val(tok: str) -> np.ndarray:
         tok = tok.strip()
@@ -90,7 +95,7 @@ def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
             v = val(args[1])
             regs[lo.strip()] = v & U32(0xFFFF)
             regs[hi.strip()] = v >> U32(16)
-        elif op == "mov.b32":
+        elif op in ("mov.b32", "mov.u32"):
             regs[args[0]] = val(args[1])
         elif op in ("and.b32", "or.b32", "xor.b32"):
             f = {"and.b32": np.bitwise_and, "or.b32": np.bitwise_or, "xor.b32": np.bitwise_xor}
@@ -100,12 +105,17 @@ def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
                 np.uint64
             ) & np.uint64(0xFFFFFFFF)
             regs[args[0]] = regs[args[0]].astype(U32)
-        elif op == "shr.b32":
+        elif op in ("shr.b32", "shr.u32"):
             regs[args[0]] = val(args[1]) >> U32(int(args[2]))
+        elif op in ("add.u32", "sub.u32", "mul.lo.u32"):
+            x, y = val(args[1]).astype(np.int64), val(args[2]).astype(np.int64)
+            r = {"add.u32": x + y, "sub.u32": x - y, "mul.lo.u32": x * y}[op]
+            regs[args[0]] = (r & 0xFFFFFFFF).astype(U32)
         elif op == "prmt.b32":
             regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
-        elif op == "dp4a.s32.s32":
-            regs[args[0]] = _dp4a(val(args[1]), val(args[2]), val(args[3]))
+        elif op in ("dp4a.s32.s32", "dp4a.u32.s32"):
+            signed = op == "dp4a.s32.s32"
+            regs[args[0]] = _dp4a(val(args[1]), val(args[2]), val(args[3]), signed)
         elif op == "sub.s32":
             regs[args[0]] = (val(args[1]).astype(np.int64) - val(args[2]).astype(np.int64)) & (
                 0xFFFFFFFF
@@ -150,15 +160,39 @@ def _bytes(words: list[np.ndarray]) -> np.ndarray:
     return np.where(b > 127, b - 256, b)
 
 
+# The decodes' table operands, as ``lane_tables`` gives them.
+POS, NEG = hk.TABLE_POS[0], hk.TABLE_NEG[0]
+
+
 def test_decode_s8_gives_twice_each_codes_value_in_order():
     words = _words_64()
-    got = run_ptx(hk._DECODE_S8.value, {4: words})
+    got = run_ptx(hk._DECODE_S8.value, {4: words, 5: POS, 6: NEG})
     assert np.array_equal(_bytes([got[i] for i in range(4)]), _twice_value(_codes(words, 16)))
+
+
+def test_decode_u8_gives_each_codes_twice_value_plus_128_in_order():
+    words = _words_64()
+    got = run_ptx(hk._DECODE_U8.value, {4: words, 5: POS})
+    unsigned = np.stack(
+        [((got[i] >> U32(8 * j)) & U32(255)).astype(np.int64) for i in range(4) for j in range(4)],
+        1,
+    )
+    assert np.array_equal(unsigned - 128, _twice_value(_codes(words, 16)))
+
+
+@pytest.mark.parametrize("small", [0, 1, 8, 2**26 - 1])
+def test_lane_tables_are_the_tables_first_words_on_every_lane(small):
+    for lane in range(32):
+        got = run_ptx(hk._LANE_TABLES.value, {2: np.zeros(4, U32), 3: small}, lane=lane)
+        assert (got[0] == POS).all() and (got[1] == NEG).all(), (lane, small)
+    # past the bound the comment states, the lane shows through: the bound is real
+    got = run_ptx(hk._LANE_TABLES.value, {2: np.zeros(4, U32), 3: 2**27}, lane=31)
+    assert not (got[0] == POS).all()
 
 
 def test_decode_w_splits_magnitudes_by_sign():
     words = _words_64()
-    got = run_ptx(hk._DECODE_W.value, {8: words})
+    got = run_ptx(hk._DECODE_W.value, {8: words, 9: POS})
     codes = _codes(words, 16)
     twice = _twice_value(codes)
     pos = _bytes([got[i] for i in range(4)])
@@ -173,11 +207,13 @@ def test_the_dot_products_are_exact_integer_sums():
     w = rng.integers(0, 2**64, size=1 << 15, dtype=np.uint64)
     x = rng.integers(0, 2**64, size=1 << 15, dtype=np.uint64)
     want = (_twice_value(_codes(w, 16)) * _twice_value(_codes(x, 16))).sum(1)
-    xs = run_ptx(hk._DECODE_S8.value, {4: x})
-    ws = run_ptx(hk._DECODE_S8.value, {4: w})
-    split = run_ptx(hk._DECODE_W.value, {8: w})
+    xs = run_ptx(hk._DECODE_S8.value, {4: x, 5: POS, 6: NEG})
+    ws = run_ptx(hk._DECODE_U8.value, {4: w, 5: POS})
+    split = run_ptx(hk._DECODE_W.value, {8: w, 9: POS})
+    start = run_ptx(hk._MINUS_128_SUM.value, {1 + i: xs[i] for i in range(4)})[0]
     dot4 = run_ptx(
-        hk._DOT4.value, {**{1 + i: ws[i] for i in range(4)}, **{5 + i: xs[i] for i in range(4)}}
+        hk._DOT4U.value,
+        {**{1 + i: ws[i] for i in range(4)}, **{5 + i: xs[i] for i in range(4)}, 9: start},
     )
     dot8 = run_ptx(
         hk._DOT8.value,
@@ -256,5 +292,5 @@ def test_a_planted_table_error_is_caught():
     words = _words_64()
     broken = hk._DECODE_S8.value.replace(str(hk.TABLE_POS[1]), str(hk.TABLE_POS[1] ^ 0x100))
     assert broken != hk._DECODE_S8.value
-    got = run_ptx(broken, {4: words})
+    got = run_ptx(broken, {4: words, 5: POS, 6: NEG})
     assert not np.array_equal(_bytes([got[i] for i in range(4)]), _twice_value(_codes(words, 16)))

@@ -67,44 +67,35 @@ def _decode_s8(word: str, lo: str, hi: str, tag: str) -> str:
     prmt.b32 {hi}, p{tag}, n{tag}, s{tag};"""
 
 
-def _tables(pos: str | int, neg: str | int | None = None) -> str:
-    """PTX: the lookup tables' registers. Their first words come from ``pos`` and ``neg``: the
-    immediates, or operands holding ``lane_tables``' values (see there)."""
-    out = f"""
-    mov.b32 tp0, {pos}; mov.b32 tp1, {TABLE_POS[1]};"""
-    if neg is not None:
-        out += f"""
-    mov.b32 tn0, {neg}; mov.b32 tn1, {TABLE_NEG[1]};"""
-    return out
+def _asm(regs: str, tables: str, word: str, body: str) -> str:
+    """A decode's PTX: its registers, its tables (the first words from operands, see
+    ``_LANE_TABLES``), the 64-bit word split in two, then ``body``."""
+    return f"""{{
+    .reg .b32 {regs};{tables}
+    mov.b64 {{w0, w1}}, {word};{body}
+    }}"""
 
 
-def _decode_s8_asm(pos: str | int, neg: str | int) -> str:
-    return (
-        """{
-    .reg .b32 tp0, tp1, tn0, tn1, w0, w1, mw, sw, pw, nw;"""
-        + _tables(pos, neg)
-        + """
-    mov.b64 {w0, w1}, $4;"""
-        + _decode_s8("w0", "$0", "$1", "w")
-        + _decode_s8("w1", "$2", "$3", "w")
-        + """
-    }"""
+def _pos_table(first: str) -> str:
+    return f"""
+    mov.b32 tp0, {first}; mov.b32 tp1, {TABLE_POS[1]};"""
+
+
+def _neg_table(first: str) -> str:
+    return f"""
+    mov.b32 tn0, {first}; mov.b32 tn1, {TABLE_NEG[1]};"""
+
+
+# $0..$3 = the 16 codes of the 64-bit word $4 as int8 (2 * value), 4 per word, in order
+# (tables' first words: $5, $6).
+_DECODE_S8 = tl.constexpr(
+    _asm(
+        "tp0, tp1, tn0, tn1, w0, w1, mw, sw, pw, nw",
+        _pos_table("$5") + _neg_table("$6"),
+        "$4",
+        _decode_s8("w0", "$0", "$1", "w") + _decode_s8("w1", "$2", "$3", "w"),
     )
-
-
-# $0..$3 = the 16 codes of the 64-bit word $4 as int8 (2 * value), 4 per word, in order;
-# the R form takes the tables' first words in $5 and $6.
-_DECODE_S8 = tl.constexpr(_decode_s8_asm(TABLE_POS[0], TABLE_NEG[0]))
-_DECODE_S8R = tl.constexpr(_decode_s8_asm("$5", "$6"))
-
-# $0 = the int8x4 dot product of words $1..$4 with words $5..$8.
-_DOT4 = tl.constexpr("""{
-    .reg .b32 acc;
-    dp4a.s32.s32 acc, $1, $5, 0;
-    dp4a.s32.s32 acc, $2, $6, acc;
-    dp4a.s32.s32 acc, $3, $7, acc;
-    dp4a.s32.s32 $0, $4, $8, acc;
-    }""")
+)
 
 
 def _split_w(word: str, p_lo: str, p_hi: str, n_lo: str, n_hi: str) -> str:
@@ -124,24 +115,16 @@ def _split_w(word: str, p_lo: str, p_hi: str, n_lo: str, n_hi: str) -> str:
     prmt.b32 {n_hi}, tp0, tp1, f;"""
 
 
-def _decode_w_asm(pos: str | int) -> str:
-    return (
-        """{
-    .reg .b32 tp0, tp1, w0, w1, f, h;"""
-        + _tables(pos)
-        + """
-    mov.b64 {w0, w1}, $8;"""
-        + _split_w("w0", "$0", "$1", "$4", "$5")
-        + _split_w("w1", "$2", "$3", "$6", "$7")
-        + """
-    }"""
+# $0..$3 = magnitudes of w's positive codes, $4..$7 of its negative codes (16 codes of $8;
+# table's first word: $9).
+_DECODE_W = tl.constexpr(
+    _asm(
+        "tp0, tp1, w0, w1, f, h",
+        _pos_table("$9"),
+        "$8",
+        _split_w("w0", "$0", "$1", "$4", "$5") + _split_w("w1", "$2", "$3", "$6", "$7"),
     )
-
-
-# $0..$3 = magnitudes of w's positive codes, $4..$7 of its negative codes (16 codes of $8);
-# the R form takes the table's first word in $9.
-_DECODE_W = tl.constexpr(_decode_w_asm(TABLE_POS[0]))
-_DECODE_WR = tl.constexpr(_decode_w_asm("$9"))
+)
 
 # $0 = sum(p . x) - sum(n . x): the signed dot product of one block, from _DECODE_W's 8 words
 # ($1..$8) and _DECODE_S8's 4 words ($9..$12).
@@ -177,39 +160,15 @@ def _biased_w(word: str, lo: str, hi: str) -> str:
     add.u32 {hi}, p, 0x80808080;"""
 
 
-def _decode_u8_asm(pos: str | int) -> str:
-    return (
-        """{
-    .reg .b32 tp0, tp1, w0, w1, f, h, p, n;"""
-        + _tables(pos)
-        + """
-    mov.b64 {w0, w1}, $4;"""
-        + _biased_w("w0", "$0", "$1")
-        + _biased_w("w1", "$2", "$3")
-        + """
-    }"""
+# $0..$3 = the 16 codes of $4 as uint8 128 + 2 * value, 4 per word, in order (table's first
+# word: $5).
+_DECODE_U8 = tl.constexpr(
+    _asm(
+        "tp0, tp1, w0, w1, f, h, p, n",
+        _pos_table("$5"),
+        "$4",
+        _biased_w("w0", "$0", "$1") + _biased_w("w1", "$2", "$3"),
     )
-
-
-# $0..$3 = the 16 codes of $4 as uint8 128 + 2 * value (``_biased_w``), 4 per word, in order;
-# the R form takes the table's first word in $5.
-_DECODE_U8 = tl.constexpr(_decode_u8_asm(TABLE_POS[0]))
-_DECODE_U8R = tl.constexpr(_decode_u8_asm("$5"))
-
-# $0, $1 = the tables' first words (TABLE_POS[0], TABLE_NEG[0]) plus (lane * $3) >> 31, which
-# is 0 for 0 <= $3 < 2**26 (the caller passes M <= 8) but which ptxas cannot fold: it then
-# keeps each table in a register, where it otherwise copied the immediate from a uniform
-# register before every prmt (the GEMV's loop spent up to 1 instruction in 6 so). A lane
-# alone would not do: ptxas knows that lane >> 5 is 0.
-_LANE_TABLES = tl.constexpr(
-    f"""{{
-    .reg .b32 l;
-    mov.u32 l, %laneid;
-    mul.lo.u32 l, l, $3;
-    shr.u32 l, l, 31;
-    add.u32 $0, l, {TABLE_POS[0]};
-    add.u32 $1, l, {TABLE_NEG[0]};
-    }}"""
 )
 
 # $0 = -128 * the sum of the 16 int8 values in words $1..$4: what _DOT4U starts from, so
@@ -231,6 +190,22 @@ _DOT4U = tl.constexpr("""{
     dp4a.u32.s32 acc, $3, $7, acc;
     dp4a.u32.s32 $0, $4, $8, acc;
     }""")
+
+# $0, $1 = the tables' first words (TABLE_POS[0], TABLE_NEG[0]) plus (lane * $3) >> 31, which
+# is 0 for 0 <= $3 < 2**26 (the GEMV passes M <= 8) but which ptxas cannot fold: it then
+# keeps each table in a register, where it copied an immediate table from a uniform register
+# before every prmt (1 instruction in 6 of the GEMV's loop). A lane alone would not do:
+# ptxas knows that lane >> 5 is 0.
+_LANE_TABLES = tl.constexpr(
+    f"""{{
+    .reg .b32 l;
+    mov.u32 l, %laneid;
+    mul.lo.u32 l, l, $3;
+    shr.u32 l, l, 31;
+    add.u32 $0, l, {TABLE_POS[0]};
+    add.u32 $1, l, {TABLE_NEG[0]};
+    }}"""
+)
 
 
 def _pair(shift_m: int, shift_s: int, out_lo: int, out_hi: int) -> str:
@@ -277,19 +252,15 @@ def _s8_byte(q, i: tl.constexpr):
 
 
 @triton.jit
-def decode_s8(q, ASM: tl.constexpr, tpos=None, tneg=None):
+def decode_s8(q, tpos, tneg, ASM: tl.constexpr):
     """An int64 word of 16 E2M1 codes -> 4 int32 words of 4 int8 (2 * value) each, in order.
 
-    tpos, tneg: ``lane_tables``' values, or None for the tables as immediates."""
-    if ASM and tpos is not None:
+    tpos, tneg: the tables' first words (``lane_tables``)."""
+    if ASM:
         return tl.inline_asm_elementwise(
-            _DECODE_S8R, "=r,=r,=r,=r,l,r,r", [q, tpos, tneg], dtype=(tl.int32,) * 4,
+            _DECODE_S8, "=r,=r,=r,=r,l,r,r", [q, tpos, tneg], dtype=(tl.int32,) * 4,
             is_pure=True, pack=1,
         )  # fmt: skip
-    elif ASM:
-        return tl.inline_asm_elementwise(
-            _DECODE_S8, "=r,=r,=r,=r,l", [q], dtype=(tl.int32,) * 4, is_pure=True, pack=1
-        )
     else:
         return (
             _s8_byte(q, 0) | _s8_byte(q, 1) | _s8_byte(q, 2) | _s8_byte(q, 3),
@@ -315,44 +286,19 @@ def _dot_word_twin(w, x):
 
 
 @triton.jit
-def dot4(w0, w1, w2, w3, x0, x1, x2, x3, ASM: tl.constexpr):
-    """Integer dot product of 16 int8 values (4 words) of w with those of x: ``dp4a`` x 4."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            _DOT4,
-            "=r,r,r,r,r,r,r,r,r",
-            [w0, w1, w2, w3, x0, x1, x2, x3],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        return (
-            _dot_word_twin(w0, x0)
-            + _dot_word_twin(w1, x1)
-            + _dot_word_twin(w2, x2)
-            + _dot_word_twin(w3, x3)
-        )
-
-
-@triton.jit
 def _u8_byte(q, i: tl.constexpr):
     """Byte of the uint8 word for code i of the int64 ``q`` (128 + 2 * value)."""
     return ((_s8_value(((q >> (4 * i)) & 15).to(tl.int32)) + 128) & 255) << (8 * (i % 4))
 
 
 @triton.jit
-def decode_u8(q, ASM: tl.constexpr, tpos=None):
+def decode_u8(q, tpos, ASM: tl.constexpr):
     """An int64 word of 16 E2M1 codes -> 4 int32 words of 4 uint8 (128 + 2 * value) each."""
-    if ASM and tpos is not None:
+    if ASM:
         return tl.inline_asm_elementwise(
-            _DECODE_U8R, "=r,=r,=r,=r,l,r", [q, tpos], dtype=(tl.int32,) * 4, is_pure=True,
+            _DECODE_U8, "=r,=r,=r,=r,l,r", [q, tpos], dtype=(tl.int32,) * 4, is_pure=True,
             pack=1,
         )  # fmt: skip
-    elif ASM:
-        return tl.inline_asm_elementwise(
-            _DECODE_U8, "=r,=r,=r,=r,l", [q], dtype=(tl.int32,) * 4, is_pure=True, pack=1
-        )
     else:
         return (
             _u8_byte(q, 0) | _u8_byte(q, 1) | _u8_byte(q, 2) | _u8_byte(q, 3),
@@ -446,17 +392,13 @@ def _mag_word(q, first: tl.constexpr, NEG: tl.constexpr):
 
 
 @triton.jit
-def decode_w(q, ASM: tl.constexpr, tpos=None):
+def decode_w(q, tpos, ASM: tl.constexpr):
     """An int64 word of 16 codes -> 4 words of positive magnitudes, 4 of negative ones."""
-    if ASM and tpos is not None:
+    if ASM:
         return tl.inline_asm_elementwise(
-            _DECODE_WR, "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [q, tpos], dtype=(tl.int32,) * 8,
+            _DECODE_W, "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [q, tpos], dtype=(tl.int32,) * 8,
             is_pure=True, pack=1,
         )  # fmt: skip
-    elif ASM:
-        return tl.inline_asm_elementwise(
-            _DECODE_W, "=r,=r,=r,=r,=r,=r,=r,=r,l", [q], dtype=(tl.int32,) * 8, is_pure=True, pack=1
-        )
     else:
         return (
             _mag_word(q, 0, False),
@@ -483,9 +425,9 @@ def dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM: tl.constexpr):
             pack=1,
         )
     else:
-        return dot4(p0, p1, p2, p3, x0, x1, x2, x3, False) - dot4(
-            n0, n1, n2, n3, x0, x1, x2, x3, False
-        )
+        pos = _dot_word_twin(p0, x0) + _dot_word_twin(p1, x1) + _dot_word_twin(p2, x2)
+        neg = _dot_word_twin(n0, x0) + _dot_word_twin(n1, x1) + _dot_word_twin(n2, x2)
+        return pos + _dot_word_twin(p3, x3) - neg - _dot_word_twin(n3, x3)
 
 
 @triton.jit
@@ -618,31 +560,27 @@ def _gemv_row(
     a_col,
     stride_am,
     cp,
+    tpos,
+    tneg,
     A_8X4: tl.constexpr,
     ASM: tl.constexpr,
     SPLIT: tl.constexpr,
-    HW_E4M3: tl.constexpr = False,
-    BIASED: tl.constexpr = False,
-    tpos=None,
-    tneg=None,
+    HW_E4M3: tl.constexpr,
 ):
     """One row of a against the decoded weight tile: float32 (R, BK) block contributions.
 
-    SPLIT: p and n hold the weight's positive and negative magnitudes (``decode_w``); BIASED:
-    p holds its values plus 128 (``decode_u8``); else p holds its signed values
-    (``decode_s8``). n is unused but when SPLIT.
+    SPLIT: p and n hold the weight's positive and negative magnitudes (``decode_w``); else p
+    holds its values plus 128 (``decode_u8``) and n is unused.
     """
     row = tl.minimum(r, M - 1)
     x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
     sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col, mask=k_ok[None, :], other=0)
     sa = e4m3_f32(sa, HW_E4M3)
-    x0, x1, x2, x3 = decode_s8(x, ASM, tpos, tneg)
+    x0, x1, x2, x3 = decode_s8(x, tpos, tneg, ASM)
     if SPLIT:
         d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
-    elif BIASED:
-        d = dot4u(p0, p1, p2, p3, x0, x1, x2, x3, minus_128_sum(x0, x1, x2, x3, ASM), ASM)
     else:
-        d = dot4(p0, p1, p2, p3, x0, x1, x2, x3, ASM)
+        d = dot4u(p0, p1, p2, p3, x0, x1, x2, x3, minus_128_sum(x0, x1, x2, x3, ASM), ASM)
     return d.to(tl.float32) * (sw * sa)
 
 
@@ -705,69 +643,62 @@ def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
 @triton.jit
 def _gemv_step(
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr, M, k, KW, stride_am,
-    cp, A_8X4: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, HW_E4M3: tl.constexpr,
-    BIASED: tl.constexpr = False, tpos=None, tneg=None,
+    cp, tpos, tneg, A_8X4: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):  # fmt: skip
-    """One step of K: the weight tile ``w`` (scales ``sw``) against each row of a."""
+    """One step of K: the weight tile ``w`` (scales ``sw``) against each row of a.
+
+    One row of a: the weight's magnitudes split by sign (7 integer ops a word, two dp4a a
+    word). Several rows share the weight's decode, so each dp4a counts more: its values plus
+    128 (9 ops, one dp4a; a's sum times -128 starts each block's chain). The biased decode
+    replaced a signed one of 12 ops a word, which made M = 2-4 slower (measured:
+    docs/hopper_kernels.md, 'The GEMV's decode in fewer instructions').
+    """
     k_ok = k < KW
     swf = e4m3_f32(sw, HW_E4M3)
-    # One row of a: split magnitudes (fewer integer ops, twice the dp4a). Several rows
-    # share the weight's decode, so each dp4a counts more: signed values.
-    if tpos is not None:  # (BK,) -> (1, BK): broadcast over the rows
-        tpos = tpos[None, :]
-        tneg = tneg[None, :]
-    if BIASED:
-        p0, p1, p2, p3 = decode_u8(w, ASM, tpos)
-        n0, n1, n2, n3 = p0, p1, p2, p3
-    elif BM == 1:
-        p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, ASM, tpos)
+    tpos = tpos[None, :]  # (BK,) -> (1, BK): broadcast over the rows
+    tneg = tneg[None, :]
+    if BM == 1:
+        p0, p1, p2, p3, n0, n1, n2, n3 = decode_w(w, tpos, ASM)
     else:
-        p0, p1, p2, p3 = decode_s8(w, ASM, tpos, tneg)
+        p0, p1, p2, p3 = decode_u8(w, tpos, ASM)
         n0, n1, n2, n3 = p0, p1, p2, p3
     a_col = _scale_cols(k, KW, A_8X4)[None, :]
     # Row r of a against the weight tile, one accumulator per row (BM is at most 8).
     acc0 += _gemv_row(
         p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 0,
-        M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+        M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
     )  # fmt: skip
     if BM > 1:
         acc1 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 1,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
     if BM > 2:
         acc2 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 2,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
         acc3 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 3,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
     if BM > 4:
         acc4 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 4,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
         acc5 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 5,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
         acc6 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 6,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
         acc7 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 7,
-            M, k, k_ok, a_col, stride_am, cp, A_8X4, ASM, BM == 1 and not BIASED, HW_E4M3, BIASED,
-            tpos, tneg,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
         )  # fmt: skip
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
@@ -830,8 +761,6 @@ def gemv_dp4a(
     HW_E4M3: tl.constexpr = False,
     PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
-    BIASED: tl.constexpr = False,  # the weight decoded to 128 + 2 * value (``decode_u8``)
-    TABLES_IN_REGS: tl.constexpr = False,  # the decodes' tables from ``lane_tables``
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -848,9 +777,7 @@ def gemv_dp4a(
     sw_ptr = sw_ptr.to(tl.pointer_type(tl.uint8))
     pid = tl.program_id(0)
     kk = tl.arange(0, BK)
-    tpos, tneg = None, None
-    if TABLES_IN_REGS:
-        tpos, tneg = lane_tables(kk * 0, M, ASM)
+    tpos, tneg = lane_tables(kk * 0, M, ASM)
     if PERSIST:  # (without PREFETCH: GemvConfig refuses both)
         for g in range(pid, tl.cdiv(N, R), tl.num_programs(0)):
             rows, w_rows, sw_rows = _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R)
@@ -867,7 +794,7 @@ def gemv_dp4a(
                 w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
-                    M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3, BIASED, tpos, tneg,
+                    M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3,
                 )  # fmt: skip
             if LATE_TRIGGER:
                 pdl_trigger(PDL)
@@ -895,7 +822,7 @@ def gemv_dp4a(
                 w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
-                M, k, KW, stride_am, cp, A_8X4, BM, ASM, HW_E4M3, BIASED, tpos, tneg,
+                M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3,
             )  # fmt: skip
             if PREFETCH:
                 w, sw = w_next, sw_next

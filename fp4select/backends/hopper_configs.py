@@ -32,8 +32,6 @@ class GemvConfig:
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     persist: int = 0  # n: at most n programs an SM, each taking row groups in turn
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
-    biased: int = 0  # 1: the weight decoded to uint8 128 + 2 * value, one dp4a a word
-    tables: int = 0  # 1: the decodes' lookup tables held in registers (``lane_tables``)
 
     def __post_init__(self) -> None:
         if self.persist and self.prefetch:

@@ -261,8 +261,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
         **({"PERSIST": True} if cfg.persist else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
-        **({"BIASED": True} if cfg.biased else {}),
-        **({"TABLES_IN_REGS": True} if cfg.tables else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
