@@ -202,9 +202,10 @@ def _with_ready1(*args: Any, cfg: Any) -> Any:
 
 
 # The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "persist", "persist3", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1",
-# "fuse", "int" and "occ". (Family "u8", the GEMV's biased decode and tables in registers
-# beside its earlier decode, is in commit 9285391: hopper_sweep_u8.json.)
+# "evict", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1",
+# "fuse", "int" and "occ". (Families "persist" and "persist3", the GEMV's persistent form, are
+# in commit ae7441c; "u8", the GEMV's biased decode and tables in registers beside its
+# earlier decode, in commit 9285391: hopper_sweep_u8.json.)
 FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
@@ -430,11 +431,10 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     )
     if m <= 8 and "gfloor" in families:  # each GEMV candidate's loads alone, with a and without
         for c in hopper_configs.candidates("gemv", m):
-            if not c.persist:
-                tiling = " ".join(map(str, dataclasses.astuple(c)))
-                for with_a in (False, True):
-                    name = f"floor-gemv{'-a' if with_a else ''} {tiling}"
-                    out[name] = functools.partial(run_gemv_floor, cfg=c, with_a=with_a)
+            tiling = " ".join(map(str, dataclasses.astuple(c)))
+            for with_a in (False, True):
+                name = f"floor-gemv{'-a' if with_a else ''} {tiling}"
+                out[name] = functools.partial(run_gemv_floor, cfg=c, with_a=with_a)
     if m <= 8 and "gemv2" in families:
         for c in GEMV2:
             out[
@@ -449,23 +449,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
                 out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
-    if m <= 8 and "persist" in families:  # the GEMV's tactics with at most 4-16 programs an
-        # SM, each taking row groups in turn, beside the tactics (one program a row group).
-        # hopper_sweep_persist.json ran 2-8 an SM and prefetching tactics too (d1cc168's
-        # persistent loop prefetched across groups; removed since, GemvConfig refuses both)
-        for c in hopper_configs.candidates("gemv", m):
-            if c.prefetch:
-                continue
-            for per_sm in (4, 8, 16):
-                cc = dataclasses.replace(c, persist=per_sm)
-                name = "persist " + " ".join(map(str, dataclasses.astuple(cc)))
-                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m <= 2 and "persist3" in families:  # more tilings in the persistent form
-        for c in dict.fromkeys(GEMV + GEMV3):
-            if not c.prefetch:
-                cc = dataclasses.replace(c, persist=16)
-                name = "persist3 " + " ".join(map(str, dataclasses.astuple(cc)))
-                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if m <= 8 and "late3" in families:  # every GEMV tiling swept before, with PDL's late
         # trigger (the earlier sweeps ran them with the early one; not run yet)
         for c in dict.fromkeys(GEMV + GEMV2 + GEMV3):
@@ -684,8 +667,6 @@ def main() -> None:
                     "gemv2",
                     "gemv3",
                     "evict",
-                    "persist",
-                    "persist3",
                     "late3",
                     "deep",
                     "ws",

@@ -71,14 +71,6 @@ def test_hopper_ws_loads_from_its_second_consumer_only_with_128_rows_or_more(bad
         hc.WsConfig(**dict(block_n=128, block_t=128, stages=3, split=0, mma_tokens=128) | bad)
 
 
-def test_a_persistent_gemv_refuses_to_prefetch():
-    """The persistent loop has no prefetch (the prefetching tactic in that form was slower at
-    every M = 4-8 point swept), so asking for both is an error, not a silently plain loop."""
-    assert hc.GemvConfig(8, 128, 2, persist=16).persist == 16
-    with pytest.raises(ValueError, match=r"persistent GEMV .* does not prefetch"):
-        hc.GemvConfig(8, 128, 2, prefetch=1, persist=16)
-
-
 @pytest.mark.parametrize("split", [-1, -2])  # -1 was stream-K's, removed
 def test_hopper_ws_refuses_a_negative_k_split(split):
     assert hc.WsConfig(128, 256, 3, 0, 256, 0).split == 0

@@ -252,7 +252,7 @@ GEMV_SIGNATURE = {
     name: "constexpr"
     for name in (
         "A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL", "EVICT_FIRST", "HW_E4M3",
-        "PERSIST", "LATE_TRIGGER",
+        "LATE_TRIGGER",
     )
 }  # fmt: skip
 
@@ -263,7 +263,7 @@ def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
     constexprs = {"A_8X4": a_8x4, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
     constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
     constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
-    constexprs |= {"PERSIST": bool(cfg.persist), "LATE_TRIGGER": bool(cfg.late)}
+    constexprs |= {"LATE_TRIGGER": bool(cfg.late)}
     # the scales as validate.make_inputs and flashinfer's quantizer hand them: float8_e4m3fn
     signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
     ttgir = _ttgir(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3)

@@ -759,16 +759,14 @@ def gemv_dp4a(
     PDL: tl.constexpr = False,
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
-    PERSIST: tl.constexpr = False,  # each program takes row groups pid, pid + programs, ...
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
-    Per block: the exact integer dot product (``dp4a``) of the weight's positive and negative
-    magnitudes with a's signed values, then both block scales once, in float32. Each row of a
+    Per block: the exact integer dot product (``dp4a``) of the decoded weight with a's signed
+    values (``_gemv_step`` says which decode), then both block scales once, in float32. Each row of a
     has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
-    cores, no shared memory, no split-K. PERSIST: each program takes row groups pid,
-    pid + programs, ... (``run_gemv`` caps the grid at ``persist`` programs an SM).
+    cores, no shared memory, no split-K.
     """
     pdl_start(PDL, not LATE_TRIGGER)
     # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
@@ -778,60 +776,35 @@ def gemv_dp4a(
     pid = tl.program_id(0)
     kk = tl.arange(0, BK)
     tpos, tneg = lane_tables(kk * 0, M, ASM)
-    if PERSIST:  # (without PREFETCH: GemvConfig refuses both)
-        for g in range(pid, tl.cdiv(N, R), tl.num_programs(0)):
-            rows, w_rows, sw_rows = _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R)
-            acc0 = tl.zeros((R, BK), dtype=tl.float32)
-            acc1 = tl.zeros((R, BK), dtype=tl.float32)
-            acc2 = tl.zeros((R, BK), dtype=tl.float32)
-            acc3 = tl.zeros((R, BK), dtype=tl.float32)
-            acc4 = tl.zeros((R, BK), dtype=tl.float32)
-            acc5 = tl.zeros((R, BK), dtype=tl.float32)
-            acc6 = tl.zeros((R, BK), dtype=tl.float32)
-            acc7 = tl.zeros((R, BK), dtype=tl.float32)
-            for k0 in range(0, KW, BK):
-                k = k0 + kk
-                w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
-                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
-                    M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3,
-                )  # fmt: skip
-            if LATE_TRIGGER:
-                pdl_trigger(PDL)
-            _gemv_store_rows(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
-                stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
-            )  # fmt: skip
-    else:
-        rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
-        acc0 = tl.zeros((R, BK), dtype=tl.float32)
-        acc1 = tl.zeros((R, BK), dtype=tl.float32)
-        acc2 = tl.zeros((R, BK), dtype=tl.float32)
-        acc3 = tl.zeros((R, BK), dtype=tl.float32)
-        acc4 = tl.zeros((R, BK), dtype=tl.float32)
-        acc5 = tl.zeros((R, BK), dtype=tl.float32)
-        acc6 = tl.zeros((R, BK), dtype=tl.float32)
-        acc7 = tl.zeros((R, BK), dtype=tl.float32)
+    rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
+    acc0 = tl.zeros((R, BK), dtype=tl.float32)
+    acc1 = tl.zeros((R, BK), dtype=tl.float32)
+    acc2 = tl.zeros((R, BK), dtype=tl.float32)
+    acc3 = tl.zeros((R, BK), dtype=tl.float32)
+    acc4 = tl.zeros((R, BK), dtype=tl.float32)
+    acc5 = tl.zeros((R, BK), dtype=tl.float32)
+    acc6 = tl.zeros((R, BK), dtype=tl.float32)
+    acc7 = tl.zeros((R, BK), dtype=tl.float32)
+    if PREFETCH:
+        w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
+    for k0 in range(0, KW, BK):
+        k = k0 + kk
         if PREFETCH:
-            w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
-        for k0 in range(0, KW, BK):
-            k = k0 + kk
-            if PREFETCH:
-                w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)
-            else:
-                w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
-                M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3,
-            )  # fmt: skip
-            if PREFETCH:
-                w, sw = w_next, sw_next
-        if LATE_TRIGGER:
-            pdl_trigger(PDL)
-        _gemv_store_rows(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
-            stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
+            w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)
+        else:
+            w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
+            M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3,
         )  # fmt: skip
+        if PREFETCH:
+            w, sw = w_next, sw_next
+    if LATE_TRIGGER:
+        pdl_trigger(PDL)
+    _gemv_store_rows(
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
+        stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])  # see mma_planes

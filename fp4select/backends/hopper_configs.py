@@ -30,12 +30,7 @@ class GemvConfig:
     num_warps: int
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
-    persist: int = 0  # n: at most n programs an SM, each taking row groups in turn
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
-
-    def __post_init__(self) -> None:
-        if self.persist and self.prefetch:
-            raise ValueError("a persistent GEMV (persist > 0) does not prefetch (prefetch=0)")
 
 
 @dataclass(frozen=True)
@@ -118,15 +113,14 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # docs/hopper_kernels.md, 'The GEMV's loop converted layouts', 'Which tactics earn their
 # compile'.
 #
-# At M <= 2 also two of them in the persistent form (each program takes row groups in turn,
-# at most 16 programs an SM), faster on some shapes where there are no more row groups than
-# programs: under PDL the plain form, replayed back to back, lost to its own next launch's
-# early programs, and the persistent form did not. Letting the next launch in after the K loop
-# instead of at the start (``late``) gave the plain tilings most of that gain, alone and in a
-# graph of layers (quantize, then the GEMV), so all trigger late but 4 x 256, which alone
-# was no faster so. Every tiling swept again with the late trigger: 4 x 128 at M = 1-2 and 4 x 64 at
-# M = 3-8 joined, and nothing else beat these. Measured: docs/hopper_kernels.md, 'The GEMV in a
-# persistent form', 'PDL's trigger after the K loop', 'Every GEMV tiling again'.
+# Under PDL a plain GEMV replayed back to back lost to its own next launch's early programs;
+# letting the next launch in after the K loop instead of at the start (``late``) won that
+# back, alone and in a graph of layers (quantize, then the GEMV), so all trigger late but
+# 4 x 256, which alone was no faster so. Every tiling swept again with the late trigger: 4 x 128
+# at M = 1-2 and 4 x 64 at M = 3-8 joined; again with the biased decode, 8 x 256 at M <= 2
+# (narrow layers), and the two persistent forms (each program taking row groups in turn), which
+# no shape picked any more, left. Measured: docs/hopper_kernels.md, 'PDL's trigger after the
+# K loop', 'Every GEMV tiling again', 'The GEMV's decode in fewer instructions'.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
@@ -134,9 +128,8 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
             GemvConfig(8, 128, 2, late=1),
             GemvConfig(4, 256, 4),
             GemvConfig(8, 64, 1, late=1),
-            GemvConfig(8, 128, 2, persist=16, late=1),
-            GemvConfig(8, 64, 1, persist=16, late=1),
             GemvConfig(4, 128, 2, late=1),
+            GemvConfig(8, 256, 4, late=1),
         ),
     ),
     (

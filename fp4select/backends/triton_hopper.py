@@ -248,10 +248,7 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     cfg = cfg or for_m(GEMV_BY_M, c.m)
     pdl = _pdl(args, c.out.device)
     k = kernels()
-    groups = k.cdiv(c.n, cfg.rows_per_program)
-    if cfg.persist:
-        groups = min(groups, cfg.persist * (triton_fp4._sms(c.out.device) if c.out.is_cuda else 1))
-    k.gemv_dp4a[(groups,)](
+    k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
         a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
         c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
         c.cp, c.alpha_value,
@@ -259,7 +256,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
-        **({"PERSIST": True} if cfg.persist else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
