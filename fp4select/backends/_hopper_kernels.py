@@ -1,6 +1,6 @@
 """Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
 
-Why one file of ~900 lines: Triton resolves a kernel's helpers through its module's globals,
+Why one file of ~1000 lines: Triton resolves a kernel's helpers through its module's globals,
 and the three kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
 asm strings and the twins they must agree with read best side by side.
 
@@ -19,7 +19,8 @@ Design rules:
   activation is decoded with it and the weight with ``_PAIR_TO_F16``, which returns the same
   planes, so plane i of one meets plane i of the other.
 * Exact arithmetic. ``_DECODE_S8`` maps E2M1 codes to the integers 2*value (-12..12) with a
-  byte-permute table lookup (``prmt``) and ``_DOT4`` multiplies with ``dp4a``: the integer dot product of
+  byte-permute table lookup (``prmt``), ``_DECODE_W`` and ``_DECODE_U8`` the weight's to
+  magnitudes by sign or to 128 + 2*value, and ``dp4a`` multiplies: the integer dot product of
   one block is exact, and is scaled by both block scales once, in float32. ``_WORD_TO_F16``
   places each code's bits into a float16 (value * 2**-14, exact, subnormals included) and
   multiplies by the block scale in float16 (exact: the product is a multiple of 2**-24 below
@@ -194,8 +195,8 @@ _DOT4U = tl.constexpr("""{
 # $0, $1 = the tables' first words (TABLE_POS[0], TABLE_NEG[0]) plus (lane * $3) >> 31, which
 # is 0 for 0 <= $3 < 2**26 (the GEMV passes M <= 8) but which ptxas cannot fold: it then
 # keeps each table in a register, where it copied an immediate table from a uniform register
-# before every prmt (1 instruction in 6 of the GEMV's loop). A lane alone would not do:
-# ptxas knows that lane >> 5 is 0.
+# before every prmt (docs/hopper_kernels.md, 'The GEMV's decode in fewer instructions'). A
+# lane alone would not do: ptxas knows that lane >> 5 is 0.
 _LANE_TABLES = tl.constexpr(
     f"""{{
     .reg .b32 l;
@@ -276,12 +277,21 @@ def _sbyte(w, i: tl.constexpr):
 
 
 @triton.jit
-def _dot_word_twin(w, x):
+def _wbyte(w, i: tl.constexpr, UNSIGNED: tl.constexpr):
+    if UNSIGNED:
+        return (w >> (8 * i)) & 255
+    else:
+        return _sbyte(w, i)
+
+
+@triton.jit
+def _dot_word_twin(w, x, W_UNSIGNED: tl.constexpr = False):
+    """``dp4a`` of one word pair: x's bytes signed, w's signed or (W_UNSIGNED) not."""
     return (
-        _sbyte(w, 0) * _sbyte(x, 0)
-        + _sbyte(w, 1) * _sbyte(x, 1)
-        + _sbyte(w, 2) * _sbyte(x, 2)
-        + _sbyte(w, 3) * _sbyte(x, 3)
+        _wbyte(w, 0, W_UNSIGNED) * _sbyte(x, 0)
+        + _wbyte(w, 1, W_UNSIGNED) * _sbyte(x, 1)
+        + _wbyte(w, 2, W_UNSIGNED) * _sbyte(x, 2)
+        + _wbyte(w, 3, W_UNSIGNED) * _sbyte(x, 3)
     )
 
 
@@ -322,21 +332,6 @@ def lane_tables(like, small, ASM: tl.constexpr):
 
 
 @triton.jit
-def _ubyte(w, i: tl.constexpr):
-    return (w >> (8 * i)) & 255  # unsigned byte i of an int32
-
-
-@triton.jit
-def _dot_word_u_twin(w, x):
-    return (
-        _ubyte(w, 0) * _sbyte(x, 0)
-        + _ubyte(w, 1) * _sbyte(x, 1)
-        + _ubyte(w, 2) * _sbyte(x, 2)
-        + _ubyte(w, 3) * _sbyte(x, 3)
-    )
-
-
-@triton.jit
 def minus_128_sum(x0, x1, x2, x3, ASM: tl.constexpr):
     """-128 times the sum of 16 int8 values (4 words): the start that cancels ``decode_u8``'s bias."""
     if ASM:
@@ -365,10 +360,10 @@ def dot4u(w0, w1, w2, w3, x0, x1, x2, x3, start, ASM: tl.constexpr):
     else:
         return (
             start
-            + _dot_word_u_twin(w0, x0)
-            + _dot_word_u_twin(w1, x1)
-            + _dot_word_u_twin(w2, x2)
-            + _dot_word_u_twin(w3, x3)
+            + _dot_word_twin(w0, x0, True)
+            + _dot_word_twin(w1, x1, True)
+            + _dot_word_twin(w2, x2, True)
+            + _dot_word_twin(w3, x3, True)
         )
 
 
@@ -650,9 +645,9 @@ def _gemv_step(
 
     One row of a: the weight's magnitudes split by sign (7 integer ops a word, two dp4a a
     word). Several rows share the weight's decode, so each dp4a counts more: its values plus
-    128 (9 ops, one dp4a; a's sum times -128 starts each block's chain). The biased decode
-    replaced a signed one of 12 ops a word, which made M = 2-4 slower (measured:
-    docs/hopper_kernels.md, 'The GEMV's decode in fewer instructions').
+    128 (9 ops, one dp4a; a's sum times -128 starts each block's chain). It replaced signed
+    values (12 ops a word), with which M = 2-8 ran slower (measured: docs/hopper_kernels.md,
+    'The GEMV's decode in fewer instructions').
     """
     k_ok = k < KW
     swf = e4m3_f32(sw, HW_E4M3)
