@@ -247,9 +247,20 @@ def _s8_value(c):
 
 
 @triton.jit
-def _s8_byte(q, i: tl.constexpr):
-    """Byte of the int8 word for code i of the int64 ``q`` (2 * value, two's complement)."""
-    return (_s8_value(((q >> (4 * i)) & 15).to(tl.int32)) & 255) << (8 * (i % 4))
+def _code_byte(q, i: tl.constexpr, BIAS: tl.constexpr):
+    """Byte of the word for code i of the int64 ``q``: BIAS + 2 * value (two's complement)."""
+    return ((_s8_value(((q >> (4 * i)) & 15).to(tl.int32)) + BIAS) & 255) << (8 * (i % 4))
+
+
+@triton.jit
+def _code_words(q, BIAS: tl.constexpr):
+    """The twins of ``_DECODE_S8`` (BIAS 0) and ``_DECODE_U8`` (BIAS 128): 4 words of 4 bytes."""
+    return (
+        _code_byte(q, 0, BIAS) | _code_byte(q, 1, BIAS) | _code_byte(q, 2, BIAS) | _code_byte(q, 3, BIAS),
+        _code_byte(q, 4, BIAS) | _code_byte(q, 5, BIAS) | _code_byte(q, 6, BIAS) | _code_byte(q, 7, BIAS),
+        _code_byte(q, 8, BIAS) | _code_byte(q, 9, BIAS) | _code_byte(q, 10, BIAS) | _code_byte(q, 11, BIAS),
+        _code_byte(q, 12, BIAS) | _code_byte(q, 13, BIAS) | _code_byte(q, 14, BIAS) | _code_byte(q, 15, BIAS),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -263,12 +274,7 @@ def decode_s8(q, tpos, tneg, ASM: tl.constexpr):
             is_pure=True, pack=1,
         )  # fmt: skip
     else:
-        return (
-            _s8_byte(q, 0) | _s8_byte(q, 1) | _s8_byte(q, 2) | _s8_byte(q, 3),
-            _s8_byte(q, 4) | _s8_byte(q, 5) | _s8_byte(q, 6) | _s8_byte(q, 7),
-            _s8_byte(q, 8) | _s8_byte(q, 9) | _s8_byte(q, 10) | _s8_byte(q, 11),
-            _s8_byte(q, 12) | _s8_byte(q, 13) | _s8_byte(q, 14) | _s8_byte(q, 15),
-        )
+        return _code_words(q, 0)
 
 
 @triton.jit
@@ -296,12 +302,6 @@ def _dot_word_twin(w, x, W_UNSIGNED: tl.constexpr = False):
 
 
 @triton.jit
-def _u8_byte(q, i: tl.constexpr):
-    """Byte of the uint8 word for code i of the int64 ``q`` (128 + 2 * value)."""
-    return ((_s8_value(((q >> (4 * i)) & 15).to(tl.int32)) + 128) & 255) << (8 * (i % 4))
-
-
-@triton.jit
 def decode_u8(q, tpos, ASM: tl.constexpr):
     """An int64 word of 16 E2M1 codes -> 4 int32 words of 4 uint8 (128 + 2 * value) each."""
     if ASM:
@@ -310,12 +310,7 @@ def decode_u8(q, tpos, ASM: tl.constexpr):
             pack=1,
         )  # fmt: skip
     else:
-        return (
-            _u8_byte(q, 0) | _u8_byte(q, 1) | _u8_byte(q, 2) | _u8_byte(q, 3),
-            _u8_byte(q, 4) | _u8_byte(q, 5) | _u8_byte(q, 6) | _u8_byte(q, 7),
-            _u8_byte(q, 8) | _u8_byte(q, 9) | _u8_byte(q, 10) | _u8_byte(q, 11),
-            _u8_byte(q, 12) | _u8_byte(q, 13) | _u8_byte(q, 14) | _u8_byte(q, 15),
-        )
+        return _code_words(q, 128)
 
 
 @triton.jit
