@@ -11,7 +11,7 @@ range, each beside ``torch.mm`` of bf16 operands of the same shape:
         python benchmarks/profile_ncu.py [--cases small] > ncu.txt
     python benchmarks/profile_ncu.py --summarize ncu.txt   # -> results/ncu_h200.json
 
-``--cases small``: the small-M picks of the record of c8eadf5 at N = K = 8192 beside
+``--cases small``: the small-M picks of the record of 8a88f9f at N = K = 8192 beside
 other tactics of the same M (add ``--section InstructionStats`` for the instruction counts,
 and ``--metrics`` with this module's ``STALLS`` for each warp stall reason's share).
 
@@ -72,12 +72,12 @@ def run_cases(which: str) -> None:
     from fp4select.keys import Problem, m_bucket
 
     gemv, mma = th.GemvConfig, th.MmaConfig
-    small = [  # c8eadf5's picks at N = K = 8192 (M = 1, 2, 4, 16) and a rival of each M
+    small = [  # 8a88f9f's picks at N = K = 8192 (M = 1, 2, 4, 16) and a rival of each M
         (8192, 8192, 1, th.run_gemv, gemv(4, 256, 4)),
         (8192, 8192, 1, th.run_gemv, gemv(4, 128, 2, late=1)),
-        (8192, 8192, 2, th.run_gemv, gemv(8, 64, 1, late=1)),
-        (8192, 8192, 2, th.run_gemv, gemv(4, 256, 4)),
-        (8192, 8192, 4, th.run_gemv, gemv(4, 64, 1, late=1)),
+        (8192, 8192, 2, th.run_gemv, gemv(8, 128, 2, late=1)),
+        (8192, 8192, 2, th.run_gemv, gemv(8, 256, 4, late=1)),
+        (8192, 8192, 4, th.run_gemv, gemv(8, 64, 1, 1, late=1)),
         (8192, 8192, 4, th.run_mma, mma(128, 16, 32, 4, 3, sum_last=1)),
         (8192, 8192, 16, th.run_mma, mma(128, 16, 32, 4, 3, sum_last=1)),
     ]
