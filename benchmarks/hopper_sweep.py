@@ -523,6 +523,14 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out["int " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                 _int_scales, cfg=c
             )
+    if m <= 8 and "stages" in families:  # each GEMV candidate with its K loop's loads
+        # pipelined through shared memory 2-4 deep (tl.range's num_stages; the prefetching
+        # ones without their register prefetch), beside itself
+        for c in hopper_configs.candidates("gemv", m):
+            for stages in (0, 2, 3, 4):
+                cc = dataclasses.replace(c, prefetch=0 if stages else c.prefetch, stages=stages)
+                name = "stages " + " ".join(map(str, dataclasses.astuple(cc)))
+                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
@@ -677,6 +685,7 @@ def main() -> None:
                     "fuse",
                     "int",
                     "occ",
+                    "stages",
                 )
             ),
             default=float("nan"),
