@@ -25,11 +25,9 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
-import importlib.util
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 import triton
@@ -108,24 +106,6 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# More stages and longer steps for the small-M tilings (more of the weight in flight per
-# program): the product's 16-token tiles use 3-4 stages of 64-128 bytes of each weight row.
-DEEP = [
-    triton_hopper.MmaConfig(bn, bt, bkw, 4, st)
-    for bn, bt, bkw, st in [
-        (128, 16, 32, 4),
-        (128, 16, 32, 5),
-        (128, 16, 32, 6),
-        (128, 16, 64, 3),
-        (128, 16, 64, 4),
-        (128, 16, 16, 6),
-        (64, 16, 32, 6),
-        (64, 16, 64, 4),
-        (128, 32, 16, 5),
-        (128, 32, 32, 4),
-        (128, 64, 16, 5),
-    ]
-]
 # hopper-ws' tiles beyond its tactics: (weight rows, tokens, stages). Its first two forms (one
 # consumer partition, waiting for each step's MMA or not) are in git history (61a5875).
 WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
@@ -133,24 +113,6 @@ WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (6
 # the 128-row tiles move about 5 TB/s from L2 into shared memory, four fifths of it a's float16
 # tiles (docs/hopper_kernels.md), which these halve per weight row.
 WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
-# hopper-ws with K split (family "wsk"; split 0: run_ws chooses), for narrow layers, whose
-# tiles alone leave SMs idle. (Its tiles of 16-32 tokens, family "wss", are in commit 15e63df;
-# family "direct", a Gluon kernel loading the weight straight into the MMA's registers, in
-# 54a055e: results/hopper_sweep_direct.json.)
-WSK = [
-    hopper_configs.WsConfig(*t)
-    for t in [
-        (64, 128, 4, 0),
-        (64, 128, 4, 2),
-        (64, 128, 4, 3),
-        (128, 128, 2, 0),
-        (128, 128, 2, 2),
-        (256, 128, 2, 0),
-        (64, 64, 4, 0),
-        (64, 64, 4, 2),
-    ]
-]
-
 # hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
 # halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
 # (256 tokens, or 256 rows with whole-tile MMAs, spill at the 168 registers 12 warps allow.)
@@ -159,54 +121,26 @@ WSW = [
     for bn, st, sp in [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (64, 5, 0), (64, 3, 0)]
 ]
 WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 128, 3, 2, 128)]
-# hopper-ws without its loader warp (family "wso"): the second consumer fills each stage it
-# gives back, so 8 warps run where 12 did (the loader's warpgroup was padded) and a thread may
-# hold 255 registers instead of 168: room for whole-tile wgmma over 256 tokens or 256 rows.
-WSO = [
-    hopper_configs.WsConfig(bn, bt, st, 0, xw, 0)
-    for bn, bt, st, xw in [
-        (128, 128, 3, 128),
-        (128, 128, 4, 128),
-        (128, 256, 2, 256),
-        (128, 256, 3, 256),
-        (256, 128, 3, 128),
-        (256, 128, 4, 128),
-        (256, 128, 3, 64),
-    ]
-]
-# The shipped 64-row ws tiles (two consumers taking alternate steps) with the kernel of one
-# ready barrier a stage (family "ready1"), beside the same tiles now (family "tactics"): that
-# kernel is read from benchmarks/_hopper_ws_ready1.py, which is not committed
-# (git show 9822d35:fp4select/backends/_hopper_ws.py > benchmarks/_hopper_ws_ready1.py).
-READY1 = Path(__file__).parent / "_hopper_ws_ready1.py"
-
-
-@functools.cache
-def _ready1_module() -> Any:
-    spec = importlib.util.spec_from_file_location("_hopper_ws_ready1", READY1)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    # that kernel's launch_regs also takes phases (four consumers, removed since): run_ws
-    # passes loader_warp alone
-    module.launch_regs = functools.partial(module.launch_regs, phases=1)
-    return module
-
-
-def _with_ready1(*args: Any, cfg: Any) -> Any:
-    """run_ws with the kernel of one ready barrier a stage."""
-    saved, triton_hopper._ws_kernels = triton_hopper._ws_kernels, _ready1_module()
-    try:
-        return triton_hopper.run_ws(*args, cfg=cfg)
-    finally:
-        triton_hopper._ws_kernels = saved
-
-
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1",
-# "fuse", "int" and "occ". (Families "persist" and "persist3", the GEMV's persistent form, are
-# in commit ae7441c; "u8", the GEMV's biased decode and tables in registers beside its
-# earlier decode, in commit 9285391: hopper_sweep_u8.json.)
+# The default families; on request also "floor", "gfloor", "tactics", "nopdl", "late",
+# "late3", "gemv2", "evict", "wide", "occ", "ws", "wsw" and "dq".
 FAMILIES = ("gemv", "mma", "prefill", "old")
+# Families removed since, by the commit that still holds them (check it out to run one again):
+#   7686ed2  "deep": the small-M tilings with 4-6 stages and longer steps
+#            "wsk": hopper-ws tiles with K split (chosen from the SM count, or 2-3)
+#            "wso": hopper-ws tiles without its loader warp, beyond its tactics
+#            "ready1": the 64-row ws tactics with the kernel before ef16896's ready barriers
+#            "fuse": the mma tactics with sum_last toggled
+#            "int": the mma tactics' scales converted in integer arithmetic, not by cvt
+#            "gemv3": GEMV3 with PDL's early trigger ("late3" times it with the late one)
+#   ae7441c  "persist", "persist3": the GEMV's persistent form
+#   9285391  "u8": the GEMV's biased decode and tables in registers, beside its earlier decode
+#   8738e79  "regs": the GEMV tactics with registers capped at 168 or 128 a thread (no better)
+#   54a055e  "direct": a Gluon kernel loading the weight straight into the MMA's registers
+#   e9917bd  "gemvb": the GEMV tactics with the kernel before its scale tiles took the weight's
+#            register layout; "hw": with the GPU's e4m3 conversion (since the product's)
+#   15e63df  "wss": hopper-ws tiles of 16-32 tokens
+#   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
+#   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages"; 25e0248 "overlap"
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
 WIDE = [
@@ -282,15 +216,8 @@ OCC = [
 ]
 
 
-# hopper-gemv beyond its tactics, with its scale tiles in the weight's register layout (no
-# step converts a layout through shared memory where a program's threads span at most BK / 2
-# words of a row). results/hopper_sweep_gemv3.json also holds families "gemvb" (the tactics
-# with the kernel before that change) and "hw" (with the GPU's e4m3 conversion, since made
-# the product's): the sweep of commit e9917bd. results/hopper_sweep_regs.json: the tactics
-# with registers capped at 168 or 128 a thread (launch option maxnreg; ptxas gives the 8-row
-# tiles 143-242), no better: median 1.03x their time, 41 of 240 points over 2% faster and
-# 125 over 2% slower (up to 3x where 128 spills): commit 8738e79, GemvConfig.max_registers,
-# since taken out.
+# More hopper-gemv tilings beyond its tactics, timed by "late3" (first swept, with PDL's early
+# trigger, as family "gemv3": results/hopper_sweep_gemv3.json, the sweep of commit e9917bd).
 GEMV3 = [
     triton_hopper.GemvConfig(*t)
     for t in [
@@ -440,10 +367,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out[
                 f"gemv2 r{c.rows_per_program} bk{c.blocks_per_step} w{c.num_warps} pf{c.prefetch}"
             ] = functools.partial(triton_hopper.run_gemv, cfg=c)
-    if m <= 8 and "gemv3" in families:
-        for c in GEMV3:
-            name = "gemv3 " + " ".join(map(str, dataclasses.astuple(c)))
-            out[name] = functools.partial(triton_hopper.run_gemv, cfg=c)
     if m >= 64 and "wide" in families:
         for c in WIDE:
             if c.block_t <= 2 * m:
@@ -460,41 +383,17 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
             name = "evict " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m <= 64 and "deep" in families:  # the small-M tilings with deeper pipelines
-        for c in DEEP:
-            if c.block_t >= 2 * max(16, m) or c.block_t < min(m, 64):
-                continue
-            name = "deep " + " ".join(map(str, dataclasses.astuple(c)))
-            out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m >= 32 and "ws" in families:  # hopper-ws's kernel at every tile, below its buckets too
         for bn, bt, st in WS:
             if bt <= 2 * m:
                 cfg = hopper_configs.WsConfig(bn, bt, st)
                 out[f"ws {bn} {bt} {st}"] = functools.partial(triton_hopper.run_ws, cfg=cfg)
-    if m >= 33 and "wsk" in families:
-        for c in WSK:
-            if c.block_t <= 2 * m:
-                name = "wsk " + " ".join(map(str, dataclasses.astuple(c)))
-                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if m >= 33 and "wsw" in families:  # hopper-ws's tiles, each step one wgmma over the
         # whole 128-token tile instead of two over its 64-token halves
         for c in WSW:
             if c.block_t <= 2 * m:
                 name = "wsw " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if m >= 33 and "wso" in families:
-        for c in WSO:
-            if c.block_t <= 2 * m:
-                name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
-                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if 33 <= m <= 512 and "ready1" in families:
-        if not READY1.is_file():  # say so before any point runs, not as a failed kernel
-            raise SystemExit(f"family ready1 needs {READY1}: see the comment above READY1")
-        for c in hopper_configs.candidates("ws", m):
-            if c.block_n == 64:
-                out["ready1 " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                    _with_ready1, cfg=c
-                )
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
@@ -503,26 +402,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     for name, limit in old.items():
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
-    if m <= 64 and "fuse" in families:  # the mma tactics with their K split summed in the
-        # main kernel's last program per tile (results/hopper_sweep_fuse.json also holds a
-        # decoded in the main loop: slower at every point, 1.0-2.5x, since taken out)
-        for c in hopper_configs.candidates("mma", m):
-            cc = dataclasses.replace(c, sum_last=1 - c.sum_last)
-            out["fuse " + " ".join(map(str, dataclasses.astuple(cc)))] = functools.partial(
-                triton_hopper.run_mma, cfg=cc
-            )
     if m <= 64 and "occ" in families:  # smaller tiles split further: more programs per SM
         for c in OCC:
             if c.block_t >= m and (c.block_t == 16 or c.block_t < 2 * m):
                 out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                     triton_hopper.run_mma, cfg=c
                 )
-    if m <= 256 and "int" in families:  # the mma tactics with their scales converted in
-        # integer arithmetic (SM80's path) rather than by the GPU's cvt
-        for c in hopper_configs.candidates("mma", m):
-            out["int " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                _int_scales, cfg=c
-            )
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
@@ -545,10 +430,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     if m >= 256 and "dq" not in families:
         out["hopper-dequant"] = dequant.run_hopper
     return out
-
-
-def _int_scales(*args, cfg):
-    return triton_hopper._run_planes(args, "hopper-mma", cfg, hw_e4m3=False)
 
 
 def _without_pdl(run, *args, cfg):
