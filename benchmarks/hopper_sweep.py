@@ -124,6 +124,8 @@ WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 12
 # The default families; on request also "floor", "gfloor", "tactics", "nopdl", "late",
 # "late3", "gemv2", "evict", "wide", "occ", "ws", "wsw" and "dq".
 FAMILIES = ("gemv", "mma", "prefill", "old")
+# The older kernels that family "old" times: each up to an M (None: at every M).
+OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 # Families removed since, by the commit that still holds them (check it out to run one again):
 #   7686ed2  "deep": the small-M tilings with 4-6 stages and longer steps
 #            "wsk": hopper-ws tiles with K split (chosen from the SM count, or 2-3)
@@ -398,8 +400,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
             out["dq " + "x".join(map(str, t))] = functools.partial(dequant.run_hopper, cfg=cfg)
-    old = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None} if "old" in families else {}
-    for name, limit in old.items():
+    for name, limit in (OLD if "old" in families else {}).items():
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
     if m <= 64 and "occ" in families:  # smaller tiles split further: more programs per SM
@@ -449,6 +450,13 @@ def _call(*args, cfg: functools.partial):
 
 def family(name: str) -> str:
     return name.split(" ")[0]
+
+
+def is_new(name: str) -> bool:
+    """Whether a variant counts for the printed ``new`` time: everything but bf16, the older
+    kernels (``old``'s and ``torch-dequant``) and the floors, which compute nothing useful."""
+    f = family(name)
+    return f not in ("bf16", "torch-dequant", *OLD) and not f.startswith("floor")
 
 
 def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...]) -> dict:
@@ -533,35 +541,7 @@ def main() -> None:
             f = family(nm)
             if f not in best or t < best[f][0]:
                 best[f] = (t, nm)
-        new = min(
-            (
-                t
-                for nm, t in us.items()
-                if family(nm)
-                in (
-                    "gemv",
-                    "mma",
-                    "prefill",
-                    "hopper-dequant",
-                    "wide",
-                    "dq",
-                    "gemv2",
-                    "gemv3",
-                    "evict",
-                    "late3",
-                    "deep",
-                    "ws",
-                    "wsk",
-                    "wsw",
-                    "wso",
-                    "ready1",
-                    "fuse",
-                    "int",
-                    "occ",
-                )
-            ),
-            default=float("nan"),
-        )
+        new = min((t for nm, t in us.items() if is_new(nm)), default=float("nan"))
         wrong = [nm for nm, v in row["verdicts"].items() if not v[0].startswith(("ok", "unch"))]
         print(
             f"{n:5d}x{k:5d} M={m:5d} bf16={us['bf16']:7.1f} new={new:7.1f} "
