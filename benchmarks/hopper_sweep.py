@@ -1,12 +1,16 @@
 """Sweep the Hopper kernels' configurations in one GPU run: correctness, then speed.
 
-For each shape and M, every configuration of ``hopper-gemv``, ``hopper-mma`` (``prefill``:
-its large tiles, the retired ``hopper-prefill``'s) and ``hopper-ws`` that applies is checked against the exact reference (``validate.check``),
-then all that passed are timed side by side with bf16 cuBLAS and the older ``triton-*`` and
-``torch-dequant`` candidates (CUDA-graph replay, inputs rotated to keep L2 cold). Prints one
-line per point (the best configuration of each family, bf16, and the ratio) and writes
-``benchmarks/results/hopper_sweep.json``. Used to choose each backend's configuration table;
-``bench_gpu.py`` is the benchmark of record.
+The configurations come in families (``--families``; ``--help`` and FAMILY_HELP below list
+them): by default every configuration of ``hopper-gemv``, of ``hopper-mma`` (``prefill``: its
+large tiles, the retired ``hopper-prefill``'s) and the older ``triton-*`` candidates; on request
+``hopper-ws``'s tiles, ``hopper-dequant``'s, the product's own tactics and variants of them.
+For each shape and M, every configuration of the families asked for that applies is checked
+against the exact reference (``validate.check``), then all that passed are timed side by side
+with bf16 cuBLAS, ``torch-dequant`` (from M = 64, or with ``old``) and ``hopper-dequant`` (from
+M = 256, unless ``dq`` times its tiles) (CUDA-graph replay, inputs rotated to keep L2 cold).
+Prints one line per point (the best configuration of each family, bf16, and the ratio) and
+writes ``benchmarks/results/hopper_sweep.json``. Used to choose each backend's configuration
+table and tactic candidates; ``bench_gpu.py`` is the benchmark of record.
 
     python benchmarks/hopper_sweep.py [--shapes 8192x8192,...] [--ms 1,16,...]
         [--families gemv,mma,prefill,old,floor] [--name hopper_sweep]
@@ -45,10 +49,82 @@ SHAPES = [(8192, 8192), (28672, 4096), (4096, 14336)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 4096]
 OPTIONS = TimingOptions(budget_s=0.12, min_rounds=5, max_rounds=15)
 
+# What --families can name (--help prints it): each family is one block of variants(), which
+# says at which M it runs; "nopdl" and "late" add to what "tactics" times.
+FAMILY_HELP = {
+    "gemv": "hopper-gemv at the tilings in GEMV",
+    "mma": "hopper-mma at the tilings in MMA",
+    "prefill": "hopper-mma at the large tiles in PREFILL (the retired hopper-prefill's)",
+    "old": "the older kernels in OLD, and torch-dequant below M = 64 too",
+    "tactics": "the product's own tactic candidates (hopper_configs.candidates)",
+    "nopdl": "with tactics: each tactic also launched without PDL",
+    "late": "with tactics: each GEMV tactic also with PDL's other trigger",
+    "late3": "every GEMV tiling here (GEMV, GEMV2, GEMV3) with PDL's late trigger",
+    "gemv2": "hopper-gemv at GEMV2: with and without the next step's weight loaded ahead",
+    "evict": "the GEMV tactics with their weight loads' evict_first toggled",
+    "floor": "the small-M hopper-mma tilings' loads alone, and with the MMA (no decode)",
+    "gfloor": "each GEMV tactic's loads alone, with a's rows and scales and without",
+    "wide": "hopper-mma at WIDE: tiles of 64-256 tokens, deeper pipelines",
+    "occ": "hopper-mma at OCC: small tiles split for more programs an SM",
+    "ws": "hopper-ws at the tiles in WS",
+    "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
+    "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
+}
+# The default families.
+FAMILIES = ("gemv", "mma", "prefill", "old")
+# The older kernels that family "old" times: each up to an M (None: at every M).
+OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
+# Families removed since, by the commit that still holds them (check it out to run one again):
+#   7686ed2  "deep": the small-M tilings with 4-6 stages and longer steps
+#            "wsk": hopper-ws tiles with K split (chosen from the SM count, or 2-3)
+#            "wso": hopper-ws tiles without its loader warp, beyond its tactics
+#            "ready1": the 64-row ws tactics with the kernel before ef16896's ready barriers
+#            "fuse": the mma tactics with sum_last toggled
+#            "int": the mma tactics' scales converted in integer arithmetic, not by cvt
+#            "gemv3": GEMV3 with PDL's early trigger ("late3" times it with the late one)
+#   ae7441c  "persist", "persist3": the GEMV's persistent form
+#   9285391  "u8": the GEMV's biased decode and tables in registers, beside its earlier decode
+#   8738e79  "regs": the GEMV tactics with registers capped at 168 or 128 a thread (no better)
+#   54a055e  "direct": a Gluon kernel loading the weight straight into the MMA's registers
+#   e9917bd  "gemvb": the GEMV tactics with the kernel before its scale tiles took the weight's
+#            register layout; "hw": with the GPU's e4m3 conversion (since the product's)
+#   15e63df  "wss": hopper-ws tiles of 16-32 tokens
+#   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
+#   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages"; 25e0248 "overlap"
+
+
+# hopper-gemv's tilings (families gemv, gemv2, late3).
 GEMV = [
     triton_hopper.GemvConfig(r, bk, w)
     for r, bk, w in [(4, 128, 2), (4, 256, 2), (8, 128, 2), (4, 256, 4), (2, 256, 2), (8, 64, 1)]
 ]
+# hopper-gemv with the next step's weight loaded before this step's math, beside without.
+GEMV2 = [
+    triton_hopper.GemvConfig(r, bk, w, pf)
+    for r, bk, w in [(8, 128, 2), (4, 128, 2), (4, 256, 4), (8, 64, 1), (2, 256, 2), (4, 64, 1)]
+    for pf in (0, 1)
+] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
+# More hopper-gemv tilings beyond its tactics, timed by "late3" (first swept, with PDL's early
+# trigger, as family "gemv3": results/hopper_sweep_gemv3.json, the sweep of commit e9917bd).
+GEMV3 = [
+    triton_hopper.GemvConfig(*t)
+    for t in [
+        (16, 128, 2),
+        (16, 256, 4),
+        (8, 256, 4),
+        (8, 256, 2),
+        (4, 256, 2),
+        (4, 128, 1),
+        (16, 64, 1),
+        (8, 64, 1),
+        (8, 128, 2, 1),
+        (4, 256, 4, 1),
+        (4, 64, 1),
+        (2, 128, 1),
+    ]
+]
+
+# hopper-mma's tilings (families mma, prefill, wide, occ; floor: MMA's without their decode).
 # Every tiling is checked first; the one- and two-warp tilings (mma.sync instead of wgmma)
 # were measured slower at every M (results/hopper_sweep_small.json) and stay for comparison.
 # The steps of 32 and 64 words (128-256 bytes of each weight row per step) are not measured
@@ -106,43 +182,6 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# hopper-ws' tiles beyond its tactics: (weight rows, tokens, stages). Its first two forms (one
-# consumer partition, waiting for each step's MMA or not) are in git history (61a5875).
-WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
-# 256 rows: a's tiles read once for twice the weight rows (not run on a GPU yet). At M = 256-512
-# the 128-row tiles move about 5 TB/s from L2 into shared memory, four fifths of it a's float16
-# tiles (docs/hopper_kernels.md), which these halve per weight row.
-WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
-# hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
-# halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
-# (256 tokens, or 256 rows with whole-tile MMAs, spill at the 168 registers 12 warps allow.)
-WSW = [
-    hopper_configs.WsConfig(bn, 128, st, sp, 128)
-    for bn, st, sp in [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (64, 5, 0), (64, 3, 0)]
-]
-WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 128, 3, 2, 128)]
-# The default families; on request also "floor", "gfloor", "tactics", "nopdl", "late",
-# "late3", "gemv2", "evict", "wide", "occ", "ws", "wsw" and "dq".
-FAMILIES = ("gemv", "mma", "prefill", "old")
-# The older kernels that family "old" times: each up to an M (None: at every M).
-OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
-# Families removed since, by the commit that still holds them (check it out to run one again):
-#   7686ed2  "deep": the small-M tilings with 4-6 stages and longer steps
-#            "wsk": hopper-ws tiles with K split (chosen from the SM count, or 2-3)
-#            "wso": hopper-ws tiles without its loader warp, beyond its tactics
-#            "ready1": the 64-row ws tactics with the kernel before ef16896's ready barriers
-#            "fuse": the mma tactics with sum_last toggled
-#            "int": the mma tactics' scales converted in integer arithmetic, not by cvt
-#            "gemv3": GEMV3 with PDL's early trigger ("late3" times it with the late one)
-#   ae7441c  "persist", "persist3": the GEMV's persistent form
-#   9285391  "u8": the GEMV's biased decode and tables in registers, beside its earlier decode
-#   8738e79  "regs": the GEMV tactics with registers capped at 168 or 128 a thread (no better)
-#   54a055e  "direct": a Gluon kernel loading the weight straight into the MMA's registers
-#   e9917bd  "gemvb": the GEMV tactics with the kernel before its scale tiles took the weight's
-#            register layout; "hw": with the GPU's e4m3 conversion (since the product's)
-#   15e63df  "wss": hopper-ws tiles of 16-32 tokens
-#   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
-#   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages"; 25e0248 "overlap"
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
 WIDE = [
@@ -169,26 +208,6 @@ WIDE = [
         (64, 64, 16, 4, 5, 1),
     ]
 ]
-# hopper-dequant's GEMM tiles (BM, BN, BK, warps, stages); `dequant_tile` chooses between the
-# third and the fifth (hopper_configs.DEQUANT_SMALL, DEQUANT_LARGE).
-DQ = [
-    (128, 256, 64, 8, 3),
-    (128, 128, 64, 8, 4),
-    (128, 128, 64, 4, 4),
-    (256, 128, 64, 8, 3),
-    (128, 256, 64, 8, 4),
-    (128, 128, 128, 8, 3),
-    (64, 256, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-]
-# hopper-gemv with the next step's weight loaded before this step's math, beside without.
-GEMV2 = [
-    triton_hopper.GemvConfig(r, bk, w, pf)
-    for r, bk, w in [(8, 128, 2), (4, 128, 2), (4, 256, 4), (8, 64, 1), (2, 256, 2), (4, 64, 1)]
-    for pf in (0, 1)
-] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
-
-
 # Tiles whose registers leave room for 3-7 programs an SM, split so that there are that many
 # (the table's split gives about two an SM).
 OCC = [
@@ -217,25 +236,34 @@ OCC = [
     ]
 ]
 
+# hopper-ws's tiles (families ws, wsw). WS: tiles beyond its tactics, as (weight rows, tokens,
+# stages). Its first two forms (one consumer partition, waiting for each step's MMA or not) are
+# in git history (61a5875).
+WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
+# 256 rows: a's tiles read once for twice the weight rows (not run on a GPU yet). At M = 256-512
+# the 128-row tiles move about 5 TB/s from L2 into shared memory, four fifths of it a's float16
+# tiles (docs/hopper_kernels.md), which these halve per weight row.
+WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
+# hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
+# halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
+# (256 tokens, or 256 rows with whole-tile MMAs, spill at the 168 registers 12 warps allow.)
+WSW = [
+    hopper_configs.WsConfig(bn, 128, st, sp, 128)
+    for bn, st, sp in [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (64, 5, 0), (64, 3, 0)]
+]
+WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 128, 3, 2, 128)]
 
-# More hopper-gemv tilings beyond its tactics, timed by "late3" (first swept, with PDL's early
-# trigger, as family "gemv3": results/hopper_sweep_gemv3.json, the sweep of commit e9917bd).
-GEMV3 = [
-    triton_hopper.GemvConfig(*t)
-    for t in [
-        (16, 128, 2),
-        (16, 256, 4),
-        (8, 256, 4),
-        (8, 256, 2),
-        (4, 256, 2),
-        (4, 128, 1),
-        (16, 64, 1),
-        (8, 64, 1),
-        (8, 128, 2, 1),
-        (4, 256, 4, 1),
-        (4, 64, 1),
-        (2, 128, 1),
-    ]
+# hopper-dequant's GEMM tiles (family dq), as (BM, BN, BK, warps, stages); `dequant_tile`
+# chooses between the third and the fifth (hopper_configs.DEQUANT_SMALL, DEQUANT_LARGE).
+DQ = [
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (256, 128, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 128, 8, 3),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 4),
 ]
 
 
@@ -332,6 +360,8 @@ def run_gemv_floor(*args, cfg: triton_hopper.GemvConfig, with_a: bool) -> torch.
 
 
 def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functools.partial]:
+    """What ``point`` checks and times at M = m: each name (its family first) to a call that
+    takes mm_fp4's arguments. One block per family, each with the M it runs at."""
     out: dict[str, functools.partial] = {}
     if m <= 8 and "gemv" in families:
         for c in GEMV:
@@ -516,20 +546,34 @@ def write(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="families (* the defaults):\n"
+        + "\n".join(f"{'*' if f in FAMILIES else ' '} {f:8} {h}" for f, h in FAMILY_HELP.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--time-limit-s", type=float, default=420)
-    parser.add_argument("--families", default=",".join(FAMILIES), help="of " + ",".join(FAMILIES))
+    parser.add_argument(
+        "--families", default=",".join(FAMILIES), help="comma-separated, of those below"
+    )
     parser.add_argument("--name", default="hopper_sweep", help="the JSON's file name, less .json")
     args = parser.parse_args()
+    families = tuple(args.families.split(","))
+    unknown = [f for f in families if f not in FAMILY_HELP]
+    if unknown:  # a removed family would otherwise add nothing to the sweep, silently
+        parser.error(
+            f"unknown families {unknown}: for a removed one, {Path(__file__).name}'s comment"
+            ' "Families removed since" names the commit that holds it'
+        )
     device = torch.device("cuda")
     started = time.perf_counter()
     rows = []
     for n, k, m in sweep_points(args.shapes, args.ms, args.time_limit_s):
         try:
-            row = point(n, k, m, device, tuple(args.families.split(",")))
+            row = point(n, k, m, device, families)
         except Exception:
             print(f"{n}x{k} M={m} failed:\n{traceback.format_exc()}")
             continue
