@@ -127,8 +127,9 @@ GEMV3 = [
 # hopper-mma's tilings (families mma, prefill, wide, occ; floor: MMA's without their decode).
 # Every tiling is checked first; the one- and two-warp tilings (mma.sync instead of wgmma)
 # were measured slower at every M (results/hopper_sweep_small.json) and stay for comparison.
-# The steps of 32 and 64 words (128-256 bytes of each weight row per step) are not measured
-# yet: they test whether small M is bound by 64-byte reads per row (docs/hopper_kernels.md).
+# The steps of 32 and 64 words (128-256 bytes of each weight row per step) test whether small M
+# is bound by 64-byte reads per row (docs/hopper_kernels.md; timed in
+# results/hopper_sweep_final.json).
 MMA = [
     triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
     for bn, bt, bkw, w, st, sp in [
@@ -240,9 +241,10 @@ OCC = [
 # stages). Its first two forms (one consumer partition, waiting for each step's MMA or not) are
 # in git history (61a5875).
 WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
-# 256 rows: a's tiles read once for twice the weight rows (not run on a GPU yet). At M = 256-512
-# the 128-row tiles move about 5 TB/s from L2 into shared memory, four fifths of it a's float16
-# tiles (docs/hopper_kernels.md), which these halve per weight row.
+# 256 rows: a's tiles read once for twice the weight rows (results/hopper_sweep_ws256.json: 256 x
+# 128 became a tactic, dfc57dd). At M = 256-512 the 128-row tiles move about 5 TB/s from L2
+# into shared memory, four fifths of it a's float16 tiles (docs/hopper_kernels.md), which these
+# halve per weight row.
 WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
 # hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
 # halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
@@ -405,7 +407,8 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
                 out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m <= 8 and "late3" in families:  # every GEMV tiling swept before, with PDL's late
-        # trigger (the earlier sweeps ran them with the early one; not run yet)
+        # trigger (the earlier sweeps ran them with the early one; hopper_sweep_late3b.json,
+        # _late3c.json and _late4.json ran this)
         for c in dict.fromkeys(GEMV + GEMV2 + GEMV3):
             cc = dataclasses.replace(c, late=1)
             name = "late3 " + " ".join(map(str, dataclasses.astuple(cc)))
