@@ -1,12 +1,16 @@
 """Sweep the Hopper kernels' configurations in one GPU run: correctness, then speed.
 
-For each shape and M, every configuration of ``hopper-gemv``, ``hopper-mma`` (``prefill``:
-its large tiles, the retired ``hopper-prefill``'s) and ``hopper-ws`` that applies is checked against the exact reference (``validate.check``),
-then all that passed are timed side by side with bf16 cuBLAS and the older ``triton-*`` and
-``torch-dequant`` candidates (CUDA-graph replay, inputs rotated to keep L2 cold). Prints one
-line per point (the best configuration of each family, bf16, and the ratio) and writes
-``benchmarks/results/hopper_sweep.json``. Used to choose each backend's configuration table;
-``bench_gpu.py`` is the benchmark of record.
+The configurations come in families (``--families``; ``--help`` and FAMILY_HELP below list
+them): by default every configuration of ``hopper-gemv``, of ``hopper-mma`` (``prefill``: its
+large tiles, the retired ``hopper-prefill``'s) and the older ``triton-*`` candidates; on request
+``hopper-ws``'s tiles, ``hopper-dequant``'s, the product's own tactics and variants of them.
+For each shape and M, every configuration of the families asked for that applies is checked
+against the exact reference (``validate.check``), then all that passed are timed side by side
+with bf16 cuBLAS, ``torch-dequant`` (from M = 64, or with ``old``) and ``hopper-dequant`` (from
+M = 256, unless ``dq`` times its tiles) (CUDA-graph replay, inputs rotated to keep L2 cold).
+Prints one line per point (the best configuration of each family, bf16, and the ratio) and
+writes ``benchmarks/results/hopper_sweep.json``. Used to choose each backend's configuration
+table and tactic candidates; ``bench_gpu.py`` is the benchmark of record.
 
     python benchmarks/hopper_sweep.py [--shapes 8192x8192,...] [--ms 1,16,...]
         [--families gemv,mma,prefill,old,floor] [--name hopper_sweep]
@@ -25,11 +29,9 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
-import importlib.util
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 import triton
@@ -47,14 +49,89 @@ SHAPES = [(8192, 8192), (28672, 4096), (4096, 14336)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 4096]
 OPTIONS = TimingOptions(budget_s=0.12, min_rounds=5, max_rounds=15)
 
+# What --families can name (--help prints it): each family is one block of variants(), which
+# says at which M it runs; "nopdl" and "late" add to what "tactics" times.
+FAMILY_HELP = {
+    "gemv": "hopper-gemv at the tilings in GEMV",
+    "mma": "hopper-mma at the tilings in MMA",
+    "prefill": "hopper-mma at the large tiles in PREFILL (the retired hopper-prefill's)",
+    "old": "the older kernels in OLD, and torch-dequant below M = 64 too",
+    "tactics": "the product's own tactic candidates (hopper_configs.candidates)",
+    "nopdl": "with tactics: each tactic also launched without PDL",
+    "late": "with tactics: each GEMV tactic also with PDL's other trigger",
+    "late3": "every GEMV tiling here (GEMV, GEMV2, GEMV3) with PDL's late trigger",
+    "gemv2": "hopper-gemv at GEMV2: with and without the next step's weight loaded ahead",
+    "evict": "the GEMV tactics with their weight loads' evict_first toggled",
+    "floor": "the small-M hopper-mma tilings' loads alone, and with the MMA (no decode)",
+    "gfloor": "each GEMV tactic's loads alone, with a's rows and scales and without",
+    "wide": "hopper-mma at WIDE: tiles of 64-256 tokens, deeper pipelines",
+    "occ": "hopper-mma at OCC: small tiles split for more programs an SM",
+    "ws": "hopper-ws at the tiles in WS",
+    "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
+    "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
+    "stages": "each GEMV tactic with its K loop's loads pipelined 2-4 deep, beside itself",
+}
+# The default families.
+FAMILIES = ("gemv", "mma", "prefill", "old")
+# The older kernels that family "old" times: each up to an M (None: at every M).
+OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
+# Families removed since, by the commit that still holds them (check it out to run one again):
+#   7686ed2  "deep": the small-M tilings with 4-6 stages and longer steps
+#            "wsk": hopper-ws tiles with K split (chosen from the SM count, or 2-3)
+#            "wso": hopper-ws tiles without its loader warp, beyond its tactics
+#            "ready1": the 64-row ws tactics with the kernel before ef16896's ready barriers
+#            "fuse": the mma tactics with sum_last toggled
+#            "int": the mma tactics' scales converted in integer arithmetic, not by cvt
+#            "gemv3": GEMV3 with PDL's early trigger ("late3" times it with the late one)
+#   ae7441c  "persist", "persist3": the GEMV's persistent form
+#   9285391  "u8": the GEMV's biased decode and tables in registers, beside its earlier decode
+#   8738e79  "regs": the GEMV tactics with registers capped at 168 or 128 a thread (no better)
+#   54a055e  "direct": a Gluon kernel loading the weight straight into the MMA's registers
+#   e9917bd  "gemvb": the GEMV tactics with the kernel before its scale tiles took the weight's
+#            register layout; "hw": with the GPU's e4m3 conversion (since the product's)
+#   15e63df  "wss": hopper-ws tiles of 16-32 tokens
+#   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
+#   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages" (the mma's, not today's);
+#   25e0248 "overlap"
+
+
+# hopper-gemv's tilings (families gemv, gemv2, late3).
 GEMV = [
     triton_hopper.GemvConfig(r, bk, w)
     for r, bk, w in [(4, 128, 2), (4, 256, 2), (8, 128, 2), (4, 256, 4), (2, 256, 2), (8, 64, 1)]
 ]
+# hopper-gemv with the next step's weight loaded before this step's math, beside without.
+GEMV2 = [
+    triton_hopper.GemvConfig(r, bk, w, pf)
+    for r, bk, w in [(8, 128, 2), (4, 128, 2), (4, 256, 4), (8, 64, 1), (2, 256, 2), (4, 64, 1)]
+    for pf in (0, 1)
+] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
+# More hopper-gemv tilings beyond its tactics, timed by "late3" (first swept, with PDL's early
+# trigger, as family "gemv3": results/hopper_sweep_gemv3.json, the sweep of commit e9917bd).
+GEMV3 = [
+    triton_hopper.GemvConfig(*t)
+    for t in [
+        (16, 128, 2),
+        (16, 256, 4),
+        (8, 256, 4),
+        (8, 256, 2),
+        (4, 256, 2),
+        (4, 128, 1),
+        (16, 64, 1),
+        (8, 64, 1),
+        (8, 128, 2, 1),
+        (4, 256, 4, 1),
+        (4, 64, 1),
+        (2, 128, 1),
+    ]
+]
+
+# hopper-mma's tilings (families mma, prefill, wide, occ; floor: MMA's without their decode).
 # Every tiling is checked first; the one- and two-warp tilings (mma.sync instead of wgmma)
 # were measured slower at every M (results/hopper_sweep_small.json) and stay for comparison.
-# The steps of 32 and 64 words (128-256 bytes of each weight row per step) are not measured
-# yet: they test whether small M is bound by 64-byte reads per row (docs/hopper_kernels.md).
+# The steps of 32 and 64 words (128-256 bytes of each weight row per step) test whether small M
+# is bound by 64-byte reads per row (docs/hopper_kernels.md; timed in
+# results/hopper_sweep_final.json).
 MMA = [
     triton_hopper.MmaConfig(bn, bt, bkw, w, st, sp)
     for bn, bt, bkw, w, st, sp in [
@@ -108,105 +185,6 @@ PREFILL = [
         (128, 64, 16, 4, 4, 8),
     ]
 ]
-# More stages and longer steps for the small-M tilings (more of the weight in flight per
-# program): the product's 16-token tiles use 3-4 stages of 64-128 bytes of each weight row.
-DEEP = [
-    triton_hopper.MmaConfig(bn, bt, bkw, 4, st)
-    for bn, bt, bkw, st in [
-        (128, 16, 32, 4),
-        (128, 16, 32, 5),
-        (128, 16, 32, 6),
-        (128, 16, 64, 3),
-        (128, 16, 64, 4),
-        (128, 16, 16, 6),
-        (64, 16, 32, 6),
-        (64, 16, 64, 4),
-        (128, 32, 16, 5),
-        (128, 32, 32, 4),
-        (128, 64, 16, 5),
-    ]
-]
-# hopper-ws' tiles beyond its tactics: (weight rows, tokens, stages). Its first two forms (one
-# consumer partition, waiting for each step's MMA or not) are in git history (61a5875).
-WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
-# 256 rows: a's tiles read once for twice the weight rows (not run on a GPU yet). At M = 256-512
-# the 128-row tiles move about 5 TB/s from L2 into shared memory, four fifths of it a's float16
-# tiles (docs/hopper_kernels.md), which these halve per weight row.
-WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
-# hopper-ws with K split (family "wsk"; split 0: run_ws chooses), for narrow layers, whose
-# tiles alone leave SMs idle. (Its tiles of 16-32 tokens, family "wss", are in commit 15e63df;
-# family "direct", a Gluon kernel loading the weight straight into the MMA's registers, in
-# 54a055e: results/hopper_sweep_direct.json.)
-WSK = [
-    hopper_configs.WsConfig(*t)
-    for t in [
-        (64, 128, 4, 0),
-        (64, 128, 4, 2),
-        (64, 128, 4, 3),
-        (128, 128, 2, 0),
-        (128, 128, 2, 2),
-        (256, 128, 2, 0),
-        (64, 64, 4, 0),
-        (64, 64, 4, 2),
-    ]
-]
-
-# hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
-# halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
-# (256 tokens, or 256 rows with whole-tile MMAs, spill at the 168 registers 12 warps allow.)
-WSW = [
-    hopper_configs.WsConfig(bn, 128, st, sp, 128)
-    for bn, st, sp in [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (64, 5, 0), (64, 3, 0)]
-]
-WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 128, 3, 2, 128)]
-# hopper-ws without its loader warp (family "wso"): the second consumer fills each stage it
-# gives back, so 8 warps run where 12 did (the loader's warpgroup was padded) and a thread may
-# hold 255 registers instead of 168: room for whole-tile wgmma over 256 tokens or 256 rows.
-WSO = [
-    hopper_configs.WsConfig(bn, bt, st, 0, xw, 0)
-    for bn, bt, st, xw in [
-        (128, 128, 3, 128),
-        (128, 128, 4, 128),
-        (128, 256, 2, 256),
-        (128, 256, 3, 256),
-        (256, 128, 3, 128),
-        (256, 128, 4, 128),
-        (256, 128, 3, 64),
-    ]
-]
-# The shipped 64-row ws tiles (two consumers taking alternate steps) with the kernel of one
-# ready barrier a stage (family "ready1"), beside the same tiles now (family "tactics"): that
-# kernel is read from benchmarks/_hopper_ws_ready1.py, which is not committed
-# (git show 9822d35:fp4select/backends/_hopper_ws.py > benchmarks/_hopper_ws_ready1.py).
-READY1 = Path(__file__).parent / "_hopper_ws_ready1.py"
-
-
-@functools.cache
-def _ready1_module() -> Any:
-    spec = importlib.util.spec_from_file_location("_hopper_ws_ready1", READY1)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    # that kernel's launch_regs also takes phases (four consumers, removed since): run_ws
-    # passes loader_warp alone
-    module.launch_regs = functools.partial(module.launch_regs, phases=1)
-    return module
-
-
-def _with_ready1(*args: Any, cfg: Any) -> Any:
-    """run_ws with the kernel of one ready barrier a stage."""
-    saved, triton_hopper._ws_kernels = triton_hopper._ws_kernels, _ready1_module()
-    try:
-        return triton_hopper.run_ws(*args, cfg=cfg)
-    finally:
-        triton_hopper._ws_kernels = saved
-
-
-# The default families; on request also "floor", "tactics", "nopdl", "wide", "dq", "gemv2",
-# "evict", "late", "late3", "deep", "ws", "wsk", "wsw", "wso", "ready1",
-# "fuse", "int" and "occ". (Families "persist" and "persist3", the GEMV's persistent form, are
-# in commit ae7441c; "u8", the GEMV's biased decode and tables in registers beside its
-# earlier decode, in commit 9285391: hopper_sweep_u8.json.)
-FAMILIES = ("gemv", "mma", "prefill", "old")
 # One-warpgroup tiles 64 weight rows tall and up to 256 tokens wide (twice the programs of the
 # 128-row tiles at the same M, each weight row decoded once per 256 tokens), and deeper steps.
 WIDE = [
@@ -233,26 +211,6 @@ WIDE = [
         (64, 64, 16, 4, 5, 1),
     ]
 ]
-# hopper-dequant's GEMM tiles (BM, BN, BK, warps, stages); `dequant_tile` chooses between the
-# third and the fifth (hopper_configs.DEQUANT_SMALL, DEQUANT_LARGE).
-DQ = [
-    (128, 256, 64, 8, 3),
-    (128, 128, 64, 8, 4),
-    (128, 128, 64, 4, 4),
-    (256, 128, 64, 8, 3),
-    (128, 256, 64, 8, 4),
-    (128, 128, 128, 8, 3),
-    (64, 256, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-]
-# hopper-gemv with the next step's weight loaded before this step's math, beside without.
-GEMV2 = [
-    triton_hopper.GemvConfig(r, bk, w, pf)
-    for r, bk, w in [(8, 128, 2), (4, 128, 2), (4, 256, 4), (8, 64, 1), (2, 256, 2), (4, 64, 1)]
-    for pf in (0, 1)
-] + [triton_hopper.GemvConfig(8, 32, 1, 1), triton_hopper.GemvConfig(16, 64, 2, 1)]
-
-
 # Tiles whose registers leave room for 3-7 programs an SM, split so that there are that many
 # (the table's split gives about two an SM).
 OCC = [
@@ -281,32 +239,35 @@ OCC = [
     ]
 ]
 
+# hopper-ws's tiles (families ws, wsw). WS: tiles beyond its tactics, as (weight rows, tokens,
+# stages). Its first two forms (one consumer partition, waiting for each step's MMA or not) are
+# in git history (61a5875).
+WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (64, 64, 4)]
+# 256 rows: a's tiles read once for twice the weight rows (results/hopper_sweep_ws256.json: 256 x
+# 128 became a tactic, dfc57dd). At M = 256-512 the 128-row tiles move about 5 TB/s from L2
+# into shared memory, four fifths of it a's float16 tiles (docs/hopper_kernels.md), which these
+# halve per weight row.
+WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
+# hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
+# halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
+# (256 tokens, or 256 rows with whole-tile MMAs, spill at the 168 registers 12 warps allow.)
+WSW = [
+    hopper_configs.WsConfig(bn, 128, st, sp, 128)
+    for bn, st, sp in [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (64, 5, 0), (64, 3, 0)]
+]
+WSW += [hopper_configs.WsConfig(256, 128, 3, 0), hopper_configs.WsConfig(128, 128, 3, 2, 128)]
 
-# hopper-gemv beyond its tactics, with its scale tiles in the weight's register layout (no
-# step converts a layout through shared memory where a program's threads span at most BK / 2
-# words of a row). results/hopper_sweep_gemv3.json also holds families "gemvb" (the tactics
-# with the kernel before that change) and "hw" (with the GPU's e4m3 conversion, since made
-# the product's): the sweep of commit e9917bd. results/hopper_sweep_regs.json: the tactics
-# with registers capped at 168 or 128 a thread (launch option maxnreg; ptxas gives the 8-row
-# tiles 143-242), no better: median 1.03x their time, 41 of 240 points over 2% faster and
-# 125 over 2% slower (up to 3x where 128 spills): commit 8738e79, GemvConfig.max_registers,
-# since taken out.
-GEMV3 = [
-    triton_hopper.GemvConfig(*t)
-    for t in [
-        (16, 128, 2),
-        (16, 256, 4),
-        (8, 256, 4),
-        (8, 256, 2),
-        (4, 256, 2),
-        (4, 128, 1),
-        (16, 64, 1),
-        (8, 64, 1),
-        (8, 128, 2, 1),
-        (4, 256, 4, 1),
-        (4, 64, 1),
-        (2, 128, 1),
-    ]
+# hopper-dequant's GEMM tiles (family dq), as (BM, BN, BK, warps, stages); `dequant_tile`
+# chooses between the third and the fifth (hopper_configs.DEQUANT_SMALL, DEQUANT_LARGE).
+DQ = [
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (256, 128, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 128, 8, 3),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 4),
 ]
 
 
@@ -403,6 +364,8 @@ def run_gemv_floor(*args, cfg: triton_hopper.GemvConfig, with_a: bool) -> torch.
 
 
 def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functools.partial]:
+    """What ``point`` checks and times at M = m: each name (its family first) to a call that
+    takes mm_fp4's arguments. One block per family, each with the M it runs at."""
     out: dict[str, functools.partial] = {}
     if m <= 8 and "gemv" in families:
         for c in GEMV:
@@ -440,17 +403,14 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             out[
                 f"gemv2 r{c.rows_per_program} bk{c.blocks_per_step} w{c.num_warps} pf{c.prefetch}"
             ] = functools.partial(triton_hopper.run_gemv, cfg=c)
-    if m <= 8 and "gemv3" in families:
-        for c in GEMV3:
-            name = "gemv3 " + " ".join(map(str, dataclasses.astuple(c)))
-            out[name] = functools.partial(triton_hopper.run_gemv, cfg=c)
     if m >= 64 and "wide" in families:
         for c in WIDE:
             if c.block_t <= 2 * m:
                 name = f"wide n{c.block_n} t{c.block_t} kw{c.words_per_step} w{c.num_warps} st{c.num_stages} s{c.split}"
                 out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m <= 8 and "late3" in families:  # every GEMV tiling swept before, with PDL's late
-        # trigger (the earlier sweeps ran them with the early one; not run yet)
+        # trigger (the earlier sweeps ran them with the early one; hopper_sweep_late3b.json,
+        # _late3c.json and _late4.json ran this)
         for c in dict.fromkeys(GEMV + GEMV2 + GEMV3):
             cc = dataclasses.replace(c, late=1)
             name = "late3 " + " ".join(map(str, dataclasses.astuple(cc)))
@@ -460,69 +420,30 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)
             name = "evict " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
-    if m <= 64 and "deep" in families:  # the small-M tilings with deeper pipelines
-        for c in DEEP:
-            if c.block_t >= 2 * max(16, m) or c.block_t < min(m, 64):
-                continue
-            name = "deep " + " ".join(map(str, dataclasses.astuple(c)))
-            out[name] = functools.partial(triton_hopper.run_mma, cfg=c)
     if m >= 32 and "ws" in families:  # hopper-ws's kernel at every tile, below its buckets too
         for bn, bt, st in WS:
             if bt <= 2 * m:
                 cfg = hopper_configs.WsConfig(bn, bt, st)
                 out[f"ws {bn} {bt} {st}"] = functools.partial(triton_hopper.run_ws, cfg=cfg)
-    if m >= 33 and "wsk" in families:
-        for c in WSK:
-            if c.block_t <= 2 * m:
-                name = "wsk " + " ".join(map(str, dataclasses.astuple(c)))
-                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if m >= 33 and "wsw" in families:  # hopper-ws's tiles, each step one wgmma over the
         # whole 128-token tile instead of two over its 64-token halves
         for c in WSW:
             if c.block_t <= 2 * m:
                 name = "wsw " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if m >= 33 and "wso" in families:
-        for c in WSO:
-            if c.block_t <= 2 * m:
-                name = "wso " + " ".join(map(str, dataclasses.astuple(c)))
-                out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if 33 <= m <= 512 and "ready1" in families:
-        if not READY1.is_file():  # say so before any point runs, not as a failed kernel
-            raise SystemExit(f"family ready1 needs {READY1}: see the comment above READY1")
-        for c in hopper_configs.candidates("ws", m):
-            if c.block_n == 64:
-                out["ready1 " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                    _with_ready1, cfg=c
-                )
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
             out["dq " + "x".join(map(str, t))] = functools.partial(dequant.run_hopper, cfg=cfg)
-    old = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None} if "old" in families else {}
-    for name, limit in old.items():
+    for name, limit in (OLD if "old" in families else {}).items():
         if limit is None or m <= limit:
             out[name] = triton_fp4.make_runner(Problem(n=1, k=16, m_bucket=1), name)
-    if m <= 64 and "fuse" in families:  # the mma tactics with their K split summed in the
-        # main kernel's last program per tile (results/hopper_sweep_fuse.json also holds a
-        # decoded in the main loop: slower at every point, 1.0-2.5x, since taken out)
-        for c in hopper_configs.candidates("mma", m):
-            cc = dataclasses.replace(c, sum_last=1 - c.sum_last)
-            out["fuse " + " ".join(map(str, dataclasses.astuple(cc)))] = functools.partial(
-                triton_hopper.run_mma, cfg=cc
-            )
     if m <= 64 and "occ" in families:  # smaller tiles split further: more programs per SM
         for c in OCC:
             if c.block_t >= m and (c.block_t == 16 or c.block_t < 2 * m):
                 out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                     triton_hopper.run_mma, cfg=c
                 )
-    if m <= 256 and "int" in families:  # the mma tactics with their scales converted in
-        # integer arithmetic (SM80's path) rather than by the GPU's cvt
-        for c in hopper_configs.candidates("mma", m):
-            out["int " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                _int_scales, cfg=c
-            )
     if m <= 8 and "stages" in families:  # each GEMV candidate with its K loop's loads
         # pipelined through shared memory 2-4 deep (tl.range's num_stages; the prefetching
         # ones without their register prefetch), beside itself
@@ -555,10 +476,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
     return out
 
 
-def _int_scales(*args, cfg):
-    return triton_hopper._run_planes(args, "hopper-mma", cfg, hw_e4m3=False)
-
-
 def _without_pdl(run, *args, cfg):
     """``run`` as mm_fp4 with enable_pdl=False."""
     return run(*args[:10], False, cfg=cfg)
@@ -576,6 +493,13 @@ def _call(*args, cfg: functools.partial):
 
 def family(name: str) -> str:
     return name.split(" ")[0]
+
+
+def is_new(name: str) -> bool:
+    """Whether a variant counts for the printed ``new`` time: everything but bf16, the older
+    kernels (``old``'s and ``torch-dequant``) and the floors, which compute nothing useful."""
+    f = family(name)
+    return f not in ("bf16", "torch-dequant", *OLD) and not f.startswith("floor")
 
 
 def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...]) -> dict:
@@ -635,20 +559,34 @@ def write(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="families (* the defaults):\n"
+        + "\n".join(f"{'*' if f in FAMILIES else ' '} {f:8} {h}" for f, h in FAMILY_HELP.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--time-limit-s", type=float, default=420)
-    parser.add_argument("--families", default=",".join(FAMILIES), help="of " + ",".join(FAMILIES))
+    parser.add_argument(
+        "--families", default=",".join(FAMILIES), help="comma-separated, of those below"
+    )
     parser.add_argument("--name", default="hopper_sweep", help="the JSON's file name, less .json")
     args = parser.parse_args()
+    families = tuple(args.families.split(","))
+    unknown = [f for f in families if f not in FAMILY_HELP]
+    if unknown:  # a removed family would otherwise add nothing to the sweep, silently
+        parser.error(
+            f"unknown families {unknown}: for a removed one, {Path(__file__).name}'s comment"
+            ' "Families removed since" names the commit that holds it'
+        )
     device = torch.device("cuda")
     started = time.perf_counter()
     rows = []
     for n, k, m in sweep_points(args.shapes, args.ms, args.time_limit_s):
         try:
-            row = point(n, k, m, device, tuple(args.families.split(",")))
+            row = point(n, k, m, device, families)
         except Exception:
             print(f"{n}x{k} M={m} failed:\n{traceback.format_exc()}")
             continue
@@ -660,36 +598,7 @@ def main() -> None:
             f = family(nm)
             if f not in best or t < best[f][0]:
                 best[f] = (t, nm)
-        new = min(
-            (
-                t
-                for nm, t in us.items()
-                if family(nm)
-                in (
-                    "gemv",
-                    "mma",
-                    "prefill",
-                    "hopper-dequant",
-                    "wide",
-                    "dq",
-                    "gemv2",
-                    "gemv3",
-                    "evict",
-                    "late3",
-                    "deep",
-                    "ws",
-                    "wsk",
-                    "wsw",
-                    "wso",
-                    "ready1",
-                    "fuse",
-                    "int",
-                    "occ",
-                    "stages",
-                )
-            ),
-            default=float("nan"),
-        )
+        new = min((t for nm, t in us.items() if is_new(nm)), default=float("nan"))
         wrong = [nm for nm, v in row["verdicts"].items() if not v[0].startswith(("ok", "unch"))]
         print(
             f"{n:5d}x{k:5d} M={m:5d} bf16={us['bf16']:7.1f} new={new:7.1f} "
