@@ -69,7 +69,6 @@ FAMILY_HELP = {
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
-    "stages": "each GEMV tactic with its K loop's loads pipelined 2-4 deep, beside itself",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -85,6 +84,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #            "gemv3": GEMV3 with PDL's early trigger ("late3" times it with the late one)
 #   ae7441c  "persist", "persist3": the GEMV's persistent form
 #   9285391  "u8": the GEMV's biased decode and tables in registers, beside its earlier decode
+#   35430a8  "stages": the GEMV tactics' loads pipelined 2-4 deep through shared memory
 #   8738e79  "regs": the GEMV tactics with registers capped at 168 or 128 a thread (no better)
 #   54a055e  "direct": a Gluon kernel loading the weight straight into the MMA's registers
 #   e9917bd  "gemvb": the GEMV tactics with the kernel before its scale tiles took the weight's
@@ -444,14 +444,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                     triton_hopper.run_mma, cfg=c
                 )
-    if m <= 8 and "stages" in families:  # each GEMV candidate with its K loop's loads
-        # pipelined through shared memory 2-4 deep (tl.range's num_stages; the prefetching
-        # ones without their register prefetch), beside itself
-        for c in hopper_configs.candidates("gemv", m):
-            for stages in (0, 2, 3, 4):
-                cc = dataclasses.replace(c, prefetch=0 if stages else c.prefetch, stages=stages)
-                name = "stages " + " ".join(map(str, dataclasses.astuple(cc)))
-                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []

@@ -750,7 +750,6 @@ def gemv_dp4a(
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
-    STAGES: tl.constexpr = 1,  # > 1: Triton pipelines the loop's loads through shared memory
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -778,7 +777,7 @@ def gemv_dp4a(
     acc7 = tl.zeros((R, BK), dtype=tl.float32)
     if PREFETCH:
         w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
-    for k0 in tl.range(0, KW, BK, num_stages=STAGES):
+    for k0 in range(0, KW, BK):
         k = k0 + kk
         if PREFETCH:
             w_next, sw_next = _gemv_weight(w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST)

@@ -31,7 +31,6 @@ class GemvConfig:
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
-    stages: int = 0  # n > 1: the K loop's loads pipelined n deep through shared memory
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         **({"EVICT_FIRST": True} if cfg.evict_first else {}),
         **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
-        **({"STAGES": cfg.stages} if cfg.stages > 1 else {}),
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
