@@ -69,6 +69,7 @@ FAMILY_HELP = {
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
+    "nospec": "experiment: each GEMV candidate with M specialized and not",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -444,6 +445,13 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                     triton_hopper.run_mma, cfg=c
                 )
+    if m <= 8 and "nospec" in families:  # each GEMV candidate with M specialized (Triton's
+        # constant for an int of 1) and not, beside itself
+        for c in hopper_configs.candidates("gemv", m):
+            for nospec in (0, 1):
+                cc = dataclasses.replace(c, nospec=nospec)
+                name = "nospec " + " ".join(map(str, dataclasses.astuple(cc)))
+                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []

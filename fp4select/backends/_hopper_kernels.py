@@ -797,6 +797,11 @@ def gemv_dp4a(
     )  # fmt: skip
 
 
+# experiment: M not specialized (Triton makes an int argument of 1 a constant, and then ptxas
+# folds lane_tables' trick at M = 1)
+gemv_dp4a_m = triton.jit(do_not_specialize=["M"])(gemv_dp4a.fn)
+
+
 @triton.jit(do_not_specialize=["M"])  # see mma_planes
 def decode_planes(
     a_ptr,  # int32 view of a: (M, K/8)
