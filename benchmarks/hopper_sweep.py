@@ -69,7 +69,6 @@ FAMILY_HELP = {
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
-    "nospec": "experiment: each GEMV candidate with M specialized and not",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -86,6 +85,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   ae7441c  "persist", "persist3": the GEMV's persistent form
 #   9285391  "u8": the GEMV's biased decode and tables in registers, beside its earlier decode
 #   35430a8  "stages": the GEMV tactics' loads pipelined 2-4 deep through shared memory
+#   b739cf1  "nospec": the GEMV candidates with M specialized (Triton's constant for 1) and not
 #   8738e79  "regs": the GEMV tactics with registers capped at 168 or 128 a thread (no better)
 #   54a055e  "direct": a Gluon kernel loading the weight straight into the MMA's registers
 #   e9917bd  "gemvb": the GEMV tactics with the kernel before its scale tiles took the weight's
@@ -445,13 +445,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                     triton_hopper.run_mma, cfg=c
                 )
-    if m <= 8 and "nospec" in families:  # each GEMV candidate with M specialized (Triton's
-        # constant for an int of 1) and not, beside itself
-        for c in hopper_configs.candidates("gemv", m):
-            for nospec in (0, 1):
-                cc = dataclasses.replace(c, nospec=nospec)
-                name = "nospec " + " ".join(map(str, dataclasses.astuple(cc)))
-                out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []

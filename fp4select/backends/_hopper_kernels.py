@@ -722,7 +722,10 @@ def _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R: tl.constexpr):
     return rows, w_rows, sw_rows
 
 
-@triton.jit
+# M is not specialized: Triton makes an int argument of 1 a constant, and ptxas then folds
+# lane_tables' trick at M = 1 (its tables copied before every prmt again; measured:
+# docs/hopper_kernels.md, 'The GEMV's decode in fewer instructions').
+@triton.jit(do_not_specialize=["M"])
 def gemv_dp4a(
     a_ptr,  # int64 view of a: (M, K/16), one word per block
     w_ptr,  # int64 view of the weight: (N, K/16)
@@ -795,11 +798,6 @@ def gemv_dp4a(
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M, rows, N, out_ptr,
         stride_om, stride_on, alpha_ptr, alpha_value, ALPHA, BM,
     )  # fmt: skip
-
-
-# experiment: M not specialized (Triton makes an int argument of 1 a constant, and then ptxas
-# folds lane_tables' trick at M = 1)
-gemv_dp4a_m = triton.jit(do_not_specialize=["M"])(gemv_dp4a.fn)
 
 
 @triton.jit(do_not_specialize=["M"])  # see mma_planes

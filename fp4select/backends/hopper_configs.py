@@ -31,7 +31,6 @@ class GemvConfig:
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
-    nospec: int = 0  # experiment: 1: the kernel not specialized on M
 
 
 @dataclass(frozen=True)

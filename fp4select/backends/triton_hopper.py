@@ -248,8 +248,7 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     cfg = cfg or for_m(GEMV_BY_M, c.m)
     pdl = _pdl(args, c.out.device)
     k = kernels()
-    kernel = k.gemv_dp4a_m if cfg.nospec else k.gemv_dp4a
-    kernel[(k.cdiv(c.n, cfg.rows_per_program),)](
+    k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
         a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
         c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
         c.cp, c.alpha_value,
