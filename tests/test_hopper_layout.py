@@ -281,6 +281,56 @@ def test_the_gemv_loop_keeps_every_tile_in_the_weight_s_register_layout(cfg):
             assert _gemv_loop_conversions(cfg, m, a_8x4) == [], (m, a_8x4)
 
 
+def _gemv_loop_table_copies(cfg, m: int, m_constant: bool = False) -> int:
+    """Copies of a lookup table's word from a uniform register into a register in the GEMV's K
+    loop: ptxas' way of handing an immediate table to each ``prmt``, which ``lane_tables``
+    exists to avoid (the loop's other uniform copies, pointers, are not counted). Compiled
+    as ``run_gemv`` launches ``cfg`` at M = m; ``m_constant``: with M = 1 a constant, as Triton
+    would make it were the kernel specialized on M."""
+    constexprs = {"A_8X4": False, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
+    constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
+    constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
+    constexprs |= {"LATE_TRIGGER": bool(cfg.late)}
+    signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
+    if m_constant:
+        signature["M"] = "constexpr"
+        constexprs["M"] = 1
+    sass = _hazard_tool()._sass(_compile(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3))
+    lines = sass.splitlines()
+    loops = []  # each backward branch's span of lines
+    for i, line in enumerate(lines):
+        branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        start = branch and next(
+            (j for j, x in enumerate(lines) if x.startswith(branch[1] + ":")), None
+        )
+        if start is not None and start < i:
+            loops.append(lines[start:i])
+    k_loop = max(loops, key=lambda body: sum(" IDP." in x for x in body))
+    tables = "|".join(f"{word:#x}" for word in (hk.TABLE_POS[0], hk.TABLE_NEG[0]))
+    held = set(re.findall(rf"UMOV (UR\d+), (?:{tables}) ;", sass))  # a table's word, uniform
+    copy = re.compile(r"(?:IMAD\.U32|IMAD\.MOV\.U32|MOV) R\d+, (?:RZ, RZ, )?(UR\d+) ;")
+    return sum(bool(m) and m[1] in held for m in map(copy.search, k_loop))
+
+
+@pytest.mark.parametrize(
+    ("cfg", "m"),
+    [(c, m) for c in hopper_configs.candidates("gemv", 1) for m in (1, 2)]
+    + [(c, 4) for c in hopper_configs.candidates("gemv", 4)],
+    ids=str,
+)
+def test_the_gemv_loop_holds_its_decode_tables_in_registers(cfg, m):
+    """Copied before every ``prmt`` they cost up to 1 instruction in 6 of the loop (measured:
+    docs/hopper_kernels.md, 'The GEMV's decode in fewer instructions')."""
+    assert _gemv_loop_table_copies(cfg, m) == 0
+
+
+def test_the_table_check_can_fail_and_the_kernel_is_not_specialized_on_m():
+    """With M a constant 1 ptxas folds ``lane_tables``' trick and copies the tables again: so
+    the kernel must not let Triton specialize M."""
+    assert _gemv_loop_table_copies(hopper_configs.GemvConfig(4, 256, 4), 1, m_constant=True) > 0
+    assert "M" in hk.gemv_dp4a.do_not_specialize
+
+
 def test_the_gemv_layout_check_can_fail():
     """A program whose threads span more than one weight row per 16-byte column (8 rows x 128
     blocks on 4 warps) gets its a-row tiles in another layout: the check sees the conversions."""
