@@ -31,6 +31,7 @@ class GemvConfig:
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
+    pre: int = 0  # 1: a decoded once per call by a kernel of its own (``gemv_a_words``)
 
 
 @dataclass(frozen=True)
