@@ -69,6 +69,7 @@ FAMILY_HELP = {
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
+    "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -124,6 +125,28 @@ GEMV3 = [
         (4, 256, 4, 1),
         (4, 64, 1),
         (2, 128, 1),
+    ]
+]
+# hopper-gemv with a decoded once per call (family pre; PDL's late trigger): the M <= 2 and
+# M = 3-8 tactics' tilings, and fewer rows a program (more programs, fewer registers), which
+# a's decode in the loop had made dear.
+PRE = [
+    triton_hopper.GemvConfig(*t, late=1, pre=1)
+    for t in [
+        (8, 128, 2),
+        (4, 256, 4),
+        (8, 64, 1),
+        (4, 128, 2),
+        (8, 256, 4),
+        (4, 64, 1),
+        (2, 256, 2),
+        (2, 128, 1),
+        (8, 64, 1, 1),
+        (4, 128, 2, 0, 1),
+        (8, 128, 2, 0, 1),
+        (4, 64, 1, 1),
+        (2, 64, 1),
+        (4, 128, 1),
     ]
 ]
 
@@ -416,6 +439,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             cc = dataclasses.replace(c, late=1)
             name = "late3 " + " ".join(map(str, dataclasses.astuple(cc)))
             out[name] = functools.partial(triton_hopper.run_gemv, cfg=cc)
+    if m <= 8 and "pre" in families:
+        for c in PRE:
+            out["pre " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
+                triton_hopper.run_gemv, cfg=c
+            )
     if m <= 4 and "evict" in families:  # the GEMV's weight loads with evict_first, beside
         for c in hopper_configs.candidates("gemv", m):
             cc = dataclasses.replace(c, evict_first=1 - c.evict_first)

@@ -78,11 +78,11 @@ SIGNATURE = {
 DIVISIBLE = {"N", "KW", "MP", "stride_wn", "stride_om", "cp"}
 
 
-def _compile(fn, signature: dict, constexprs: dict, warps: int, stages: int):
+def _compile(fn, signature: dict, constexprs: dict, warps: int, stages: int, divisible=DIVISIBLE):
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, (name, kind) in enumerate(signature.items())
-        if kind.startswith("*") or name in DIVISIBLE
+        if kind.startswith("*") or name in divisible
     }
     _skip_without_sm90_toolchain()
     source = compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -252,21 +252,32 @@ GEMV_SIGNATURE = {
     name: "constexpr"
     for name in (
         "A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL", "EVICT_FIRST", "HW_E4M3",
-        "LATE_TRIGGER",
+        "LATE_TRIGGER", "PRE",
     )
 }  # fmt: skip
+
+
+def _compile_gemv(cfg, m: int, a_8x4: bool = False, m_constant: bool = False):
+    """``gemv_dp4a`` as ``run_gemv`` launches ``cfg`` at M = m on SM90, the scales float8_e4m3fn
+    (as validate.make_inputs and flashinfer's quantizer hand them). With ``pre``, stride_am is
+    the workspace's plane, a multiple of 16 words, which Triton then knows; ``m_constant``: M
+    a constant 1, as Triton would make it were the kernel specialized on M."""
+    constexprs = {"A_8X4": a_8x4, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
+    constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
+    constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
+    constexprs |= {"LATE_TRIGGER": bool(cfg.late), "PRE": bool(cfg.pre)}
+    signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
+    if m_constant:
+        signature["M"] = "constexpr"
+        constexprs["M"] = 1
+    divisible = DIVISIBLE | ({"stride_am"} if cfg.pre else set())
+    return _compile(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3, divisible)
 
 
 def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
     """The layout conversions inside the GEMV's K loop, compiled as ``run_gemv`` launches
     ``cfg`` at M = m on SM90 (each goes through shared memory behind barriers)."""
-    constexprs = {"A_8X4": a_8x4, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
-    constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
-    constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
-    constexprs |= {"LATE_TRIGGER": bool(cfg.late)}
-    # the scales as validate.make_inputs and flashinfer's quantizer hand them: float8_e4m3fn
-    signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
-    ttgir = _ttgir(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3)
+    ttgir = _compile_gemv(cfg, m, a_8x4).asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
     return [line.strip() for line in loop.splitlines() if "convert_layout" in line]
 
@@ -285,17 +296,8 @@ def _gemv_loop_table_copies(cfg, m: int, m_constant: bool = False) -> int:
     """Copies of a lookup table's word from a uniform register into a register in the GEMV's K
     loop: ptxas' way of handing an immediate table to each ``prmt``, which ``lane_tables``
     exists to avoid (the loop's other uniform copies, pointers, are not counted). Compiled
-    as ``run_gemv`` launches ``cfg`` at M = m; ``m_constant``: with M = 1 a constant, as Triton
-    would make it were the kernel specialized on M."""
-    constexprs = {"A_8X4": False, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
-    constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
-    constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
-    constexprs |= {"LATE_TRIGGER": bool(cfg.late)}
-    signature = GEMV_SIGNATURE | {"sa_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv"}
-    if m_constant:
-        signature["M"] = "constexpr"
-        constexprs["M"] = 1
-    sass = _hazard_tool()._sass(_compile(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3))
+    as ``_compile_gemv`` says."""
+    sass = _hazard_tool()._sass(_compile_gemv(cfg, m, m_constant=m_constant))
     lines = sass.splitlines()
     loops = []  # each backward branch's span of lines
     for i, line in enumerate(lines):

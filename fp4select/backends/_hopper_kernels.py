@@ -556,22 +556,70 @@ def _gemv_row(
     ASM: tl.constexpr,
     SPLIT: tl.constexpr,
     HW_E4M3: tl.constexpr,
+    PRE: tl.constexpr = False,
 ):
     """One row of a against the decoded weight tile: float32 (R, BK) block contributions.
 
     SPLIT: p and n hold the weight's positive and negative magnitudes (``decode_w``); else p
-    holds its values plus 128 (``decode_u8``) and n is unused.
+    holds its values plus 128 (``decode_u8``) and n is unused. PRE: a_ptr is ``gemv_a_words``'
+    workspace (a decoded once per call, for every program), stride_am its planes' stride.
     """
     row = tl.minimum(r, M - 1)
-    x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
-    sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col, mask=k_ok[None, :], other=0)
-    sa = e4m3_f32(sa, HW_E4M3)
-    x0, x1, x2, x3 = decode_s8(x, tpos, tneg, ASM)
+    if PRE:
+        base = a_ptr + row * 3 * stride_am + k[None, :]
+        lo = tl.load(base, mask=k_ok[None, :], other=0)
+        hi = tl.load(base + stride_am, mask=k_ok[None, :], other=0)
+        tail = tl.load(base + 2 * stride_am, mask=k_ok[None, :], other=0)
+        x0 = lo.to(tl.int32)
+        x1 = (lo >> 32).to(tl.int32)
+        x2 = hi.to(tl.int32)
+        x3 = (hi >> 32).to(tl.int32)
+        start = tail.to(tl.int32)
+        sa = (tail >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(a_ptr + row * stride_am + k[None, :], mask=k_ok[None, :], other=0)
+        sa = tl.load(sa_ptr + sf_row_part(row, cp, A_8X4) + a_col, mask=k_ok[None, :], other=0)
+        sa = e4m3_f32(sa, HW_E4M3)
+        x0, x1, x2, x3 = decode_s8(x, tpos, tneg, ASM)
+        if not SPLIT:
+            start = minus_128_sum(x0, x1, x2, x3, ASM)
     if SPLIT:
         d = dot8(p0, p1, p2, p3, n0, n1, n2, n3, x0, x1, x2, x3, ASM)
     else:
-        d = dot4u(p0, p1, p2, p3, x0, x1, x2, x3, minus_128_sum(x0, x1, x2, x3, ASM), ASM)
+        d = dot4u(p0, p1, p2, p3, x0, x1, x2, x3, start, ASM)
     return d.to(tl.float32) * (sw * sa)
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemv_a_words(
+    a_ptr, sa_ptr, ws_ptr, M, KW, stride_am, cp, plane,
+    A_8X4: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, HW_E4M3: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """a decoded once per call for ``gemv_dp4a``'s PRE form: workspace (M, 3, plane) of int64,
+    block b of row m as its 16 int8 values (2 * value; [m, 0, b] and [m, 1, b]), then -128 *
+    their sum (the start ``dot4u`` needs) with the block's float32 scale above it ([m, 2, b]).
+
+    Every program of the GEMV reads a whole; decoded here, its K loop does a's part of the
+    work once per call instead of once per program. ``plane`` (K / 16 rounded up to a multiple
+    of 16) lets Triton prove the GEMV's loads aligned: otherwise it loads a in a layout of its
+    own and converts each weight tile to it, every step.
+    """
+    pdl_start(PDL, True)
+    sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
+    row = tl.program_id(0)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = k < KW
+    x = tl.load(a_ptr + row * stride_am + k, mask=ok, other=0)
+    sa = tl.load(sa_ptr + sf_offset(row, k, cp, A_8X4), mask=ok, other=0)
+    tpos, tneg = lane_tables(k * 0, M, ASM)
+    x0, x1, x2, x3 = decode_s8(x, tpos, tneg, ASM)
+    start = minus_128_sum(x0, x1, x2, x3, ASM)
+    bits = e4m3_f32(sa, HW_E4M3).to(tl.int32, bitcast=True)
+    out = ws_ptr + row * 3 * plane + k
+    tl.store(out, x0.to(tl.uint32).to(tl.int64) | (x1.to(tl.int64) << 32), mask=ok)
+    tl.store(out + plane, x2.to(tl.uint32).to(tl.int64) | (x3.to(tl.int64) << 32), mask=ok)
+    tl.store(out + 2 * plane, start.to(tl.uint32).to(tl.int64) | (bits.to(tl.int64) << 32), mask=ok)
 
 
 @triton.jit
@@ -634,7 +682,7 @@ def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
 def _gemv_step(
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr, M, k, KW, stride_am,
     cp, tpos, tneg, A_8X4: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, PRE: tl.constexpr = False,
 ):  # fmt: skip
     """One step of K: the weight tile ``w`` (scales ``sw``) against each row of a.
 
@@ -657,38 +705,38 @@ def _gemv_step(
     # Row r of a against the weight tile, one accumulator per row (BM is at most 8).
     acc0 += _gemv_row(
         p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 0,
-        M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+        M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
     )  # fmt: skip
     if BM > 1:
         acc1 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 1,
-            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
         )  # fmt: skip
     if BM > 2:
         acc2 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 2,
-            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
         )  # fmt: skip
         acc3 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 3,
-            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
         )  # fmt: skip
     if BM > 4:
         acc4 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 4,
-            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
         )  # fmt: skip
         acc5 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 5,
-            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
         )  # fmt: skip
         acc6 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 6,
-            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
         )  # fmt: skip
         acc7 += _gemv_row(
             p0, p1, p2, p3, n0, n1, n2, n3, swf, a_ptr, sa_ptr, 7,
-            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3,
+            M, k, k_ok, a_col, stride_am, cp, tpos, tneg, A_8X4, ASM, BM == 1, HW_E4M3, PRE,
         )  # fmt: skip
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
@@ -753,6 +801,7 @@ def gemv_dp4a(
     EVICT_FIRST: tl.constexpr = False,
     HW_E4M3: tl.constexpr = False,
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
+    PRE: tl.constexpr = False,  # a_ptr is gemv_a_words' workspace (stride_am: its plane)
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -788,7 +837,7 @@ def gemv_dp4a(
             w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
-            M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3,
+            M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3, PRE,
         )  # fmt: skip
         if PREFETCH:
             w, sw = w_next, sw_next

@@ -31,6 +31,7 @@ class GemvConfig:
     prefetch: int = 0  # 1: the next step's weight is loaded before this step's math
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
+    pre: int = 0  # 1: a decoded once per call by a kernel of its own (``gemv_a_words``)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class GemmTile:
     num_stages: int
 
 
-GEMV_BY_M = ((2, GemvConfig(8, 128, 2, late=1)), (8, GemvConfig(8, 64, 1, 1, late=1)))
+GEMV_BY_M = ((2, GemvConfig(8, 128, 2, late=1)), (8, GemvConfig(4, 64, 1, late=1, pre=1)))
 # Up to 32 tokens the K split is summed by each tile's last program (``sum_last``), which was
 # faster than a reduction kernel of its own; 64-token tiles were slower with it (one program
 # then reads 128 x 64 partial sums per split). Measured: docs/hopper_kernels.md, 'Fusing
@@ -121,6 +122,12 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 # (narrow layers), and the two persistent forms (each program taking row groups in turn), which
 # no shape picked any more, left. Measured: docs/hopper_kernels.md, 'PDL's trigger after the
 # K loop', 'Every GEMV tiling again', 'The GEMV's decode in fewer instructions'.
+#
+# From M = 3, a decoded once per call by a kernel of its own (``pre``): the K loop then does
+# only the weight's part, which made 4-row programs (twice the programs, half the registers)
+# the fastest; the three best took over from the four before, 1/1.08 of their time at M = 4.
+# At M <= 2 the extra launch costs more than the loop saves. Measured: docs/hopper_kernels.md,
+# 'a decoded once per call'.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         2,
@@ -135,10 +142,9 @@ GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
     (
         8,
         (
-            GemvConfig(8, 64, 1, 1, late=1),
-            GemvConfig(4, 128, 2, evict_first=1, late=1),
-            GemvConfig(8, 128, 2, evict_first=1, late=1),
-            GemvConfig(4, 64, 1, late=1),
+            GemvConfig(4, 64, 1, late=1, pre=1),
+            GemvConfig(4, 64, 1, 1, late=1, pre=1),
+            GemvConfig(4, 128, 2, evict_first=1, late=1, pre=1),
         ),
     ),
 )

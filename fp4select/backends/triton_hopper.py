@@ -5,8 +5,8 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
 
 * ``hopper-gemv`` (M <= 8; from SM90 buckets to M = 4): CUDA cores. Each block of 16 values
   is one exact integer dot product (byte-permute table decode, ``dp4a``), scaled once by both
-  block scales (``GemvConfig``: the tactics' forms). At M = 5..8 ``hopper-mma`` won every
-  point by far (docs/hopper_kernels.md), so from SM90 no warm-up time is spent on it there.
+  block scales (``GemvConfig``: the tactics' forms; from M = 3 a is decoded first, once a
+  call). ``hopper-mma`` won every point at M = 5..8, so from SM90 no time is spent on it there.
 * ``hopper-mma`` (M <= 256): tensor cores with the operands swapped (weight rows fill the
   MMA's large side, tokens its small side), the weight decoded in registers from packed words,
   with split-K where N alone leaves SMs idle. a is decoded once per call into a float16
@@ -247,17 +247,24 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         return _fallback(args)
     cfg = cfg or for_m(GEMV_BY_M, c.m)
     pdl = _pdl(args, c.out.device)
-    k = kernels()
+    k, kw = kernels(), c.kh // 8
+    hw = {"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}
+    a_arg, a_stride = a64, a64.stride(0)
+    if cfg.pre:  # a decoded once per call, into the (M, 3, plane) words gemv_dp4a reads
+        a_stride = k.cdiv(kw, 16) * 16
+        a_arg = torch.empty((c.m, 3, a_stride), dtype=torch.int64, device=c.out.device)
+        k.gemv_a_words[(c.m, k.cdiv(kw, 256))](
+            a64, c.a_descale, a_arg, c.m, kw, a64.stride(0), c.cp, a_stride,
+            A_8X4=a8x4, BK=256, ASM=ASM, **hw, **_with_pdl(pdl), num_warps=2,
+        )  # fmt: skip
     k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
-        a64, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
-        c.m, c.n, c.kh // 8, a64.stride(0), w64.stride(0), c.out.stride(0), c.out.stride(1),
+        a_arg, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
+        c.m, c.n, kw, a_stride, w64.stride(0), c.out.stride(0), c.out.stride(1),
         c.cp, c.alpha_value,
         A_8X4=a8x4, ALPHA=c.alpha_kind, BM=_next_pow2(c.m), R=cfg.rows_per_program,
-        BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl),
-        **({"EVICT_FIRST": True} if cfg.evict_first else {}),
-        **({"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}),
-        **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
-        num_warps=cfg.num_warps,
+        BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl), **hw,
+        **({"EVICT_FIRST": True} if cfg.evict_first else {}), **({"PRE": True} if cfg.pre else {}),
+        **({"LATE_TRIGGER": True} if cfg.late and pdl else {}), num_warps=cfg.num_warps,
     )  # fmt: skip
     return c.out
 
@@ -326,13 +333,11 @@ def _run_planes(
     # The a decode and the split-K reduction take it always (one compile each, not two):
     # next to a main loop launched without it, it changes nothing.
     pdl_main = pdl and cfg.block_t <= 16
-    kw = c.kh // 4
-    bkw = cfg.words_per_step
+    kw, bkw = c.kh // 4, cfg.words_per_step
     sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
     split = _mma_split(c.m, c.n, kw, cfg, sms)
     parts = _partials(c, split)
-    if parts is None:
-        split = 1
+    split = 1 if parts is None else split
     per_split = k.cdiv(k.cdiv(kw, bkw), split)
     steps = per_split * split  # what the programs read, past K included (zeros)
     mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
@@ -396,8 +401,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     sms = triton_fp4._sms(c.out.device)
     split = _ws_split(tiles, steps, cfg, sms)
     parts = _partials(c, split)
-    if parts is None:
-        split = 1
+    split = 1 if parts is None else split
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(c.m, bt) * bt
     # As in hopper-mma, the a decode and the split-K reduction take PDL when asked (hopper-mma's
