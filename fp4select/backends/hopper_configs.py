@@ -125,7 +125,8 @@ def for_m(table: tuple[tuple[int | None, Any], ...], m: int) -> Any:
 #
 # From M = 3, a decoded once per call by a kernel of its own (``pre``): the K loop then does
 # only the weight's part, which made 4-row programs (twice the programs, half the registers)
-# the fastest; the three best took over from the four before, 1/1.08 of their time at M = 4.
+# the fastest; the three best took over from the four before (at M = 4 the best before, theirs
+# or hopper-mma's, took 1.08x the time of the best of the three).
 # At M <= 2 the extra launch costs more than the loop saves. Measured: docs/hopper_kernels.md,
 # 'a decoded once per call'.
 GEMV_TACTICS: tuple[tuple[int, tuple[GemvConfig, ...]], ...] = (
