@@ -257,11 +257,14 @@ GEMV_SIGNATURE = {
 }  # fmt: skip
 
 
-def _compile_gemv(cfg, m: int, a_8x4: bool = False, m_constant: bool = False):
+def _compile_gemv(
+    cfg, m: int, a_8x4: bool = False, m_constant: bool = False, plane_aligned: bool = True
+):
     """``gemv_dp4a`` as ``run_gemv`` launches ``cfg`` at M = m on SM90, the scales float8_e4m3fn
     (as validate.make_inputs and flashinfer's quantizer hand them). With ``pre``, stride_am is
-    the workspace's plane, a multiple of 16 words, which Triton then knows; ``m_constant``: M
-    a constant 1, as Triton would make it were the kernel specialized on M."""
+    the workspace's plane, a multiple of 16 words, which Triton then knows (``plane_aligned``
+    False: as if it were not); ``m_constant``: M a constant 1, as Triton would make it were the
+    kernel specialized on M."""
     constexprs = {"A_8X4": a_8x4, "ALPHA": 3, "BM": m, "R": cfg.rows_per_program, "ASM": True}
     constexprs |= {"BK": cfg.blocks_per_step, "PREFETCH": bool(cfg.prefetch), "PDL": True}
     constexprs |= {"EVICT_FIRST": bool(cfg.evict_first), "HW_E4M3": True}
@@ -270,14 +273,14 @@ def _compile_gemv(cfg, m: int, a_8x4: bool = False, m_constant: bool = False):
     if m_constant:
         signature["M"] = "constexpr"
         constexprs["M"] = 1
-    divisible = DIVISIBLE | ({"stride_am"} if cfg.pre else set())
+    divisible = DIVISIBLE | ({"stride_am"} if cfg.pre and plane_aligned else set())
     return _compile(hk.gemv_dp4a, signature, constexprs, cfg.num_warps, 3, divisible)
 
 
-def _gemv_loop_conversions(cfg, m: int, a_8x4: bool) -> list[str]:
+def _gemv_loop_conversions(cfg, m: int, a_8x4: bool, plane_aligned: bool = True) -> list[str]:
     """The layout conversions inside the GEMV's K loop, compiled as ``run_gemv`` launches
     ``cfg`` at M = m on SM90 (each goes through shared memory behind barriers)."""
-    ttgir = _compile_gemv(cfg, m, a_8x4).asm["ttgir"]
+    ttgir = _compile_gemv(cfg, m, a_8x4, plane_aligned=plane_aligned).asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
     return [line.strip() for line in loop.splitlines() if "convert_layout" in line]
 
@@ -290,6 +293,14 @@ def test_the_gemv_loop_keeps_every_tile_in_the_weight_s_register_layout(cfg):
     for m in (1, 2, 4, 8):
         for a_8x4 in (False, True):
             assert _gemv_loop_conversions(cfg, m, a_8x4) == [], (m, a_8x4)
+
+
+def test_the_conversion_check_can_fail_and_the_a_words_planes_must_be_padded():
+    """With a's decoded words ``gemv_a_words``' planes apart and that stride not known to be a
+    multiple of 16 (K / 16 unpadded), Triton loads them in a layout of their own and converts
+    the weight's tiles to it every step: so ``run_gemv`` pads the planes."""
+    pre = hopper_configs.GemvConfig(4, 64, 1, late=1, pre=1)
+    assert _gemv_loop_conversions(pre, 4, False, plane_aligned=False) != []
 
 
 def _gemv_loop_table_copies(cfg, m: int, m_constant: bool = False) -> int:
