@@ -567,9 +567,9 @@ def _gemv_row(
     row = tl.minimum(r, M - 1)
     if PRE:
         base = a_ptr + row * 3 * stride_am + k[None, :]
-        lo = tl.load(base)  # unmasked: the planes are whole steps long, zeros past K
-        hi = tl.load(base + stride_am)
-        tail = tl.load(base + 2 * stride_am)
+        lo = tl.load(base, mask=k_ok[None, :], other=0)
+        hi = tl.load(base + stride_am, mask=k_ok[None, :], other=0)
+        tail = tl.load(base + 2 * stride_am, mask=k_ok[None, :], other=0)
         x0 = lo.to(tl.int32)
         x1 = (lo >> 32).to(tl.int32)
         x2 = hi.to(tl.int32)
@@ -601,11 +601,9 @@ def gemv_a_words(
     their sum (the start ``dot4u`` needs) with the block's float32 scale above it ([m, 2, b]).
 
     Every program of the GEMV reads a whole; decoded here, its K loop does a's part of the
-    work once per call instead of once per program. ``plane`` (K / 16 rounded up to whole GEMV
-    steps, a multiple of 256) lets Triton prove the GEMV's loads aligned (otherwise it loads a
-    in a layout of its own and converts each weight tile to it, every step), and its blocks
-    past K are written too, as zeros (0 values, 0 start, scale 0.0), so the GEMV loads a
-    without masks: a masked load first zeroes its registers, 24 instructions a step at M = 4.
+    work once per call instead of once per program. ``plane`` (K / 16 rounded up to a multiple
+    of 16) lets Triton prove the GEMV's loads aligned: otherwise it loads a in a layout of its
+    own and converts each weight tile to it, every step.
     """
     pdl_start(PDL, True)
     sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
@@ -619,12 +617,9 @@ def gemv_a_words(
     start = minus_128_sum(x0, x1, x2, x3, ASM)
     bits = e4m3_f32(sa, HW_E4M3).to(tl.int32, bitcast=True)
     out = ws_ptr + row * 3 * plane + k
-    whole = k < plane  # past K too: zeros, which the GEMV reads without masks
-    tl.store(out, x0.to(tl.uint32).to(tl.int64) | (x1.to(tl.int64) << 32), mask=whole)
-    tl.store(out + plane, x2.to(tl.uint32).to(tl.int64) | (x3.to(tl.int64) << 32), mask=whole)
-    tl.store(
-        out + 2 * plane, start.to(tl.uint32).to(tl.int64) | (bits.to(tl.int64) << 32), mask=whole
-    )
+    tl.store(out, x0.to(tl.uint32).to(tl.int64) | (x1.to(tl.int64) << 32), mask=ok)
+    tl.store(out + plane, x2.to(tl.uint32).to(tl.int64) | (x3.to(tl.int64) << 32), mask=ok)
+    tl.store(out + 2 * plane, start.to(tl.uint32).to(tl.int64) | (bits.to(tl.int64) << 32), mask=ok)
 
 
 @triton.jit

@@ -250,10 +250,10 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
     k, kw = kernels(), c.kh // 8
     hw = {"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}
     a_arg, a_stride = a64, a64.stride(0)
-    if cfg.pre:  # a decoded once per call into (M, 3, plane) words, whole steps (read unmasked)
-        a_stride = k.cdiv(kw, max(256, cfg.blocks_per_step)) * max(256, cfg.blocks_per_step)
+    if cfg.pre:  # a decoded once per call, into the (M, 3, plane) words gemv_dp4a reads
+        a_stride = k.cdiv(kw, 16) * 16
         a_arg = torch.empty((c.m, 3, a_stride), dtype=torch.int64, device=c.out.device)
-        k.gemv_a_words[(c.m, a_stride // 256)](
+        k.gemv_a_words[(c.m, k.cdiv(kw, 256))](
             a64, c.a_descale, a_arg, c.m, kw, a64.stride(0), c.cp, a_stride,
             A_8X4=a8x4, BK=256, ASM=ASM, **hw, **_with_pdl(pdl), num_warps=2,
         )  # fmt: skip
