@@ -70,7 +70,6 @@ FAMILY_HELP = {
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
-    "mreg": "the mma tactics to M = 32 with registers capped (MREG) and splits for more programs",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -150,9 +149,6 @@ PRE = [
         (4, 128, 1),
     ]
 ]
-
-# The mma tactics' registers capped (family mreg), each with its own split (0) or these.
-MREG = [(128, 0), (128, 4), (128, 6), (128, 8), (168, 0), (96, 0)]
 
 # hopper-mma's tilings (families mma, prefill, wide, occ; floor: MMA's without their decode).
 # Every tiling is checked first; the one- and two-warp tilings (mma.sync instead of wgmma)
@@ -477,12 +473,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                     triton_hopper.run_mma, cfg=c
                 )
-    if m <= 32 and "mreg" in families:  # registers capped: more programs an SM
-        for c in hopper_configs.candidates("mma", m):
-            for reg, split in MREG:
-                cc = dataclasses.replace(c, maxnreg=reg, split=split or c.split)
-                name = "mreg " + " ".join(map(str, dataclasses.astuple(cc)))
-                out.setdefault(name, functools.partial(triton_hopper.run_mma, cfg=cc))
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []

@@ -44,7 +44,6 @@ class MmaConfig:
     split: int = 0  # K split across programs; 0: choose from the SM count
     group: int = 8  # weight tiles visited together, sharing activation tiles in L2
     sum_last: int = 0  # 1: a K split is summed by each tile's last program, not a kernel of its own
-    maxnreg: int = 0  # > 0: registers a thread capped at this (more programs an SM)
 
     def __post_init__(self) -> None:
         _check_step(self.words_per_step)

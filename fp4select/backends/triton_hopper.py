@@ -352,7 +352,6 @@ def _run_planes(
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip
     if parts is not None and counts is None:
         _reduce_partials(parts, c, split, pdl)
