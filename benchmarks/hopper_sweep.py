@@ -94,7 +94,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   15e63df  "wss": hopper-ws tiles of 16-32 tokens
 #   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
 #   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages" (the mma's, not today's);
-#   25e0248 "overlap"
+#   25e0248 "overlap"; 1cc5dc7 "mreg": the mma tactics to M = 32 with registers capped
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
