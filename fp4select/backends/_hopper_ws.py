@@ -66,9 +66,6 @@ from fp4select.backends._hopper_planes import _PAIR_TO_F16_CVT
 # Triton 3.6's name for a TMA load is async_copy_global_to_shared; 3.9 renamed it (and the old
 # name raises there).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# FLOOR EXPERIMENT (ws_floor.py): with FP4SELECT_WS_X_ONCE=1, a's tiles after the first
-# stages are not loaded (the outputs are wrong): how much a's traffic from L2 costs.
-_X_ONCE = gl.constexpr(__import__("os").environ.get("FP4SELECT_WS_X_ONCE") == "1")
 STEP_WORDS = 16  # words per step: one k16 wgmma per plane
 TILE_GROUP = 8  # weight tiles visited together (``tile_at``'s GROUP), as run_ws launches
 # registers a thread at launch (the first consumer's; the partitions then set their own): no
@@ -103,16 +100,12 @@ def _load_step(
     i = first + j
     mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
     r = j % READY
-    if _X_ONCE and j >= STAGES:  # FLOOR EXPERIMENT: a's tiles loaded for the first stages only
-        mbarrier.expect(ready.index(r), w_desc.block_type.nbytes)
-        _tma_load(w_desc, [off_n, i * BKW], ready.index(r), w_bufs.index(s))
-    else:
-        mbarrier.expect(ready.index(r), nbytes)
-        _tma_load(w_desc, [off_n, i * BKW], ready.index(r), w_bufs.index(s))
-        for h in gl.static_range(HALVES):
-            _tma_load(
-                x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(r), x_bufs.index(s * HALVES + h)
-            )
+    mbarrier.expect(ready.index(r), nbytes)
+    _tma_load(w_desc, [off_n, i * BKW], ready.index(r), w_bufs.index(s))
+    for h in gl.static_range(HALVES):
+        _tma_load(
+            x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(r), x_bufs.index(s * HALVES + h)
+        )
 
 
 @gluon.jit
