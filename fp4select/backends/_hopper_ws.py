@@ -117,20 +117,10 @@ def _loader(
         _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW)
 
 
-# FLOOR EXPERIMENT (ws_floor.py): with FP4SELECT_WS_NO_DECODE=1 the words are copied into
-# the operand's registers undecoded (wrong outputs): the loop's time without its decode.
-_NO_DECODE = "FP4SELECT_WS_NO_DECODE" in __import__("os").environ
-_COPY = gl.constexpr(
-    "mov.b32 $0, $8; mov.b32 $1, $9; mov.b32 $2, $8; mov.b32 $3, $9;"
-    " mov.b32 $4, $8; mov.b32 $5, $9; mov.b32 $6, $8; mov.b32 $7, $9;"
-)
-_PLANES_ASM = _COPY if _NO_DECODE else _PAIR_TO_F16_CVT
-
-
 @gluon.jit
 def _planes(wq, sb):
     return gl.inline_asm_elementwise(
-        _PLANES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sb],
+        _PAIR_TO_F16_CVT, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sb],
         dtype=(gl.float16,) * 8, is_pure=True, pack=2,
     )  # fmt: skip
 
