@@ -12,6 +12,7 @@ Design rule: this only reads (JSON, checked before use); ``Store.import_archive`
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,12 +20,7 @@ from fp4select.keys import env_difference
 from fp4select.store import digest
 from fp4select.store.archive import read_archive
 
-__all__ = ["applicability", "difference"]
-
-
-def difference(archive_env: Mapping[str, Any], here: Mapping[str, Any]) -> str:
-    """The fields that differ, as ``field: archive value -> value here``; "" when equal."""
-    return env_difference(archive_env, here)
+__all__ = ["applicability"]
 
 
 def applicability(path: str | os.PathLike[str], here: Mapping[str, Any]) -> dict[str, Any]:
@@ -35,17 +31,12 @@ def applicability(path: str | os.PathLike[str], here: Mapping[str, Any]) -> dict
     """
     entries = [env for env, _, _ in read_archive(path)[0]]
     here_hash = digest(dict(here))
-    reasons: dict[str, int] = {}
-    applies = 0
-    for env in entries:
-        if digest(env) == here_hash:
-            applies += 1
-        else:
-            why = difference(env, here)
-            reasons[why] = reasons.get(why, 0) + 1
+    # A difference reads ``field: archive value -> value here``.
+    reasons = Counter(env_difference(env, here) for env in entries if digest(env) != here_hash)
+    missed = sum(reasons.values())
     return {
         "entries": len(entries),
-        "apply": applies,
-        "do_not_apply": len(entries) - applies,
-        "reasons": reasons,
+        "apply": len(entries) - missed,
+        "do_not_apply": missed,
+        "reasons": dict(reasons),
     }

@@ -451,16 +451,23 @@ def quantize_mxfp4(
 # Decoding and the reference GEMM
 
 
-def _dequantize(
+def dequantize(
     data: torch.Tensor,
     scales: torch.Tensor,
     k: int,
+    *,
     use_nvfp4: bool,
     sf_layout: str,
-    shuffled: bool,
-    rows: int | None,
-    dtype: torch.dtype,
+    shuffled: bool = False,
+    rows: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
+    """``(rows, k)`` = e2m1 * block scale in ``dtype`` (float32, exact), WITHOUT the global scale.
+
+    The global scale is left out because ``mm_fp4`` applies it as ``alpha`` on the output;
+    keeping it out here lets a caller mirror exactly what the kernel multiplies.  ``rows``
+    (default ``data.shape[0]``) drops trailing padded rows of ``data``.
+    """
     _check_layout(sf_layout)
     if data.dim() != 2:
         raise ValueError(f"data must be 2-D (rows, K/2), got shape {tuple(data.shape)}")
@@ -488,25 +495,6 @@ def _dequantize(
         )
     values = e2m1_decode(codes, dtype).reshape(rows, cols, block)
     return (values * decode_scales(sf, use_nvfp4).to(dtype).unsqueeze(-1)).reshape(rows, k)
-
-
-def dequantize(
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    k: int,
-    *,
-    use_nvfp4: bool,
-    sf_layout: str,
-    shuffled: bool = False,
-    rows: int | None = None,
-) -> torch.Tensor:
-    """float32 ``(rows, k)`` = e2m1 * block scale, WITHOUT the global scale.
-
-    The global scale is left out because ``mm_fp4`` applies it as ``alpha`` on the output;
-    keeping it out here lets a caller mirror exactly what the kernel multiplies.  ``rows``
-    (default ``data.shape[0]``) drops trailing padded rows of ``data``.
-    """
-    return _dequantize(data, scales, k, use_nvfp4, sf_layout, shuffled, rows, torch.float32)
 
 
 def reference_mm_fp4(
@@ -547,9 +535,8 @@ def reference_mm_fp4(
             f"b must be (K/2, N) with K/2 = a.shape[1] = {k_half}, got shape {tuple(b.shape)}"
         )
     n, k = b.shape[1], 2 * k_half
-    cp = padded_sf_shape(n, k // block_size, "128x4")[1]
+    np_, cp = padded_sf_shape(n, k // block_size, "128x4")
     if b_descale.dim() == 2:
-        np_ = padded_sf_shape(n, k // block_size, "128x4")[0]
         if tuple(b_descale.shape) != (cp, np_):
             raise ValueError(
                 f"b_descale must be the .T view of the weight's ({np_}, {cp}) scale tensor, "
@@ -559,9 +546,17 @@ def reference_mm_fp4(
     elif b_descale.dim() != 1:
         raise ValueError(f"b_descale must be 1-D or 2-D, got shape {tuple(b_descale.shape)}")
     a_layout = "8x4" if use_8x4_sf_layout else "128x4"
-    a_deq = _dequantize(a, a_descale, k, use_nvfp4, a_layout, False, None, compute_dtype)
-    w_deq = _dequantize(
-        b.T, b_descale, k, use_nvfp4, "128x4", b_layout == "trtllm", None, compute_dtype
+    a_deq = dequantize(
+        a, a_descale, k, use_nvfp4=use_nvfp4, sf_layout=a_layout, dtype=compute_dtype
+    )
+    w_deq = dequantize(
+        b.T,
+        b_descale,
+        k,
+        use_nvfp4=use_nvfp4,
+        sf_layout="128x4",
+        shuffled=b_layout == "trtllm",
+        dtype=compute_dtype,
     )
     result = a_deq @ w_deq.T if matmul is None else matmul(a_deq, w_deq)
     if isinstance(alpha, (int, float)):

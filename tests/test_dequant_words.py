@@ -118,8 +118,8 @@ def test_decode_into_takes_the_word_kernel_for_aligned_rows(monkeypatch, kernels
     data, scales, _ = _inputs(37, 80 if nvfp4 else 96, nvfp4, layout, seed=7)
     ws, taken = _decode(monkeypatch, kernels, data, scales, nvfp4, layout)
     assert taken == ["dequant_bf16_words"]
-    reference = formats._dequantize(
-        data, scales, 2 * data.shape[1], nvfp4, layout, False, None, torch.bfloat16
+    reference = formats.dequantize(
+        data, scales, 2 * data.shape[1], use_nvfp4=nvfp4, sf_layout=layout, dtype=torch.bfloat16
     )
     assert torch.equal(ws.view(torch.int16), reference.view(torch.int16))
 
@@ -138,8 +138,8 @@ def test_decode_into_falls_back_to_the_byte_kernel_for_unaligned_views(
     view.copy_(data)
     ws, taken = _decode(monkeypatch, kernels, view, scales, True, "128x4")
     assert taken == ["dequant_bf16"]
-    reference = formats._dequantize(
-        data, scales, 2 * kh, True, "128x4", False, None, torch.bfloat16
+    reference = formats.dequantize(
+        data, scales, 2 * kh, use_nvfp4=True, sf_layout="128x4", dtype=torch.bfloat16
     )
     assert torch.equal(ws.view(torch.int16), reference.view(torch.int16))
 
@@ -153,8 +153,8 @@ def test_mxfp4_scales_up_to_2_to_the_127_decode_as_the_reference(monkeypatch, ke
     scales.fill_(scale_byte)
     for view in (data, torch.zeros(4, 34, dtype=torch.uint8)[:, :32].copy_(data)):  # both kernels
         ws, _ = _decode(monkeypatch, kernels, view, scales, False, "128x4")
-        reference = formats._dequantize(
-            data, scales, 64, False, "128x4", False, None, torch.bfloat16
+        reference = formats.dequantize(
+            data, scales, 64, use_nvfp4=False, sf_layout="128x4", dtype=torch.bfloat16
         )
         assert scale_byte == 254 or torch.isfinite(reference).all()  # 254: 6 * 2**127 is inf
         assert torch.equal(ws.view(torch.int16), reference.view(torch.int16))

@@ -131,7 +131,9 @@ def _decode_into(
             )  # fmt: skip
         return
     ws.copy_(
-        formats._dequantize(data, scales, 2 * kh, use_nvfp4, layout, False, None, torch.bfloat16)
+        formats.dequantize(
+            data, scales, 2 * kh, use_nvfp4=use_nvfp4, sf_layout=layout, dtype=torch.bfloat16
+        )
     )
 
 
