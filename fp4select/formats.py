@@ -462,12 +462,15 @@ def dequantize(
     rows: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``(rows, k)`` = e2m1 * block scale in ``dtype`` (float32, exact), WITHOUT the global scale.
+    """``(rows, k)`` = e2m1 * block scale in ``dtype``, WITHOUT the global scale (exact in the
+    default float32; bfloat16 and float16 round as their kernels' decodes do).
 
     The global scale is left out because ``mm_fp4`` applies it as ``alpha`` on the output;
     keeping it out here lets a caller mirror exactly what the kernel multiplies.  ``rows``
     (default ``data.shape[0]``) drops trailing padded rows of ``data``.
     """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     _check_layout(sf_layout)
     if data.dim() != 2:
         raise ValueError(f"data must be 2-D (rows, K/2), got shape {tuple(data.shape)}")

@@ -403,6 +403,12 @@ def test_dequantize_rows_and_nibble_positions():
     assert torch.equal(top, deq[:2])
     with pytest.raises(ValueError, match="k must be"):
         f.dequantize(data, sf, 48, use_nvfp4=True, sf_layout="linear")
+    half = f.dequantize(data, f.swizzle_sf(sf, "8x4"), 32, use_nvfp4=True, sf_layout="8x4",
+                        dtype=torch.bfloat16)  # fmt: skip
+    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), deq)
+    for bad in (torch.int32, "float32"):  # an integer dtype would truncate the products
+        with pytest.raises(ValueError, match="dtype must be a floating-point"):
+            f.dequantize(data, sf, 32, use_nvfp4=True, sf_layout="linear", dtype=bad)
 
 
 # --------------------------------------------------------------------------------------------
