@@ -68,6 +68,7 @@ FAMILY_HELP = {
     "occ": "hopper-mma at OCC: small tiles split for more programs an SM",
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
+    "order": "with tactics: each hopper-ws tactic with its consumers issuing wgmma in turn",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
 }
@@ -489,6 +490,10 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     other = dataclasses.replace(c, late=1 - c.late)
                     out[name + (" late" if other.late else " early")] = functools.partial(
                         run, cfg=other
+                    )
+                if "order" in families and kind == "ws":  # the consumers issuing in turn
+                    out["order" + name[2:]] = functools.partial(
+                        run, cfg=dataclasses.replace(c, order=1)
                     )
     if m >= 64 or "old" in families:
         out["torch-dequant"] = dequant.run_torch

@@ -160,14 +160,22 @@ def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
 
 
 @gluon.jit
-def mma_step(a, x_bufs, empty, s, acc0, acc1):
+def mma_step(a, x_bufs, empty, s, acc0, acc1, turn, n, ROLE: gl.constexpr, ORDER: gl.constexpr):
     """Stage s's wgmma (one group over the tile's tokens, or one a 64-token half) on the
     decoded operand ``a``, waited for before a register is written again; the stage given
-    back."""
+    back. With ORDER the consumers issue in turn (this one's n-th step after the other's
+    step n - 1 or n), so one's MMA runs while the other decodes instead of side by side."""
     HALVES: gl.constexpr = x_bufs.type.shape[0] // empty.type.shape[0]
+    if ORDER:
+        if ROLE == 0:
+            mbarrier.wait(turn.index(0), (n - 1) & 1, pred=n > 0)
+        else:
+            mbarrier.wait(turn.index(1), n & 1)
     acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
     if HALVES == 2:
         acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
+    if ORDER:
+        mbarrier.arrive(turn.index(1 - ROLE))
     acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
     fence_async_shared()  # the stage's words were read by ld.shared; TMA writes it next
     mbarrier.arrive(empty.index(s))
@@ -176,9 +184,9 @@ def mma_step(a, x_bufs, empty, s, acc0, acc1):
 
 @gluon.jit
 def _consumer(
-    w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
+    w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
-    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr,
+    w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr, ORDER: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: each of its steps decode, issue the step's wgmma (one group over the
     tile's tokens or one a 64-token half), wait for them, give the stage back (and with
@@ -211,7 +219,9 @@ def _consumer(
         mbarrier.wait(ready.index(j % READY), (j // READY) & 1)
         a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
         sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
-        acc0, acc1 = mma_step(a, x_bufs, empty, s, acc0, acc1)
+        acc0, acc1 = mma_step(
+            a, x_bufs, empty, s, acc0, acc1, turn, (j - FIRST_STEP) // EVERY, ROLE, ORDER
+        )
         if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
             if j + STAGES < steps:
                 _load_step(
@@ -287,7 +297,7 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, ORDER: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -308,6 +318,12 @@ def mma_ws(
     ready = gl.allocate_shared_memory(gl.int64, [READY, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    if ORDER:
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for r in gl.static_range(2):
+            mbarrier.init(turn.index(r), count=1)
+    else:
+        turn = done  # unused
     # the second consumer's sums, for the first to add (64-row tiles)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     PARTS: gl.constexpr = HALVES if BN == 64 else 1
@@ -330,15 +346,15 @@ def mma_ws(
             [
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
+                    (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False),
+                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False, ORDER),
                 ),
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr,
+                    (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True),
+                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True, ORDER),
                 ),
             ],
             [4],
@@ -349,15 +365,15 @@ def mma_ws(
             [
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
+                    (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, FIRST, False),
+                     alpha_stride, w_desc, x_desc, FIRST, False, ORDER),
                 ),
                 (
                     _consumer,
-                    (w_bufs, x_bufs, ready, empty, partial, done, sw_ptr, alpha_ptr, out_ptr,
+                    (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, SECOND, False),
+                     alpha_stride, w_desc, x_desc, SECOND, False, ORDER),
                 ),
                 (
                     _loader,
