@@ -68,7 +68,6 @@ FAMILY_HELP = {
     "occ": "hopper-mma at OCC: small tiles split for more programs an SM",
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
-    "order": "with tactics: each hopper-ws tactic with its consumers issuing wgmma in turn",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
 }
@@ -95,7 +94,8 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   15e63df  "wss": hopper-ws tiles of 16-32 tokens
 #   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
 #   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages" (the mma's, not today's);
-#   25e0248 "overlap"; 1cc5dc7 "mreg": the mma tactics to M = 32 with registers capped
+#   25e0248 "overlap"; 1cc5dc7 "mreg": the mma tactics to M = 32 with registers capped;
+#   32bb1d3 "order": the ws tactics with their consumers issuing in turn (the 64-row ones since)
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
@@ -490,10 +490,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     other = dataclasses.replace(c, late=1 - c.late)
                     out[name + (" late" if other.late else " early")] = functools.partial(
                         run, cfg=other
-                    )
-                if "order" in families and kind == "ws":  # the consumers issuing in turn
-                    out["order" + name[2:]] = functools.partial(
-                        run, cfg=dataclasses.replace(c, order=1)
                     )
     if m >= 64 or "old" in families:
         out["torch-dequant"] = dequant.run_torch

@@ -13,10 +13,11 @@ rows each consumer takes half of them (256 read a's tiles once for twice the wei
 with 64 rows (twice the programs, for narrow layers) they take every other step and the first
 adds the second's sums through shared memory at the end (always with a loader warp). The two
 run apart, so one decodes while the other's MMA runs: the decode overlaps the tensor cores
-without touching registers a wgmma in flight reads. (Tiles of 16-32 tokens, for M <= 32, were
-slower than ``hopper-mma`` at every point timed, code at commit 15e63df; four consumers, two a
-row half on alternate steps, were no faster: removed, code at commit 5a144e9. Measured:
-docs/hopper_kernels.md, 'Tried and removed', 'Four consumers'.) The arithmetic is ``mma_planes``':
+without touching registers a wgmma in flight reads. On alternate steps they also issue their
+wgmma in turn, which measured faster (the row-splitting tiles did not gain). (Tiles of 16-32
+tokens, for M <= 32, were slower than ``hopper-mma`` at every point timed, code at commit
+15e63df; four consumers, two a row half on alternate steps, were no faster: removed, code at
+commit 5a144e9. Measured: docs/hopper_kernels.md, 'Tried and removed', 'Four consumers'.) The arithmetic is ``mma_planes``':
 a step of 16 words is decoded into 8 planes (``_PAIR_TO_F16_CVT``), plane p multiplies rows
 16p .. 16p + 15 of a's workspace (``decode_planes``' order), so each plane is one k16 wgmma.
 The planes are joined in the registers the MMA reads; ``convert_layout(...,
@@ -41,6 +42,11 @@ Design rules:
 * Each consumer waits for its step's wgmma before its next decode writes a register: a wgmma
   reads its register operand while it runs (``_hopper_kernels.retired`` says why Triton's own
   schedule is not trusted with that). ``tests/test_hopper_layout.py`` reads the SASS for it.
+* The turn barriers (64-row tiles) let the first consumer issue its n-th step only after the
+  second issued its step n - 1, and the second only after the first issued its step n: each
+  waits for a phase the other completes next, so neither is ever two phases ahead of a
+  barrier, and the consumer with the last step (the first, if the steps are odd) waits for
+  nothing the other does not issue.
 * alpha reaches the consumers as the stride of one load (``ALPHA_STRIDE``): with its kind
   branched on in a worker partition, or loaded as a scalar there, Triton 3.6's LLVM lowering
   asserts. So a Python number for alpha is not taken (``run_ws`` hands it to hopper-mma).
@@ -163,8 +169,9 @@ def _decode(words, sw, i, kw, op: gl.constexpr, BKW: gl.constexpr):
 def mma_step(a, x_bufs, empty, s, acc0, acc1, turn, n, ROLE: gl.constexpr, ORDER: gl.constexpr):
     """Stage s's wgmma (one group over the tile's tokens, or one a 64-token half) on the
     decoded operand ``a``, waited for before a register is written again; the stage given
-    back. With ORDER the consumers issue in turn (this one's n-th step after the other's
-    step n - 1 or n), so one's MMA runs while the other decodes instead of side by side."""
+    back. With ORDER the consumers issue in turn: the first its n-th step's wgmma after the
+    second issued its step n - 1, the second after the first issued its step n (``turn``,
+    one barrier each; neither can get two phases ahead)."""
     HALVES: gl.constexpr = x_bufs.type.shape[0] // empty.type.shape[0]
     if ORDER:
         if ROLE == 0:
@@ -297,7 +304,7 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, ORDER: gl.constexpr = False,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -318,6 +325,9 @@ def mma_ws(
     ready = gl.allocate_shared_memory(gl.int64, [READY, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # Consumers on alternate steps issue their wgmma in turn (``mma_step``): they measured
+    # faster so, the row-splitting tiles not (docs/hopper_kernels.md, 'In turn').
+    ORDER: gl.constexpr = BN == 64
     if ORDER:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for r in gl.static_range(2):

@@ -64,7 +64,6 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    order: int = 0  # EXPERIMENT: 1 = the consumers issue their wgmma in turn (``mma_step``)
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):
