@@ -68,7 +68,6 @@ FAMILY_HELP = {
     "occ": "hopper-mma at OCC: small tiles split for more programs an SM",
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
-    "alt": "hopper-ws 128 x 128 tiles, each consumer all rows on alternate steps (8 warps)",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
 }
@@ -462,12 +461,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wsw " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if m >= 65 and "alt" in families:  # EXPERIMENT
-        for st in (2, 4):
-            c = hopper_configs.WsConfig(128, 128, st, 0, 128, 0, 1)
-            out["alt " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                triton_hopper.run_ws, cfg=c
-            )
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)

@@ -469,8 +469,6 @@ def _compile_ws(cfg, alpha: int):
     constexprs = {"BN": bn, "BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
     signature["OWN_LOADS"] = "constexpr"
     constexprs["OWN_LOADS"] = not cfg.loader_warp
-    signature["ALT"] = "constexpr"
-    constexprs["ALT"] = bool(cfg.alternate)
     stride = _hopper_ws.ALPHA_STRIDE[alpha]
     if stride == 1:  # Triton specializes an int argument of 1 into a constant
         signature["alpha_stride"] = "constexpr"

@@ -194,7 +194,6 @@ def _consumer(
     w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
     w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr, ORDER: gl.constexpr,
-    ALT: gl.constexpr = False,
 ):  # fmt: skip
     """One warpgroup: each of its steps decode, issue the step's wgmma (one group over the
     tile's tokens or one a 64-token half), wait for them, give the stage back (and with
@@ -211,7 +210,7 @@ def _consumer(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, XW, 16]
     )
     op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    SPLIT_ROWS: gl.constexpr = BN >= 128 and not ALT  # each half the rows, else every other step
+    SPLIT_ROWS: gl.constexpr = BN >= 128  # each takes half the rows, else every other step
     ROWS: gl.constexpr = BN // 2 if SPLIT_ROWS else BN  # this consumer's
     FIRST_STEP: gl.constexpr = 0 if SPLIT_ROWS else ROLE
     EVERY: gl.constexpr = 1 if SPLIT_ROWS else 2
@@ -305,7 +304,7 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, ALT: gl.constexpr = False,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -322,14 +321,13 @@ def mma_ws(
     x_bufs = gl.allocate_shared_memory(gl.float16, [STAGES * HALVES, 8 * BKW, XW], x_desc.layout)
     # Consumers on alternate steps (64 rows) take a ready barrier for each stage and step
     # parity, so that each barrier is one consumer's (the design rules).
-    ALTERNATE: gl.constexpr = BN == 64 or ALT  # EXPERIMENT: ALT, 128 rows on alternate steps
-    READY: gl.constexpr = 2 * STAGES if ALTERNATE else STAGES
+    READY: gl.constexpr = 2 * STAGES if BN == 64 else STAGES
     ready = gl.allocate_shared_memory(gl.int64, [READY, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     # Consumers on alternate steps issue their wgmma in turn (``mma_step``): they measured
     # faster so, the row-splitting tiles not (docs/hopper_kernels.md, 'In turn').
-    ORDER: gl.constexpr = ALTERNATE
+    ORDER: gl.constexpr = BN == 64
     if ORDER:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for r in gl.static_range(2):
@@ -338,14 +336,13 @@ def mma_ws(
         turn = done  # unused
     # the second consumer's sums, for the first to add (64-row tiles)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    PARTS: gl.constexpr = HALVES if ALTERNATE else 1
-    PROWS: gl.constexpr = BN if ALTERNATE else 64
-    partial = gl.allocate_shared_memory(gl.float32, [PARTS, PROWS, XW], plain)
+    PARTS: gl.constexpr = HALVES if BN == 64 else 1
+    partial = gl.allocate_shared_memory(gl.float32, [PARTS, 64, XW], plain)
     for r in gl.static_range(READY):
         mbarrier.init(ready.index(r), count=1)
     for s in gl.static_range(STAGES):
         # with 128 rows or more both consumers read every stage; with 64 each stage is one's
-        mbarrier.init(empty.index(s), count=1 if ALTERNATE else 2)
+        mbarrier.init(empty.index(s), count=2 if BN >= 128 else 1)
     mbarrier.init(done.index(0), count=1)
     fence_async_shared()
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
@@ -361,13 +358,13 @@ def mma_ws(
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, FIRST, ALT, ORDER, ALT),
+                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False, ORDER),
                 ),
                 (
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True, ORDER, ALT),
+                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True, ORDER),
                 ),
             ],
             [4],

@@ -64,7 +64,6 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    alternate: int = 0  # EXPERIMENT: 1 = 128 rows, the consumers on alternate steps (8 warps)
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):
