@@ -95,7 +95,8 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
 #   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages" (the mma's, not today's);
 #   25e0248 "overlap"; 1cc5dc7 "mreg": the mma tactics to M = 32 with registers capped;
-#   32bb1d3 "order": the ws tactics with their consumers issuing in turn (the 64-row ones since)
+#   32bb1d3 "order": the ws tactics with their consumers issuing in turn (the 64-row ones since);
+#   5fa76e3 "alt": 128 x 128 ws tiles, each consumer all rows on alternate steps
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).

@@ -1,0 +1,109 @@
+"""Eager launches: the host time of one call of each Hopper kernel path, beside its GPU time.
+
+Engines replay decode from CUDA graphs, where a call costs only its kernels; a prefill (and
+any caller without graphs) launches eagerly, where each call also pays the Python side of its
+launches: fp4select's argument checks and Triton's launcher, for the two or three kernels a
+path runs (a's decode, the main loop, a split's reduction). Per path and point, three numbers:
+the host time of one call (200 calls issued back to back, no sync: what the CPU spends), the
+eager time per call (the same with the sync: whichever of host and GPU is slower), and the
+graph-replay time per call (the GPU's). bf16 ``torch.mm`` on the same problem is the baseline.
+
+    python benchmarks/bench_eager.py   (a CUDA GPU; prints a table, writes eager_cuda.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+from _common import table, write
+
+from fp4select import formats, validate
+from fp4select.backends import dequant, triton_hopper
+from fp4select.keys import Problem, m_bucket
+
+POINTS = [(4096, 4096, 1), (4096, 4096, 16), (4096, 4096, 128), (4096, 4096, 2048)]
+POINTS += [(8192, 8192, 16), (8192, 8192, 2048), (28672, 4096, 2048)]
+CALLS = 200
+
+
+def paths(m: int) -> dict:
+    """The Hopper paths that take M = m (each with its table's tactic for m)."""
+    out = {}
+    if m <= 8:
+        out["hopper-gemv"] = triton_hopper.run_gemv
+    if m <= 256:
+        out["hopper-mma"] = triton_hopper.run_mma
+    if 33 <= m <= 2048:
+        out["hopper-ws"] = triton_hopper.run_ws
+    if m >= 512:
+        out["hopper-dequant"] = dequant.run_hopper
+    return out
+
+
+def host_and_eager_us(fn) -> tuple[float, float]:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / CALLS * 1e6, (time.perf_counter() - start) / CALLS * 1e6
+
+
+def graph_us(fn, calls: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(15):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        samples.append(s.elapsed_time(e) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for n, k, m in POINTS:
+        problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+        inputs = validate.make_inputs(problem, m, device, seed=7, with_reference=False)
+        args = inputs.args(problem)
+        a = formats.dequantize(inputs.a, inputs.a_descale, k, use_nvfp4=True, sf_layout="128x4")
+        w = formats.dequantize(inputs.b.T, inputs.b_descale.T, k, use_nvfp4=True, sf_layout="128x4")
+        a, w = a.to(torch.bfloat16), w.to(torch.bfloat16)
+        calls = {name: functools.partial(run, *args) for name, run in paths(m).items()}
+        calls["bf16 torch.mm"] = functools.partial(torch.mm, a, w.T)
+        for name, fn in calls.items():
+            host, eager = host_and_eager_us(fn)
+            rows.append(
+                {"n": n, "k": k, "m": m, "path": name, "host_us": host, "eager_us": eager,
+                 "graph_us": graph_us(fn)}
+            )  # fmt: skip
+    cells = [
+        [f"{r['n']}x{r['k']}", r["m"], r["path"]]
+        + [f"{r[f]:.1f}" for f in ("host_us", "eager_us", "graph_us")]
+        for r in rows
+    ]
+    print(table(cells, ["N x K", "M", "path", "host us", "eager us", "graph us"]))
+    print(f"wrote {write('eager', device, {'calls': CALLS, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
