@@ -320,8 +320,7 @@ class VerifyReport:
         from fp4select.backends import flashinfer_tactics
 
         tactic = record.get("tactic")
-        tuned_here = flashinfer_tactics.is_tuned(record)
-        served = "tuned" if tuned_here else ("untuned" if tactic is None else "default")
+        served = flashinfer_tactics.served_as(record)
         reason = None if served == "tuned" else str(record.get("reason") or "?")
         defaults = record.get("default_at") or []
         default_at = [d.get("m") for d in defaults if isinstance(d, Mapping)]

@@ -506,6 +506,26 @@ def test_explain_shows_the_tactic_and_the_default_time_beside_the_tuned_one(inpr
     assert tactic_summary({"detail": {}}) == ("-", "")
 
 
+def test_explain_verify_and_their_json_count_a_tactic_record_by_one_rule():
+    """What a record serves is decided in one place: -1 and a malformed tactic (which
+    ``pinned`` serves as flashinfer's default) read as the default in every view."""
+    from fp4select.backends.flashinfer_tactics import served_as
+    from fp4select.cli.checks import tactics_cell
+    from fp4select.cli.tune import tactic_summary
+
+    records = [{"tactic": None}, {}, {"tactic": -1}, {"tactic": -1.0}, {"tactic": True}]
+    records += [{"tactic": 3}, {"tactic": [1, [2, 3]]}]
+    kinds = [served_as(r) for r in records]
+    assert kinds == ["untuned"] * 2 + ["default"] * 3 + ["tuned"] * 2
+    for record, kind in zip(records, kinds, strict=True):
+        assert tactic_summary({"detail": {"tactic": record}})[0].startswith("default") == (
+            kind != "tuned"
+        )
+        cell = tactics_cell([record])
+        assert cell.startswith("1/1 tuned" if kind == "tuned" else "0/1 tuned"), (record, cell)
+        assert cell.endswith(", 1 default") == (kind == "default"), (record, cell)
+
+
 def test_verify_reports_per_backend_the_tactics_and_default_versus_tuned_time(
     cache_dir, monkeypatch, capsys
 ):

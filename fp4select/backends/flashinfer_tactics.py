@@ -482,12 +482,15 @@ def tactic_of(record: Any) -> tuple[Any, str | None] | None:
     return decode(record["tactic"]), record.get("runner")
 
 
-def is_tuned(record: Any) -> bool:
-    """Whether ``record`` serves a tuned tactic (not none, not flashinfer's default)."""
-    if not isinstance(record, Mapping):
-        return False
-    tactic = record.get("tactic")
-    return tactic is not None and not (isinstance(tactic, int) and tactic == DEFAULT_TACTIC)
+def served_as(record: Any) -> str:
+    """What a tactic record serves: "tuned" (a tactic of its own), "default" (flashinfer's -1,
+    pinned: tuning gave up or ran out of time; or a malformed record, which ``pinned`` serves
+    so) or "untuned" (no tactic: flashinfer chooses). The one rule ``verify``, ``explain``
+    and their JSON count by."""
+    tactic = record.get("tactic") if isinstance(record, Mapping) else None
+    if tactic is None:
+        return "untuned"
+    return "default" if record_error(record) or tactic == DEFAULT_TACTIC else "tuned"
 
 
 def pinned(runner: Runner, record: Mapping[str, Any]) -> Runner:

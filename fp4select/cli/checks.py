@@ -164,14 +164,13 @@ def tactics_cell(tactics: Sequence[Mapping[str, Any]]) -> str:
     """How many problems ran at a tuned tactic (of those with tactics), how many at flashinfer's
     default, and the range of default/tuned time ratios where the default is a heuristic (a
     speed-up over CUTLASS's config 0 says nothing)."""
+    from fp4select.backends.flashinfer_tactics import served_as
+
     if not tactics:
         return "-"
 
     def served(t: Mapping[str, Any]) -> str:
-        if "served" in t:
-            return str(t["served"])
-        tactic = t.get("tactic")
-        return "untuned" if tactic is None else ("default" if tactic == -1 else "tuned")
+        return str(t["served"]) if "served" in t else served_as(t)
 
     tuned = [t for t in tactics if served(t) == "tuned"]
     ratios = [

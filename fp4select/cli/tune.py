@@ -246,13 +246,16 @@ def tactic_summary(verdict: Mapping[str, Any]) -> tuple[str, str]:
     """(the tactic cell, why it is not tuned) for a verdict's JSON: the tactic the backend was
     validated, timed and is served at, with its time at flashinfer's default tactic and what
     that default is (a heuristic, or CUTLASS's config 0)."""
+    from fp4select.backends.flashinfer_tactics import served_as
+
     detail = verdict.get("detail") or {}
     record = detail.get("tactic")
     if not isinstance(record, Mapping):
         return "-", ""
-    if record.get("tactic") is None:
+    served = served_as(record)
+    if served == "untuned":
         return "default", f"untuned: {record.get('reason') or '?'}"
-    if record.get("tactic") == -1:
+    if served == "default":
         return (
             "default (-1)",
             f"{record.get('fallback') or 'default'}: {record.get('reason') or '?'}",
