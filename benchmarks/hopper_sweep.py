@@ -68,7 +68,6 @@ FAMILY_HELP = {
     "occ": "hopper-mma at OCC: small tiles split for more programs an SM",
     "ws": "hopper-ws at the tiles in WS",
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
-    "x64": "hopper-ws 64-row tiles (taking turns) beyond their tactics: at M = 65-512",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
 }
@@ -97,7 +96,8 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages" (the mma's, not today's);
 #   25e0248 "overlap"; 1cc5dc7 "mreg": the mma tactics to M = 32 with registers capped;
 #   32bb1d3 "order": the ws tactics with their consumers issuing in turn (the 64-row ones since);
-#   5fa76e3 "alt": 128 x 128 ws tiles, each consumer all rows on alternate steps
+#   5fa76e3 "alt": 128 x 128 ws tiles, each consumer all rows on alternate steps;
+#   56996f9 "x64": the 64-row ws tiles (taking turns) beyond their tactics, M = 65-512
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
@@ -275,13 +275,6 @@ WS = [(128, 128, 3), (128, 128, 2), (128, 64, 4), (64, 128, 3), (64, 128, 4), (6
 # into shared memory, four fifths of it a's float16 tiles (docs/hopper_kernels.md), which these
 # halve per weight row.
 WS += [(256, 64, 4), (256, 128, 3), (256, 128, 2)]
-# The 64-row ws tiles beyond their tactics (64 x 64 is the M <= 64 tactic; 64 x 128, 5 stages,
-# the tactic to M = 512), since their consumers take turns (106a9ae).
-X64 = [
-    hopper_configs.WsConfig(64, 64, 4, 0),
-    hopper_configs.WsConfig(64, 64, 6, 0),
-    hopper_configs.WsConfig(64, 128, 4, 0, 128),
-]
 # hopper-ws with one wgmma over a 128-token tile (m64n128k16) where the tactics run two over its
 # halves (m64n64k16): half the MMA instructions, each register operand read once, not twice.
 # (256 tokens, or 256 rows with whole-tile MMAs, spill at the 168 registers 12 warps allow.)
@@ -470,11 +463,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
             if c.block_t <= 2 * m:
                 name = "wsw " + " ".join(map(str, dataclasses.astuple(c)))
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
-    if 65 <= m <= 512 and "x64" in families:  # the 64-row tiles since they take turns
-        for c in X64:
-            out["x64 " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
-                triton_hopper.run_ws, cfg=c
-            )
     if m >= 512 and "dq" in families:
         for t in DQ:
             cfg = hopper_configs.GemmTile(*t)
