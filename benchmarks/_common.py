@@ -66,6 +66,30 @@ def write(name: str, device: torch.device, payload: dict[str, Any]) -> Path:
     return path
 
 
+def graph_replay_us(fn, calls: int = 100) -> float:
+    """Median time a call of ``fn`` takes replayed from a CUDA graph of ``calls`` back-to-back
+    calls (captured after one warm-up call on a side stream, as torch asks)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(15):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        samples.append(s.elapsed_time(e) * 1e3 / calls)
+    return statistics.median(samples)
+
+
 def quantiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     q = statistics.quantiles(ordered, n=10) if len(ordered) >= 10 else [ordered[0]] * 9

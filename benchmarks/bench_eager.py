@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 
 import torch
-from _common import table, write
+from _common import graph_replay_us, table, write
 
 from fp4select import formats, validate
 from fp4select.backends import dequant, triton_hopper
@@ -55,28 +54,6 @@ def host_and_eager_us(fn) -> tuple[float, float]:
     return host / CALLS * 1e6, (time.perf_counter() - start) / CALLS * 1e6
 
 
-def graph_us(fn, calls: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    samples = []
-    for _ in range(15):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        samples.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(samples)
-
-
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     device = torch.device("cuda")
@@ -94,7 +71,7 @@ def main() -> None:
             host, eager = host_and_eager_us(fn)
             rows.append(
                 {"n": n, "k": k, "m": m, "path": name, "host_us": host, "eager_us": eager,
-                 "graph_us": graph_us(fn)}
+                 "graph_us": graph_replay_us(fn, 20)}
             )  # fmt: skip
     cells = [
         [f"{r['n']}x{r['k']}", r["m"], r["path"]]

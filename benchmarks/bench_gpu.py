@@ -52,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import activations, calibrated_scale, dumps, machine, table
+from _common import activations, calibrated_scale, dumps, graph_replay_us, machine, table
 
 import fp4select
 from fp4select import formats, quantize, timing, validate
@@ -341,32 +341,11 @@ def warm_path(device: torch.device) -> list[dict]:
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / calls * 1e6
 
-        def graph_us(fn, calls=100):
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph):
-                for _ in range(calls):
-                    fn()
-            graph.replay()
-            samples = []
-            for _ in range(15):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                graph.replay()
-                e.record()
-                e.synchronize()
-                samples.append(s.elapsed_time(e) * 1e3 / calls)
-            return statistics.median(samples)
-
         eager = {"direct": [], "best_mm_fp4": []}
         for _ in range(5):  # interleaved, so drift hits both
             eager["direct"].append(eager_us(direct))
             eager["best_mm_fp4"].append(eager_us(via))
-        g_direct, g_via = graph_us(direct), graph_us(via)
+        g_direct, g_via = graph_replay_us(direct), graph_replay_us(via)
         host = {}
         for name, fn in (("direct", direct), ("best_mm_fp4", via)):
             t0 = time.perf_counter()
