@@ -520,3 +520,9 @@ def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
         waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
         assert waits and all(line.endswith("gsb0, 0x0") for line in waits), waits
         assert tool.hazards(loop) == []
+        # The 64-row tiles' consumers take turns: each hands the other its turn (an mbarrier
+        # arrive) once its step's wgmma is issued, before waiting for it; the others do not.
+        last = max(i for i, line in enumerate(loop) if "HGMMA" in line)
+        wait = next(i for i, line in enumerate(loop) if line.startswith("WARPGROUP.DEPBAR"))
+        handed = [line for line in loop[last:wait] if "SYNCS.ARRIVE" in line]
+        assert bool(handed) == (cfg.block_n == 64), loop[last:wait]
