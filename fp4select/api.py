@@ -345,7 +345,7 @@ def _miss(
     a = args[0]
     sel = selector()
     device = a.device
-    env = sel.environment(device)  # once per miss, passed down
+    env = environment_for(device)  # once per miss, passed down
     if backend != "auto":
         return sel.named_runner(backend, problem, device, allow_blacklisted, env=env), True
     decision = sel.lookup(problem, device, env=env)
@@ -375,7 +375,7 @@ def explain(
         device = args[0].device if args else kwargs["a"].device
     device = torch.device(device or "cpu")
     sel = selector()
-    env = sel.environment(device)
+    env = environment_for(device)
     source = "memory" if sel.in_memory(problem, device, env=env) else "disk"
     decision: Decision | None = sel.lookup(problem, device, env=env)
     if decision is None and tune:

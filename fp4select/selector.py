@@ -217,12 +217,7 @@ class Selector:
 
     # -- decisions ----------------------------------------------------------------------------
     # Each takes the ``env`` of ``device`` when its caller knows it already (computed once per
-    # miss, by ``environment``, and passed down); without it, it computes it.
-    @staticmethod
-    def environment(device: torch.device) -> dict[str, Any]:
-        """The environment fingerprint of ``device``: what decisions and blacklists are kept for."""
-        return environment_for(device)
-
+    # miss, by ``keys.environment_for``, and passed down); without it, it computes it.
     def in_memory(
         self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
     ) -> bool:

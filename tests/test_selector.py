@@ -98,6 +98,7 @@ def test_warm_path_does_not_touch_the_selector_again(inprocess):
 @pytest.mark.parametrize("backend", ["auto", "fast"])
 def test_a_miss_computes_the_environment_once(inprocess, monkeypatch, backend):
     """It is computed where the miss is first known and passed down (it used to be seven)."""
+    import fp4select.api as api_mod
     import fp4select.selector as selector_mod
 
     register("fast", "slow")
@@ -109,6 +110,7 @@ def test_a_miss_computes_the_environment_once(inprocess, monkeypatch, backend):
         return real(device)
 
     monkeypatch.setattr(selector_mod, "environment_for", counting)
+    monkeypatch.setattr(api_mod, "environment_for", counting)
     call(backend=backend)
     assert len(calls) == 1
     fp4select.explain(problem=Problem(n=64, k=128, m_bucket=32), device="cpu")  # a miss: tunes
