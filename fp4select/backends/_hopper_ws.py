@@ -17,11 +17,12 @@ without touching registers a wgmma in flight reads. On alternate steps they also
 wgmma in turn, which measured faster (the row-splitting tiles did not gain). (Tiles of 16-32
 tokens, for M <= 32, were slower than ``hopper-mma`` at every point timed, code at commit
 15e63df; four consumers, two a row half on alternate steps, were no faster: removed, code at
-commit 5a144e9. Measured: docs/hopper_kernels.md, 'Tried and removed', 'Four consumers'.) The arithmetic is ``mma_planes``':
-a step of 16 words is decoded into 8 planes (``_PAIR_TO_F16_CVT``), plane p multiplies rows
-16p .. 16p + 15 of a's workspace (``decode_planes``' order), so each plane is one k16 wgmma.
-The planes are joined in the registers the MMA reads; ``convert_layout(...,
-assert_trivial=True)`` holds that at compile time.
+commit 5a144e9. Measured: docs/hopper_kernels.md, 'Tried and removed', 'Four consumers'.)
+The arithmetic is ``mma_planes``': a step of 16 words is decoded into 8 planes
+(``_PAIR_TO_F16_CVT``), plane p multiplies rows 16p .. 16p + 15 of a's workspace
+(``decode_planes``' order), so each plane is one k16 wgmma. The planes are joined in the
+registers the MMA reads; ``convert_layout(..., assert_trivial=True)`` holds that at compile
+time.
 
 Design rules:
 
@@ -325,8 +326,8 @@ def mma_ws(
     ready = gl.allocate_shared_memory(gl.int64, [READY, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    # Consumers on alternate steps issue their wgmma in turn (``mma_step``): they measured
-    # faster so, the row-splitting tiles not (docs/hopper_kernels.md, 'In turn').
+    # Consumers on alternate steps issue their wgmma in turn (``mma_step``): measured faster
+    # there, and no faster where they split the rows (docs/hopper_kernels.md, 'In turn').
     ORDER: gl.constexpr = BN == 64
     if ORDER:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
