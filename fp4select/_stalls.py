@@ -9,6 +9,8 @@ Design rules:
   40-180x slower than their kernels run, every replay of their life, while the graphs beside
   them ran normally (docs/hopper_kernels.md). Whoever times takes them again, once, from a
   new sampler (``timing.time_interleaved``; ``backends.hopper_tactics`` for its tactics).
+  The same rule between a candidate's samples and the fastest rival's, or a new capture's
+  first sample, is how ``time_interleaved`` finds a stalled launch-bound candidate.
 * A leaf module: the Hopper tactics' timing sits below ``timing`` in the imports.
 """
 

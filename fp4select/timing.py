@@ -36,7 +36,11 @@ Design rules:
   not: docs/hopper_kernels.md, cfc0bea's outlier).
 * A candidate whose samples ran far slower per call than its own calibration (``_stalls``:
   the rule and the H200's reason) gets a new sampler (on CUDA its graph captured again) and
-  its samples taken again, once; its timing's method then ends in ``+resampled``.
+  its samples taken again, once; its timing's method then ends in ``+resampled``. So does one
+  far slower than the fastest candidate if its new sampler's first sample is far faster than
+  its samples were: where launching takes longer than the kernels, its calibration (the calls
+  launched one by one) is as slow as a stalled graph, and only a new capture tells
+  (docs/hopper_kernels.md, 'In turn').
 """
 
 from __future__ import annotations
@@ -235,14 +239,21 @@ def time_interleaved(
             if len(active) == 1 and len(calls) > 1:  # rivals dropped: nothing left to rank
                 break
     methods = dict.fromkeys(names, method)
+    fastest = min(statistics.median(samples[n]) for n in names)
     for name in names:  # a stalled sampler: built again and sampled again, once (module rules)
-        if stalled(statistics.median(samples[name]), calibration_s[name] * 1e6):
-            if on_start:
-                on_start(name)
-            del samplers[name]  # a graph's memory pool is freed before the next capture
-            samplers[name] = _Sampler(calls[name], reps[name], device, graph=use_graph)
-            samples[name] = [samplers[name].sample() for _ in samples[name]]
-            methods[name] = method + "+resampled"
+        median = statistics.median(samples[name])
+        behind_own_calls = stalled(median, calibration_s[name] * 1e6)
+        if not (behind_own_calls or stalled(median, fastest)):
+            continue
+        if on_start:
+            on_start(name)
+        del samplers[name]  # a graph's memory pool is freed before the next capture
+        samplers[name] = _Sampler(calls[name], reps[name], device, graph=use_graph)
+        probe = samplers[name].sample()
+        if not behind_own_calls and not stalled(median, probe):
+            continue  # as slow from a new capture: the candidate is, not its sampler
+        samples[name] = [probe] + [samplers[name].sample() for _ in samples[name][1:]]
+        methods[name] = method + "+resampled"
     timings = {n: summarize(samples[n], reps[n], methods[n]) for n in names}
     for name in hopeless:  # the calibration run: one synchronized wall-clock sample
         per_sample = len(calls[name]) if name in reps else 1  # the whole rotation, or one call

@@ -331,6 +331,43 @@ def test_samples_far_slower_than_calibration_are_taken_again_once(
 
 
 @pytest.mark.parametrize(
+    ("slow_graph", "winner", "runs"), [(True, "launch_bound", 8), (False, "rival", 6)]
+)
+def test_a_candidate_far_behind_whose_new_capture_is_far_faster_is_taken_again(
+    monkeypatch, slow_graph, winner, runs
+):
+    # The H200: a hopper-ws tactic whose kernel takes 12.8 us timed 264.7 us from one graph,
+    # while launching it eagerly takes about that long, so its calibration could not tell
+    # (docs/hopper_kernels.md, 'In turn'). Runs 1-2 calibrate (launch-bound, 50 units), 3-5
+    # are the samples (60 units: a stalled graph, or the candidate itself when slow_graph is
+    # False), 6 the new capture's first sample, 7-8 the rest taken again.
+    clock = _FakeClock()
+    monkeypatch.setattr(timing_module, "time", clock)
+    unit = 2.0**-10
+    made = {"launch_bound": 0, "rival": 0}
+
+    def costing(name: str, calibration: float, samples: float, afterwards: float):
+        def call() -> None:
+            made[name] += 1
+            n = made[name]
+            clock.now += unit * (calibration if n <= 2 else samples if n <= 5 else afterwards)
+
+        return call
+
+    calls = {
+        "rival": [costing("rival", 40, 2, 2)],
+        "launch_bound": [costing("launch_bound", 50, 60, 1 if slow_graph else 60)],
+    }
+    options = TimingOptions(budget_s=1.0, min_rounds=3, max_rounds=3, target_sample_s=0)
+    timings, method = time_interleaved(calls, CPU, options)
+    assert made["launch_bound"] == runs and made["rival"] == 5  # the rival: no new capture
+    resampled = method + "+resampled"
+    assert timings["launch_bound"].method == (resampled if slow_graph else method)
+    assert timings["launch_bound"].samples == 3
+    assert rank(timings, {}).winner == winner
+
+
+@pytest.mark.parametrize(
     ("sampled_us", "calibration_us", "stalled"),
     [(3600.0, 20.0, True), (59.0, 19.0, False), (71.0, 20.0, True), (300.0, 120.0, False)],
 )
