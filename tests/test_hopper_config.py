@@ -183,6 +183,22 @@ def test_tuning_keeps_the_table_where_it_cannot_time(monkeypatch):
         settings.use(None)
 
 
+def test_a_tactic_far_behind_the_fastest_is_timed_again_and_kept_only_if_it_was_its_graph():
+    # The H200: a 12.8 us tile timed 264.7 us from one graph, about what launching it eagerly
+    # takes, so the check against its own eager calls could not tell (docs/hopper_kernels.md).
+    asked = []
+
+    def retime(cfg):
+        asked.append(cfg)
+        return {"stalled": 12.0, "slow": 190.0}[cfg]
+
+    times = {"stalled": 264.7, "best": 12.6, "slow": 200.0, "close": 30.0}
+    out = ht.retime_stalled(times, retime)
+    assert out == {"stalled": 12.0, "best": 12.6, "slow": 200.0, "close": 30.0}
+    assert asked == ["stalled", "slow"]  # 30 us: 2.4x, not the stall rule's 3x and 50 us
+    assert ht.retime_stalled({}, retime) == {} and len(asked) == 2
+
+
 def test_only_tritons_out_of_resources_counts_as_a_tile_that_does_not_fit():
     errors = pytest.importorskip("triton.runtime.errors")
     assert ht._out_of_resources(errors.OutOfResources(300_000, 232_448, "shared memory"))
