@@ -70,8 +70,6 @@ FAMILY_HELP = {
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
-    "flight": "with tactics: each ws tactic of 64-row consumers also decoding its next step "
-    "while this step's wgmma runs (flight 1: Triton's wait; 2: the wait in the asm)",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -488,10 +486,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
-                if "flight" in families and kind == "ws" and c.block_n <= 128:
-                    for flight in (1, 2):  # the next step decoded while this one's wgmma runs
-                        other = dataclasses.replace(c, flight=flight)
-                        out[name + f" flight{flight}"] = functools.partial(run, cfg=other)
                 if "late" in families and kind == "gemv":  # the other trigger under PDL
                     # (hopper_sweep_late.json ran the mma tactics' too, before ``mma_planes``
                     # let the next launch in after its K loop always: ab05436)

@@ -190,104 +190,11 @@ def mma_step(a, x_bufs, empty, s, acc0, acc1, turn, n, ROLE: gl.constexpr, ORDER
     return acc0, acc1
 
 
-# A use of a wgmma's register operand after the wait that covers it, which ptxas cannot drop:
-# a shared store predicated on M < 0 (never true; ptxas cannot know). Live until here, those
-# registers cannot hold the next step's decode while the wgmma reads them (FLIGHT).
-_KEEP_ASM = gl.constexpr(
-    "{ .reg .pred p; setp.lt.s32 p, $8, 0; @p st.shared.v4.b32 [$9], {$4, $5, $6, $7}; "
-    "mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $7; }"
-)
-
-
-# FLIGHT 2: the wait itself in the asm that keeps the operand live, with the next step's
-# decoded operand passed through it, so ptxas finishes that decode before the wait (with
-# Triton's wait it scheduled half the decode after it). %nctaid.z is 1 (a 2-D grid).
-def _wait_keep_asm(regs: int) -> str:
-    """Operands: ``regs`` outputs (the next operand, passed through), its ``regs`` inputs, then
-    the in-flight operand's ``regs``. Every input is read by a store predicated off, the next
-    operand's before the wait and the in-flight one's after it."""
-
-    def stores(first: int) -> str:
-        return "".join(
-            f"@p st.shared.v4.b32 [z], {{${first + r}, ${first + r + 1}, ${first + r + 2}, "
-            f"${first + r + 3}}}; "
-            for r in range(0, regs, 4)
-        )
-
-    moves = "".join(f"mov.b32 ${r}, ${regs + r}; " for r in range(regs))
-    return (
-        "{ .reg .pred p; .reg .b32 z; mov.u32 z, %nctaid.z; setp.gt.u32 p, z, 1; "
-        + stores(regs)
-        + "wgmma.wait_group.sync.aligned 0; "
-        + stores(2 * regs)
-        + moves
-        + "}"
-    )
-
-
-_WAIT_KEEP_REGS = 32  # a 64 x 128 float16 operand: 64 values a thread, 2 a register
-_WAIT_KEEP_ASM = gl.constexpr(_wait_keep_asm(_WAIT_KEEP_REGS))
-_WAIT_KEEP_CONSTRAINTS = gl.constexpr(
-    ",".join(["=r"] * _WAIT_KEEP_REGS + ["r"] * 2 * _WAIT_KEEP_REGS)
-)
-
-
-@gluon.jit
-def _keep(a, M):
-    return gl.inline_asm_elementwise(
-        _KEEP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r", [a, M],
-        dtype=gl.float16, is_pure=False, pack=8,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _wait_keep(a_next, a):
-    return gl.inline_asm_elementwise(
-        _WAIT_KEEP_ASM, _WAIT_KEEP_CONSTRAINTS, [a_next, a],
-        dtype=gl.float16, is_pure=False, pack=64,
-    )  # fmt: skip
-
-
-@gluon.jit
-def flight_step(
-    a, x_bufs, empty, s, acc0, acc1, turn, n, ROLE: gl.constexpr, ORDER: gl.constexpr
-):  # fmt: skip
-    """Stage s's wgmma on ``a``, issued (in turn with ORDER, as ``mma_step``) and left in
-    flight: the caller decodes the next step, then ``flight_wait``."""
-    HALVES: gl.constexpr = x_bufs.type.shape[0] // empty.type.shape[0]
-    if ORDER:
-        if ROLE == 0:
-            mbarrier.wait(turn.index(0), (n - 1) & 1, pred=n > 0)
-        else:
-            mbarrier.wait(turn.index(1), n & 1)
-    acc0 = warpgroup_mma(a, x_bufs.index(s * HALVES), acc0, is_async=True)
-    if HALVES == 2:
-        acc1 = warpgroup_mma(a, x_bufs.index(s * HALVES + 1), acc1, is_async=True)
-    if ORDER:
-        mbarrier.arrive(turn.index(1 - ROLE))
-    return acc0, acc1
-
-
-@gluon.jit
-def flight_wait(a, a_next, empty, s, acc0, acc1, M, FLIGHT: gl.constexpr):
-    """Wait for stage s's wgmma, keep its operand's registers live past the wait, give the
-    stage back."""
-    if FLIGHT == 2:
-        a_next = _wait_keep(a_next, a)
-    acc0, acc1, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a))
-    if FLIGHT == 1:
-        _keep(a, M)
-    fence_async_shared()
-    mbarrier.arrive(empty.index(s))
-    return acc0, acc1, a_next
-
-
 @gluon.jit
 def _consumer(
     w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
     w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr, ORDER: gl.constexpr,
-    FLIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: each of its steps decode, issue the step's wgmma (one group over the
     tile's tokens or one a 64-token half), wait for them, give the stage back (and with
@@ -314,51 +221,21 @@ def _consumer(
     acc0 = gl.zeros((ROWS, XW), gl.float32, mma)
     acc1 = gl.zeros((ROWS, XW), gl.float32, mma)
     sw = _scale_words(sw_ptr, row_part, kw, first + FIRST_STEP, KW, BKW)
-    gl.static_assert(FLIGHT < 2 or ROWS == 64, "FLIGHT 2 takes a 64-row operand (_WAIT_KEEP_REGS)")
-    if FLIGHT > 0:
-        # step j's wgmma runs while step j + EVERY is decoded (its stage waited for first; past
-        # the last step the wait is skipped and the decode unused)
-        mbarrier.wait(
-            ready.index(FIRST_STEP % READY), (FIRST_STEP // READY) & 1, pred=steps > FIRST_STEP
+    for j in range(FIRST_STEP, steps, EVERY):
+        s = j % STAGES
+        i = first + j  # the step of K; j counts this program's steps
+        mbarrier.wait(ready.index(j % READY), (j // READY) & 1)
+        a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
+        sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
+        acc0, acc1 = mma_step(
+            a, x_bufs, empty, s, acc0, acc1, turn, (j - FIRST_STEP) // EVERY, ROLE, ORDER
         )
-        a = _decode(
-            w_bufs.index(FIRST_STEP % STAGES).slice(ROW0, ROWS), sw, first + FIRST_STEP, kw, op, BKW
-        )
-        sw = _scale_words(sw_ptr, row_part, kw, first + FIRST_STEP + EVERY, KW, BKW)
-        for j in range(FIRST_STEP, steps, EVERY):
-            s = j % STAGES
-            acc0, acc1 = flight_step(
-                a, x_bufs, empty, s, acc0, acc1, turn, (j - FIRST_STEP) // EVERY, ROLE, ORDER
-            )
-            nj = j + EVERY
-            mbarrier.wait(ready.index(nj % READY), (nj // READY) & 1, pred=nj < steps)
-            a_next = _decode(
-                w_bufs.index(nj % STAGES).slice(ROW0, ROWS), sw, first + nj, kw, op, BKW
-            )
-            sw = _scale_words(sw_ptr, row_part, kw, first + nj + EVERY, KW, BKW)
-            acc0, acc1, a = flight_wait(a, a_next, empty, s, acc0, acc1, M, FLIGHT)
-            if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
-                if j + STAGES < steps:
-                    _load_step(
-                        w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n - ROW0, off_t, first,
-                        j + STAGES, BKW,
-                    )  # fmt: skip
-    else:
-        for j in range(FIRST_STEP, steps, EVERY):
-            s = j % STAGES
-            i = first + j  # the step of K; j counts this program's steps
-            mbarrier.wait(ready.index(j % READY), (j // READY) & 1)
-            a = _decode(w_bufs.index(s).slice(ROW0, ROWS), sw, i, kw, op, BKW)
-            sw = _scale_words(sw_ptr, row_part, kw, i + EVERY, KW, BKW)  # a step ahead of its use
-            acc0, acc1 = mma_step(
-                a, x_bufs, empty, s, acc0, acc1, turn, (j - FIRST_STEP) // EVERY, ROLE, ORDER
-            )
-            if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
-                if j + STAGES < steps:
-                    _load_step(
-                        w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n - ROW0, off_t, first,
-                        j + STAGES, BKW,
-                    )  # fmt: skip
+        if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
+            if j + STAGES < steps:
+                _load_step(
+                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n - ROW0, off_t, first,
+                    j + STAGES, BKW,
+                )  # fmt: skip
     if EVERY == 2 and FIRST_STEP == 1:  # the second consumer's sums, for the first to add
         partial.index(0).store(acc0)
         if HALVES == 2:
@@ -428,7 +305,7 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, FLIGHT: gl.constexpr = False,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -482,13 +359,13 @@ def mma_ws(
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False, ORDER, FLIGHT),
+                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False, ORDER),
                 ),
                 (
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True, ORDER, FLIGHT),
+                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True, ORDER),
                 ),
             ],
             [4],
@@ -501,13 +378,13 @@ def mma_ws(
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, FIRST, False, ORDER, FLIGHT),
+                     alpha_stride, w_desc, x_desc, FIRST, False, ORDER),
                 ),
                 (
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, SECOND, False, ORDER, FLIGHT),
+                     alpha_stride, w_desc, x_desc, SECOND, False, ORDER),
                 ),
                 (
                     _loader,

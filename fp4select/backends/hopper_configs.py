@@ -64,11 +64,8 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    flight: int = 0  # experiment: 1, 2 decode the next step while this step's wgmma runs
 
     def __post_init__(self) -> None:
-        if self.flight not in (0, 1, 2) or (self.flight == 2 and self.block_n > 128):
-            raise ValueError(f"flight must be 0, 1, or 2 with block_n <= 128, got {self}")
         if self.mma_tokens not in (64, self.block_t):
             raise ValueError(f"mma_tokens must be 64 or block_t, got {self.mma_tokens}")
         if self.loader_warp not in (0, 1) or (not self.loader_warp and self.block_n < 128):

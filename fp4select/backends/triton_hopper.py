@@ -420,7 +420,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     ws.mma_ws[(tiles, split)](
         w_desc, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, strides[0], strides[1],
         alpha_stride, per_split, c.m * c.n,
-        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP, OWN_LOADS=not cfg.loader_warp, FLIGHT=cfg.flight,
+        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP, OWN_LOADS=not cfg.loader_warp,
         num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
     )  # fmt: skip
     if parts is not None:
