@@ -98,6 +98,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   32bb1d3 "order": the ws tactics with their consumers issuing in turn (the 64-row ones since);
 #   5fa76e3 "alt": 128 x 128 ws tiles, each consumer all rows on alternate steps;
 #   56996f9 "x64": the 64-row ws tiles (taking turns) beyond their tactics, M = 65-512
+#   b9bea34 "flight": the ws tactics decoding their next step while this step's wgmma runs
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
