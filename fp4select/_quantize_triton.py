@@ -11,8 +11,7 @@ One launch writes both outputs whole: the packed codes and every byte of the pad
 * with ``pad_programs``, one more row of programs that only store the zero scales of the
   padding rows ``M .. ceil128(M)`` (no load, no arithmetic): at decode sizes those are most of
   the scale grid (127 of 128 rows at M = 1). Without it the quantizing tiles cover the padding
-  rows too and compute them from zeros (the kernel before 2026-12-01; kept for
-  ``benchmarks/quant_sweep.py``'s comparison).
+  rows too and compute them from zeros (``benchmarks/quant_sweep.py``'s baseline).
 
 Padding bytes (rows >= M, columns >= K/16) are written as 0 whatever the global scale (an
 infinite one makes a zero block's scale NaN, never the padding's), as ``swizzle_sf`` pads.
@@ -185,10 +184,9 @@ def _quantize_kernel(
     PAD_PROGRAMS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # Launched with PDL (``pdl``), this kernel starts while the layer before it is still
-    # running and waits here until that has finished. It lets the GEMM it feeds launch first,
-    # before that wait: the GEMM waits for this kernel in its own pdl_start, and its launch
-    # is then hidden behind both (measured: docs/hopper.md, 'In a chain of layers').
+    # The GEMM this feeds may launch before this kernel waits for the layer before it (it
+    # waits for us in its own pdl_start), hiding its launch (docs/hopper.md, 'In a chain of
+    # layers').
     if PDL:
         gdc_launch_dependents()
     pdl_start(PDL, False)

@@ -3,14 +3,11 @@
 Design rules:
 
 * A candidate's calibration runs the same calls launched one by one, with the host waiting at
-  the end; a CUDA graph replaying them, or the same loop timed again, is not meaningfully
-  slower. Samples over ``STALL_FACTOR`` times slower a call than that, and by at least
-  ``STALL_MARGIN_US``, were stretched: on the H200 a few graphs in a thousand replayed
-  40-180x slower than their kernels run, every replay of their life, while the graphs beside
-  them ran normally (docs/hopper_kernels.md). Whoever times takes them again, once, from a
-  new sampler (``timing.time_interleaved``; ``backends.hopper_tactics`` for its tactics).
-  The same rule between a candidate's samples and the fastest rival's, or a new capture's
-  first sample, is how ``time_interleaved`` finds a stalled launch-bound candidate.
+  the end; a CUDA graph replaying them is not meaningfully slower. Samples over
+  ``STALL_FACTOR`` times slower a call than that, and by at least ``STALL_MARGIN_US``, were
+  stretched (a few graphs in a thousand stay slow for life: docs/design.md), so whoever times
+  takes them again, once, from a new sampler (``timing.time_interleaved``,
+  ``backends.hopper_tactics``).
 * A leaf module: the Hopper tactics' timing sits below ``timing`` in the imports.
 """
 

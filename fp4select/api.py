@@ -5,34 +5,24 @@ Design rules:
 * The warm path makes one small key, looks it up once and calls a bound runner: no device
   sync, no host-device copy, no logging, so it is safe inside CUDA graph capture
   (benchmarks/bench_warm_path.py measures what it adds).
-* Where the C++ key is loaded (fp4select.native_key: built on this machine at deploy time,
-  loaded when the settings are made; a serving process never builds it), one C++ call turns
-  the exact metadata of every tensor into an int, and the key is that int with the flags: an exact
-  match is the whole check, so no guard runs. Until then (or with ``FP4SELECT_NATIVE=off``)
-  the Python path below serves, with the same answers.
-* Arguments are checked in full the first time a call signature is seen, before any kernel
-  runs. A signature is every property those checks read that a later call could change with
-  the same shapes: dtypes, devices, a's contiguity, b's strides, the scale sizes, alpha, the
-  flags by identity. So a call the first call would refuse never finds a bound runner: the
-  same bad call gets the same ``TypeError``/``ValueError`` naming the argument, first or
-  thousandth.
-* The Python path's key is what separates one bound runner from another (the shapes of a
-  and b, a's device index, which optional tensors are given, the flags); everything else the
-  checks read of every tensor (dtype, device, exact sizes and strides) is verified by a guard
-  made from the call that bound the entry (fp4select.tensor_guard: one C++ call where PyTorch
-  offers it). So nothing is taken by identity: engines that pass fresh views of the weight every
-  call (vLLM: ``b.t()``, ``b_descale.t()``) are served as fast, and a weight whose metadata is
-  changed in place is noticed.
+* Where the C++ key is loaded (fp4select.native_key: built at deploy time, never by a serving
+  process), one C++ call turns the exact metadata of every tensor into an int: an exact match
+  is the whole check, no guard runs. Otherwise (or ``FP4SELECT_NATIVE=off``) the Python path
+  serves, with the same answers: its key separates bound runners (shapes, device index, which
+  optional tensors are given, the flags) and a guard made from the binding call
+  (fp4select.tensor_guard) verifies the rest of every tensor's metadata. Nothing is taken by
+  identity, so engines passing fresh views every call (vLLM's ``b.t()``) are served as fast,
+  and metadata changed in place is noticed.
+* Arguments are checked in full the first time a call signature (every property the checks
+  read that could change with the same shapes) is seen, before any kernel runs, so a call the
+  first call would refuse never finds a bound runner: it gets the same error, first or
+  thousandth. A call that fails inside the backend is checked in full before its error
+  propagates; ``check="always"`` re-checks every call (read into a module global with the
+  selector: one global load on the warm path).
 * The flags are matched by identity (``True``, ``False``, 16 and 32 are singletons), so a 1 or
-  a 16.0 never matches a valid call's key and is checked (and refused) every time. The common
-  all-default flags cost six ``is`` tests.
-* A call that fails inside the backend is checked in full before its error propagates.
-  The ``check="always"`` setting (``FP4SELECT_CHECK=always``, ``configure(check="always")``)
-  re-checks every call; it is read into a module global when the process-wide selector is
-  made, so the warm path pays one global load for it, not a settings lookup.
-* A miss while a CUDA graph is being captured never tunes (tuning syncs and allocates): a
-  fallback serves the capture, and the key is tuned on the next eager call or by
-  ``tune_pending()``.
+  a 16.0 never matches a valid call's key and is checked (and refused) every time.
+* A miss during CUDA graph capture never tunes (tuning syncs and allocates): a fallback serves
+  the capture, and the key is tuned on the next eager call or by ``tune_pending()``.
 """
 
 import dataclasses
@@ -52,23 +42,17 @@ from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
 from fp4select.settings import Settings
 
-# Two tables. _bound: the warm key (see best_mm_fp4) to (guard, runner); a call whose tensors
-# fail the guard takes the slow path. _checked: the full metadata of every tensor to the
-# runner; a miss there runs the full checks. Both grow with the problems seen, not the calls.
+# The tables grow with the problems seen, not the calls. _bound: the Python key to (guard,
+# runner); _native_bound: the C++ key (exact metadata, no guard) to the runner; _checked: a
+# full call signature to the runner (a miss there runs the full checks).
 _bound: dict[tuple, Any] = {}
 _lookup = _bound.get  # one global load on the warm path instead of two
-# The C++ key's table: (native key, out_dtype, backend, b_layout, flags) to the runner. The
-# native key is exact metadata, so an entry needs no guard.
 _native_bound: dict[tuple, Any] = {}
 _native_lookup = _native_bound.get
-# The loaded C++ key function (fp4select.native_key.for_settings: a trusted existing build,
-# never a new one), or None: the Python path serves. Set with the settings (under _table_lock),
-# read once per call.
-_native_key: native_key.Key | None = None
+_native_key: native_key.Key | None = None  # set with the settings; None: the Python path
 _checked: dict[tuple, Any] = {}
-# Entries a warm key held before its current one: a caller that alternates between two
-# variants the checks both accept (say, two over-allocations of a_descale) finds the other one
-# here instead of paying for a new guard on every call.
+# A key's earlier entries: a caller alternating between two accepted variants (two
+# over-allocations of a_descale) finds the other here instead of a new guard every call.
 _spares: dict[tuple, tuple] = {}
 _SPARES = 3
 _table_lock = threading.Lock()
@@ -111,13 +95,10 @@ def configure(
 ) -> Selector:
     """Replace the process-wide settings and selector (and forget bound runners).
 
-    The settings are ``settings``, or else read from the environment now, with each change
-    (a ``Settings`` field by name: ``isolation="inprocess"``, ``time_budget_s=0.5``, ...; see
-    ``fp4select.settings``) given not None written over them; they become
-    ``fp4select.settings.current()`` and reach the sandbox's children. An unknown name is a
-    ``TypeError``, a bad value a ``SettingError`` (a ``ValueError``) naming it. ``timing``
-    replaces the whole ``TimingOptions``; a ``time_budget_s`` given too sets its budget.
-    Returns the new selector.
+    ``settings`` (else the environment's) with each ``Settings`` field given by name and not
+    None written over them (``isolation="inprocess"``, ``time_budget_s=0.5``); they become
+    ``settings.current()`` and reach the sandbox's children. An unknown name is a
+    ``TypeError``, a bad value a ``SettingError``. ``timing`` replaces the ``TimingOptions``.
     """
     global _selector, _always_check, _native_key
     base = settings if settings is not None else Settings.from_env()
@@ -199,9 +180,6 @@ def best_mm_fp4(
     else emulation's fixed-shape chunked product); it needs ``backend="auto"``.
     """
     try:
-        # The flags by identity; then either the C++ key (exact metadata of every tensor) or
-        # the Python key (shapes, device index, which optional tensors are given), whose entry's
-        # guard checks the rest of every tensor's metadata.
         if (
             use_8x4_sf_layout is False
             and use_nvfp4 is True

@@ -8,13 +8,12 @@ cache, where the tuning that follows (in this process or its sandbox child) find
 Design rules:
 
 * Nothing here decides anything. A child only makes the calls of probing's validation that
-  compile, for its keys' own kernel candidates (the ``native`` family, which Triton compiles):
-  each tactic candidate's first call (tuned with no time budget) and a call at each M
-  validation runs. Outputs, the tactic chosen and anything raised are thrown away: a failure,
-  a hang or a child's death costs only the time, and the tuning after it meets the same in its
-  own sandbox and judges it there. A child never writes the decision store, and computes no
-  reference: GPU contexts of several processes take turns on the GPU, so the children give it
-  as little work as compiling allows.
+  compile, for its keys' own kernel candidates (the ``native`` family): each tactic
+  candidate's first call and a call at each validation M. Outputs, the tactic chosen and
+  anything raised are thrown away: a failure, a hang or a death costs only the time, and the
+  tuning after it meets and judges the same in its own sandbox. A child never writes the
+  store and computes no reference: GPU contexts of several processes take turns on the GPU,
+  so the children give it as little work as compiling allows.
 * Only keys the store has no decision for, and only candidates the selector would probe
   (blacklisted, unavailable, rejected and declined ones are left out), are compiled.
 * Work is split by kernel, not by key: the keys that share a backend and everything of their

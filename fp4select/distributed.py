@@ -2,37 +2,30 @@
 
 Tensor-parallel ranks that pick different backends for the same GEMM (timing noise makes
 near-ties go either way) produce results that differ in the last bits across ranks, and a
-rank that tunes while the others wait stalls the collective. So:
-
-    torch.distributed.init_process_group(...)
-    torch.cuda.set_device(local_rank)
-    fp4select.distributed.sync(problems=model_problems)  # before CUDA graphs are captured
+rank that tunes while the others wait stalls the collective. So, on every rank, after
+``init_process_group`` and before CUDA graphs are captured:
+``fp4select.distributed.sync(problems=model_problems)``.
 
 Design rules:
 
-* Rank 0 decides, the others adopt. The keys of every rank (the decisions it holds in memory
-  for its environment, plus ``problems``) are gathered; rank 0 decides their union (memory,
-  disk, or tuning: the only rank that may tune) and broadcasts the decision records. Other
-  ranks tune nothing.
-* Bytes, never objects. Every message is JSON in a uint8 tensor, its length sent first (an
-  int64 tensor) and capped (``MAX_MESSAGE_BYTES``, checked by every rank on the gathered
-  lengths before any rank allocates); it is parsed strictly (UTF-8, no NaN or Infinity, no
-  repeated keys, the expected shape). ``broadcast_object_list``/``all_gather_object`` are not
-  used: they unpickle what a rank sends, and a pickle runs code.
-* Nothing received is trusted: each record must parse as a ``Decision``, answer one of the
-  gathered keys, come from this rank's environment (same GPU kind, same versions) and name a
-  winner that can run here (registered, available, not blacklisted on this host). A record
-  that fails is an error, not a fallback: a rank that quietly chose for itself is exactly
-  the disagreement this module exists to prevent.
-* Then the ranks prove they agree: each hashes its table (key -> winner and the winner's
-  tactic: two ranks serving one backend at two tactics disagree); the hashes are
-  gathered, and if any differs the tables are gathered and ``RankDisagreementError`` names
-  the first differing key and what each rank holds for it.
-* Every rank takes part in every collective, whatever happened locally: the sequence is fixed
-  (gather keys and versions, broadcast decisions, gather verdicts), and a failure on one rank
-  (keys it cannot read, another fp4select version, a message it cannot parse) travels in the
-  next message and is raised on all of them at the end, within seconds, never left as a hang
-  on the others until the process group's timeout.
+* Rank 0 decides, the others adopt. Every rank's keys (the decisions it holds, plus
+  ``problems``) are gathered; rank 0 decides their union (the only rank that may tune) and
+  broadcasts the decision records.
+* Bytes, never objects. Every message is JSON in a uint8 tensor, its length sent first and
+  capped (``MAX_MESSAGE_BYTES``, checked by every rank before any rank allocates), parsed
+  strictly (UTF-8, no NaN or Infinity, no repeated keys, the expected shape).
+  ``broadcast_object_list``/``all_gather_object`` unpickle what a rank sends, and a pickle
+  runs code.
+* Nothing received is trusted: each record must parse as a ``Decision``, answer a gathered
+  key, come from this rank's environment and name a winner that can run here. A record that
+  fails is an error, not a fallback: a rank that quietly chose for itself is exactly the
+  disagreement this module exists to prevent.
+* Then the ranks prove they agree: each hashes its table (key -> winner and its tactic); if
+  any hash differs the tables are gathered and ``RankDisagreementError`` names the first
+  differing key and what each rank holds for it.
+* Every rank takes part in every collective, whatever happened locally: the sequence is fixed,
+  and a failure on one rank travels in the next message and is raised on all of them at the
+  end, within seconds, never left as a hang until the process group's timeout.
 * Adopted decisions live in memory (as if read from disk); the bound runners of this process
   are dropped so the next call binds the adopted winner.
 """

@@ -24,15 +24,14 @@ Design rules:
 * An architecture or a field it needs that is not known is a ``ModelConfigError`` naming what
   is missing, never a guess: a wrong table tunes the wrong shapes and gives a false sense of
   readiness.
-* A config is input from the internet (``warm --model``, ``shapes_from_path`` in a user's
-  process). Every field is read through ``_Cfg``, which checks its type and range (sizes 1 to
-  2^24, at most ``MAX_LAYERS`` layers; ``head_dim: 1.9`` or ``true`` is an error, not 1) and
-  names the field when it refuses; anything else a malformed config trips on is still one
-  ``ModelConfigError``, never a traceback. Nothing is allocated per decoder layer (a builder
-  gives the GEMMs of layer i on demand and the table counts rows), so ``num_hidden_layers:
-  10**9`` is refused by its range, not by a MemoryError. Only regular files are read: a FIFO
-  named ``hf_quant_config.json`` is refused with a reason, never waited on, and never skipped
-  (a skipped quantization config would tune every layer as FP4).
+* A config is input from the internet (``warm --model``, ``shapes_from_path``). Every field
+  is read through ``_Cfg``, which checks its type and range (``head_dim: 1.9`` or ``true`` is
+  an error, not 1) and names the field when it refuses; anything else a malformed config trips
+  on is still one ``ModelConfigError``, never a traceback. Nothing is allocated per decoder
+  layer (a builder gives layer i's GEMMs on demand), so ``num_hidden_layers: 10**9`` is
+  refused by its range, not by a MemoryError. Only regular files are read: a FIFO named
+  ``hf_quant_config.json`` is refused with a reason, never waited on, and never skipped (a
+  skipped quantization config would tune every layer as FP4).
 """
 
 from __future__ import annotations

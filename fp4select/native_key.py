@@ -5,46 +5,31 @@ Design rules:
 
 * Why it exists. best_mm_fp4's warm path must see, on every call, the dtype, device, sizes
   and strides of up to six tensors, so that a call the first call would refuse is refused
-  every time. Read from Python, each property costs 60-120 ns and PyTorch's ``TensorGuards``
-  about 100 ns a tensor: the Python path measured 1.4 µs over the direct call, and the warm
-  path is allowed 1 µs. ``native_key.cpp`` reads all of it from the tensors' C++ objects in
-  one call (tens of ns) and returns an int that stands for that exact metadata.
+  every time. Read from Python that misses the warm path's 1 µs target (docs/measurements.md);
+  ``native_key.cpp`` reads it all from the tensors' C++ objects in one call and returns an int
+  that stands for that exact metadata.
 * Exact, never hashed. The C++ side interns each distinct encoding: two calls share an int
-  only if every word of every tensor is equal. The int *is* the full metadata, so the warm
-  path needs no separate guard, and no collision can admit a call.
+  only if every word of every tensor is equal, so the int needs no guard and no collision can
+  admit a call.
 * A serving process never starts a compiler. This module only finds, checks and loads a
-  build; building is fp4select.native_build's job, run by ``fp4select native --build`` and
-  ``fp4select warm`` (deploy time), never by best_mm_fp4. With ``FP4SELECT_NATIVE=auto`` (the
-  default) a process loads a build that exists and passes the checks below, and otherwise the
-  Python path (fp4select.tensor_guard) serves with the same answers; ``off`` never loads it.
-* The lifecycle is one function: ``for_settings(settings)`` is the key the warm path uses
-  under those settings (or None), computed when the settings are made (api.configure and the
-  first selector); api keeps the result in one module global, read once per call.
-* Code, not data. The decision cache holds data only; this library is code, so it lives
-  apart from it, in ``FP4SELECT_NATIVE_DIR`` (default: PyTorch's own folder for extensions
-  it compiles, ``torch_extensions``), in a folder named from the source, torch's version and
-  build, and Python's ABI: an upgrade builds anew and never loads a build made for another
-  torch.
-* Who may have written it (docs/native_key.md says why each rule is there). Loading runs
-  the library's start-up code, so the checks come first and are made on what is loaded:
-  - every folder from ``/`` down to the library's own (symbolic links resolved first, then
-    each folder ``lstat``-ed: none may be a link) belongs to root or to this user, and is not
-    writable by group or others, unless it is a root-owned sticky folder such as ``/tmp``
-    (there only an entry's owner may rename or delete it, so our folders inside cannot be
-    swapped); the two folders fp4select makes (the tag folder and the one above it) must be
-    this user's own, mode without group/other write;
-  - the library is opened once (``O_NOFOLLOW``: a symbolic link is refused; ``O_NONBLOCK``:
-    a FIFO cannot stall the open) and checked on that descriptor (``fstat``: a regular file,
-    this user's, not writable by group or others);
-  - that same open file is what the dynamic loader maps: Python's extension loader is given
-    ``/proc/self/fd/N``, so a file swapped after the checks is never the one loaded. This
-    needs Linux's ``/proc``; elsewhere the key is refused and the Python path serves. The
-    descriptor stays open while the process lives (so its number, which CPython's extension
-    cache remembers, is never reused for another file).
-  A refusal is one line in ``doctor`` and ``fp4select native`` and one warning per process.
-* After loading, a self-test on real tensors decides whether the warm path *uses* it (it
-  guards against a build that is wrong, not against one that is hostile: by then its
-  start-up code has run, which is why the checks above come first).
+  build (fp4select.native_build builds, at deploy time). With ``FP4SELECT_NATIVE=auto`` a
+  process loads a build that exists and passes the checks below, else the Python path
+  (fp4select.tensor_guard) serves with the same answers; ``off`` never loads it.
+* The lifecycle is one function: ``for_settings(settings)``, computed when the settings are
+  made; api keeps the result in one module global, read once per call.
+* Code, not data: the library lives apart from the decision cache, in ``FP4SELECT_NATIVE_DIR``
+  (default: PyTorch's ``torch_extensions``), in a folder named from the source, torch's version
+  and build, and Python's ABI, so a build is never loaded by another torch.
+* Who may have written it (docs/native_key.md says why each rule is there). Loading runs the
+  library's start-up code, so the checks come first and are made on what is loaded: every
+  folder from ``/`` down (links resolved, then each ``lstat``-ed) is root's or this user's and
+  not group/other-writable unless root-owned and sticky; fp4select's own two folders are this
+  user's alone; the library is opened once (``O_NOFOLLOW | O_NONBLOCK``), checked by
+  ``fstat`` on that descriptor, and that same open file is loaded through
+  ``/proc/self/fd/N`` (Linux only; elsewhere the Python path serves), the descriptor kept
+  open for the process's life. A refusal is one line in ``doctor`` and one warning.
+* A self-test on real tensors then decides whether the warm path *uses* it: it guards against
+  a wrong build, not a hostile one (its start-up code has run by then).
 """
 
 from __future__ import annotations

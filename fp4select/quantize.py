@@ -113,8 +113,7 @@ QUANT_BY_M: tuple[tuple[int | None, QuantConfig], ...] = (
     (16, QuantConfig(4, 8, 2)),
     (None, QuantConfig(16, 8, 4)),
 )
-# The kernel as it was before QUANT_BY_M (tiles over the padding rows, even and odd elements
-# loaded apart): the sweep's baseline.
+# Tiles over the padding rows, even and odd elements loaded apart: the sweep's baseline.
 QUANT_BEFORE: tuple[tuple[int | None, QuantConfig], ...] = (
     (16, QuantConfig(16, 8, 2, split=False, pad_programs=False)),
     (None, QuantConfig(32, 16, 4, split=False, pad_programs=False)),
@@ -221,14 +220,10 @@ def fp4_quantize(
 
     Returns ``(a, a_descale)``: ``(M, K/2)`` uint8 codes and the ``(ceil128(M), ceil4(K/16))``
     128x4-swizzled ``float8_e4m3fn`` scales. ``implementation``: ``"auto"`` (the Triton kernel
-    for a CUDA tensor, else PyTorch), ``"triton"`` or ``"torch"``. The Triton kernel also runs
-    on CPU tensors under ``TRITON_INTERPRET=1`` (for tests). ``config``: the kernel's tiling
-    (default: :func:`config_for` M); every configuration computes the same bytes.
-    ``enable_pdl`` (as flashinfer's ``fp4_quantize`` and ``mm_fp4``): launch the kernel with
-    programmatic dependent launch where the GPU (SM90+) and Triton (3.4+) have it, so that it
-    starts while the kernel before it finishes and the GEMM after it launches early (launch
-    gaps hidden in a CUDA graph); ``None`` (the default) and ``True`` ask for it, ``False``
-    never. The bytes are the same either way.
+    for a CUDA tensor, else PyTorch), ``"triton"`` or ``"torch"`` (the kernel also runs on CPU
+    tensors under ``TRITON_INTERPRET=1``). ``config`` (default :func:`config_for` M) and
+    ``enable_pdl`` (None or True: programmatic dependent launch where the GPU and Triton have
+    it, hiding launch gaps in a CUDA graph) change the speed, never the bytes.
     """
     if enable_pdl is not None and not isinstance(enable_pdl, bool):
         raise TypeError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")

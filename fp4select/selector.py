@@ -12,26 +12,23 @@ Design rules:
 * A candidate is probed only if it is listed, available here, declares the problem, and is not
   blacklisted for this environment. Every excluded one gets a verdict with the reason, so
   ``explain`` can say why a backend was never tried.
-* A fallback (``Backend.fallback_on``: emulation on CUDA, 20-100x behind every GPU kernel)
-  cannot win where another candidate passes, so there it is probed only when none does, in a
-  second probe call (in the sandbox, a second request to the same worker); otherwise it gets
-  a ``skipped`` verdict that says why, and never runs. It was still considered, so the entry
-  is not stale for it. A batch-invariant problem, which preference decides, probes it with the
-  others.
+* A fallback (``Backend.fallback_on``: emulation on CUDA; docs/design.md, 'The fallback')
+  cannot win where another candidate passes, so it is probed only when none does, in a second
+  probe call; otherwise it gets a ``skipped`` verdict saying why (still considered, so the
+  entry is not stale for it). A batch-invariant problem, which preference decides, probes it
+  with the others.
 * Verdicts that mean the process died or its CUDA context broke (crash, hang, cuda-error)
-  blacklist the backend for the whole environment (the setting ``blacklist_scope="key"``,
-  ``FP4SELECT_BLACKLIST_SCOPE=key``, narrows it to the key); wrong numbers, OOM and errors
-  only reject it for this key (kept in the entry).
+  blacklist the backend for the whole environment (``blacklist_scope="key"`` narrows it to the
+  key); wrong numbers, OOM and errors only reject it for this key.
 * An entry names the backends that competed for it. One that could compete now but did not
   then (a new plugin, an experimental backend allowed, a blacklisting cleared) makes the entry
-  stale, so it gets its chance; so does a winner that can no longer run here.
+  stale; so does a winner that can no longer run here.
 * While a CUDA graph is being captured nothing is tuned: a proven backend of the same shape
   (another bucket) or emulation serves, and the key is remembered for ``tune_pending``.
-* A disk hit whose winner is not flashinfer's is checked and bound without importing flashinfer
-  (seconds of start-up): the stored verdicts of flashinfer's backends were judged in this same
-  environment (its fingerprint holds flashinfer's version and the GPU), so only what can change
-  inside one environment is re-read (the experimental switch, the blacklist). Where that
-  cannot settle it, the full registry is discovered, flashinfer included.
+* A disk hit whose winner is not flashinfer's is bound without importing flashinfer (seconds of
+  start-up): flashinfer's stored verdicts were judged in this same environment (its fingerprint
+  holds flashinfer's version and the GPU), so only what can change inside one environment is
+  re-read (the experimental switch, the blacklist); else the full registry is discovered.
 """
 
 from __future__ import annotations
@@ -112,7 +109,6 @@ class Selector:
         lock_timeout: float = 3600.0,
         settings: Settings | None = None,
     ) -> None:
-        # What is not given comes from ``settings``, by default the process-wide ones.
         self.settings = settings if settings is not None else settings_mod.current()
         self.store = store if store is not None else Store(self.settings.cache_dir)
         # A bad ``isolation`` is a SettingError naming it, as a bad setting is.
@@ -216,8 +212,7 @@ class Selector:
         return runnable, excluded
 
     # -- decisions ----------------------------------------------------------------------------
-    # Each takes the ``env`` of ``device`` when its caller knows it already (computed once per
-    # miss, by ``keys.environment_for``, and passed down); without it, it computes it.
+    # Each takes ``env`` when its caller knows it (computed once per miss, passed down).
     def in_memory(
         self, problem: Problem, device: torch.device, *, env: Mapping[str, Any] | None = None
     ) -> bool:
@@ -354,10 +349,8 @@ class Selector:
     def prove(
         self, decision: Decision, device: torch.device, *, env: Mapping[str, Any] | None = None
     ) -> Decision | None:
-        """Validate an imported decision's winner alone, here, at the bucket's M values (in the
-        sandbox unless isolation is inprocess): the proven decision (stored, ``proven_here``
-        set, the winner's verdict and tactic the ones reached here), or None when it fails
-        (the caller tunes; a fatal failure blacklists as tuning would)."""
+        """Validate an imported decision's winner alone, here: the decision proven (stored, with
+        the verdict reached here), or None (the caller tunes; a fatal failure blacklists)."""
         env = env if env is not None else environment_for(device)
         problem, winner = decision.problem, decision.winner
         backend = self.backend(winner) if winner is not None else None
@@ -451,12 +444,10 @@ class Selector:
         device: torch.device,
         env: Mapping[str, Any],
     ) -> ProbeResult:
-        """Probe ``runnable``, a fallback of this device (``Backend.fallback_on``) only when no
-        other candidate passes: then in a second probe call (in the sandbox, a second request
-        to the same worker), else it is ``skipped``, with the reason, and never runs."""
-        # Batch invariance, not speed, decides a batch-invariant problem: its backends are
-        # validated (invariance included) and the preference order picks among them; a
-        # fallback there is one more invariant candidate, probed with the rest.
+        """Probe ``runnable``; a fallback of this device only when no other candidate passes
+        (the module's rules)."""
+        # Batch invariance, not speed, decides a batch-invariant problem: validated only, the
+        # preference order picks, and a fallback is one more candidate probed with the rest.
         options = ProbeOptions(timing=self.timing, validate_only=problem.batch_invariant)
         kind = env.get("device") or "cpu"
         last = (
@@ -612,8 +603,7 @@ class Selector:
             done.append(self.decide(problem, torch.device(device)))
 
 
-# Names flashinfer's backends take (as of the newest tested release). A backend of one of these
-# names is looked up with flashinfer loaded, since flashinfer's shadows a plugin's of that name.
+# Looked up with flashinfer loaded: flashinfer's backend shadows a plugin of the same name.
 _FLASHINFER_NAMES = frozenset({*flashinfer_backends.KNOWN, flashinfer_backends.INVARIANT_NAME})
 
 

@@ -2,27 +2,22 @@
 
 Design rules:
 
-* This serves best_mm_fp4's Python path: until the C++ key (fp4select.native_key) is loaded,
-  and wherever it cannot be built. The C++ key reads the same metadata exactly and needs no
-  guard.
-* best_mm_fp4's warm path must see, on every call, the dtype, device, sizes and strides of
-  the tensors that are new every call (the activation, its scales, ``out``): a bad call must
-  be refused as its first call was. Read one Python attribute at a time, that is seven
-  attribute reads of ~60-120 ns each. PyTorch's own guard for compiled code,
-  ``torch._C._dynamo.guards.TensorGuards``, checks all of it (and the dispatch keys) in C++
-  in one call.
+* This serves best_mm_fp4's Python path, until the C++ key (fp4select.native_key, exact, no
+  guard needed) is loaded and wherever it cannot be built. The warm path must see the dtype,
+  device, sizes and strides of the tensors new every call, so that a bad call is refused as
+  its first call was; read one Python attribute at a time that is seven reads, where
+  PyTorch's guard for compiled code, ``torch._C._dynamo.guards.TensorGuards``, checks it all
+  (and the dispatch keys) in one C++ call.
 * That class is private to PyTorch, so it is trusted only where it constructs with the
   signature used here *and* passes a self-test on the very tensors it will guard: they pass,
   and a view of the first one with another dtype, or the same shape on another device, fails.
   Otherwise a Python guard that compares the same properties serves: slower, same answers.
-* A guard may be stricter than fp4select's argument checks (exact sizes and strides, dispatch
-  keys such as requires_grad): a call it refuses takes the slow path, which checks in full.
-  It is never laxer than the checks on what it guards.
-* PyTorch's guard refuses a call that passes one tensor object twice (it guards aliasing too):
-  callers pass distinct objects, and the self-test sends a guard that fails this way to the
-  fallback.
-* Making a guard allocates nothing on a device (the self-test uses views and the meta
-  device), so it is safe while a CUDA graph is being captured.
+* A guard may be stricter than the argument checks (exact strides, dispatch keys such as
+  requires_grad; a call it refuses takes the slow path, which checks in full), never laxer.
+* PyTorch's guard refuses one tensor object passed twice: callers pass distinct objects, and
+  the self-test sends a guard that fails this way to the fallback.
+* Making a guard allocates nothing on a device (views and the meta device), so it is safe
+  while a CUDA graph is being captured.
 """
 
 from __future__ import annotations

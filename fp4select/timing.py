@@ -22,25 +22,20 @@ Design rules:
 * A time budget bounds each key: rounds stop once it is spent and the minimum is met.
 * Hopeless candidates stop costing time (docs/hopper_kernels.md, 'Where the time goes').
   Once the minimum is met, a candidate sits out the later rounds when its median is over
-  ``DROP_FACTOR`` (1.25) times the fastest's, or when even its fastest tenth (p10) is over
-  twice the widest tie window behind the fastest's median: it could neither win nor tie. Its timing keeps the samples it has, and rounds end when one candidate is left
-  (a candidate timed alone, with no rival, still gets the budget: repetition is the point).
-  One whose calibration call took over ``HOPELESS_FACTOR`` (10) times the fastest's is not
-  sampled at all (a slow candidate; emulation, far behind on a GPU, is not timed there,
-  being a fallback the selector probes only when nothing else passes): its timing
-  is that calibration run, one sample (wall clock, synchronized, so never less than the truth).
-  Calibration starts with one call per candidate, so such a one never runs once per input set.
-  One that looks hopeless runs up to ``CALIBRATION_RETRIES`` (2) calls more and its fastest
-  call counts: the first may pay for a compile, and a single wall-clock call can be stretched
-  by the host (a record's fastest candidate was once ruled hopeless so; timed again, it was
-  not: docs/hopper_kernels.md, cfc0bea's outlier).
-* A candidate whose samples ran far slower per call than its own calibration (``_stalls``:
-  the rule and the H200's reason) gets a new sampler (on CUDA its graph captured again) and
-  its samples taken again, once; its timing's method then ends in ``+resampled``. So does one
-  far slower than the fastest candidate if its new sampler's first sample is far faster than
-  its samples were: where launching takes longer than the kernels, its calibration (the calls
-  launched one by one) is as slow as a stalled graph, and only a new capture tells
-  (docs/hopper_kernels.md, 'In turn').
+  ``DROP_FACTOR`` times the fastest's, or when even its p10 is over twice the widest tie
+  window behind the fastest's median: it could neither win nor tie. Rounds end when one
+  candidate is left (one timed alone still gets the budget: repetition is the point).
+  Calibration starts with one call per candidate; one whose call took over
+  ``HOPELESS_FACTOR`` times the fastest's is not sampled at all, its timing that one
+  wall-clock call (never less than the truth). Before that it gets ``CALIBRATION_RETRIES``
+  calls more and its fastest counts: the first may pay for a compile, and one wall-clock call
+  can be stretched by the host (docs/hopper_kernels.md, 'Measured', cfc0bea's outlier).
+  Emulation, a fallback, is not timed on a GPU at all (the selector's rules).
+* A candidate whose samples ran far slower per call than its own calibration (``_stalls``)
+  gets a new sampler (on CUDA its graph captured again) and its samples taken again, once;
+  its method then ends in ``+resampled``. So does one far slower than the fastest if its new
+  sampler's first sample is far faster: where launching outlasts the kernels, calibration is
+  as slow as a stalled graph, and only a new capture tells (docs/hopper_kernels.md, 'In turn').
 """
 
 from __future__ import annotations
@@ -109,9 +104,8 @@ class _Sampler:
                 for fn in calls:  # warm-up on the capture stream, as torch recommends
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
-            # torch.cuda.graph empties the allocator's cache first: that is what frees the
-            # memory pools of the graphs captured before (each capture has its own). Captured
-            # without it, they piled up until a capture ran out of memory (an H200 record).
+            # torch.cuda.graph empties the allocator's cache first, which frees the pools of
+            # the graphs captured before; without it they pile up until a capture runs OOM.
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self._loop()
@@ -184,8 +178,7 @@ def time_interleaved(
             on_start(name)
         return _calls_per_sample(calls[name][:1], device, 0.0)[1]
 
-    # One call each first: a hopeless candidate (tens of ms a call where the others take
-    # microseconds) is found before it runs once per input set, at small M up to 64 slow calls.
+    # One call each first: a hopeless candidate is found before it runs once per input set.
     calibration_s = {name: one_call_s(name) for name in names}
     for name in _hopeless(calibration_s):  # again (see the module rules): the fastest call counts
         for _ in range(CALIBRATION_RETRIES):
@@ -200,10 +193,8 @@ def time_interleaved(
         reps[name], calibration_s[name] = _calls_per_sample(
             calls[name], device, options.target_sample_s
         )
-    # The full calibration may still show one more, among those it ran. One found hopeless
-    # before stays so (it has no reps), though a rival's calibration preempted on a loaded
-    # machine may now make it look close: sampled without reps, timing failed and the key
-    # lost every timing.
+    # The full calibration may show one more. One found hopeless before stays so: it has no
+    # reps, and sampled without them its timing would fail (and the key lose every timing).
     later = _hopeless({n: calibration_s[n] for n in reps})
     hopeless = [n for n in names if n not in reps or n in later]
     names = [n for n in names if n not in hopeless]

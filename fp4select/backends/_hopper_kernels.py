@@ -644,12 +644,10 @@ def _scale_cols(k, KW, LAYOUT_8X4: tl.constexpr):
 
     Blocks 2j and 2j + 1 have neighbouring scale bytes in both layouts, so the scale tile
     loads two bytes at a time, in the same register layout as the weight's 16-byte loads (two
-    words): declared so, no step converts a tile's layout through shared memory. Before, each
-    step stored and reloaded the scale tile and the products behind four barriers, which made
-    the GEMV slower (measured: docs/hopper_kernels.md, 'The GEMV's loop converted layouts').
-    Past K the offsets point at the padding column beside the last block (the scale grids pad
-    columns to 4) or at blocks 0 and 1, so that the declaration holds everywhere; the loads
-    there are masked.
+    words): declared so, no step converts a tile's layout through shared memory (which cost
+    the GEMV: docs/hopper_kernels.md, 'The GEMV's loop converted layouts'). Past K the offsets
+    point at the padding column beside the last block (the scale grids pad columns to 4) or at
+    blocks 0 and 1, so that the declaration holds everywhere; the loads there are masked.
     """
     kc = tl.where(k < (KW + 1) // 2 * 2, k, k & 1)
     # the column's part of the offset here, not in a helper: a hint on a helper's result is
@@ -663,9 +661,8 @@ def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False):
     """A step's weight words and their scale bytes (zeros past K).
 
     EVICT_FIRST: the weight streams past L2 (read once) ahead of a's rows, which every program
-    reads again. It made the steps without prefetch faster at M = 4 and not at M = 1-2, where
-    the tactics keep the plain loads (measured: docs/hopper_kernels.md, 'The GEMV's weight
-    loads with `evict_first`').
+    reads again (where it pays: docs/hopper_kernels.md, 'The GEMV's weight loads with
+    `evict_first`').
     """
     k_ok = k < KW
     scales = sw_rows + _scale_cols(k, KW, False)[None, :]
@@ -688,8 +685,7 @@ def _gemv_step(
 
     One row of a: the weight's magnitudes split by sign (7 integer ops a word, two dp4a a
     word). Several rows share the weight's decode, so each dp4a counts more: its values plus
-    128 (9 ops, one dp4a; a's sum times -128 starts each block's chain). It replaced signed
-    values (12 ops a word), with which M = 2-8 ran slower (measured: docs/hopper_kernels.md,
+    128 (9 ops, one dp4a; a's sum times -128 starts each block's chain; docs/hopper_kernels.md,
     'The GEMV's decode in fewer instructions').
     """
     k_ok = k < KW
@@ -771,8 +767,7 @@ def _gemv_rows(g, N, w_ptr, sw_ptr, stride_wn, cp, R: tl.constexpr):
 
 
 # M is not specialized: Triton makes an int argument of 1 a constant, and ptxas then folds
-# lane_tables' trick at M = 1 (its tables copied before every prmt again; measured:
-# docs/hopper_kernels.md, 'The GEMV's decode in fewer instructions').
+# lane_tables' trick at M = 1 (docs/hopper_kernels.md, 'The GEMV's decode in fewer instructions').
 @triton.jit(do_not_specialize=["M"])
 def gemv_dp4a(
     a_ptr,  # int64 view of a: (M, K/16), one word per block
@@ -899,9 +894,8 @@ def weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW: tl.constexpr):
     its block's scale.
 
     Each scale word holds 4 blocks (8 weight words) of a row: it is loaded once and broadcast
-    in registers (loaded once per weight word, the kernel was slower: docs/hopper_kernels.md,
-    'One scale load per 8 weight words'). Words, not bytes: an 8-bit load sends the decoded
-    tile through shared memory.
+    in registers (docs/hopper_kernels.md, 'One scale load per 8 weight words'). Words, not
+    bytes: an 8-bit load sends the decoded tile through shared memory.
     Past K the scales of block 0 stand in (a valid scale times the zero words there).
     """
     k = k0 + tl.arange(0, BKW)
@@ -986,8 +980,8 @@ def mma_planes(
     so nothing decoded goes to memory. Program axis 1 splits K (partial sums reduced after);
     tiles are visited in groups of GROUP weight tiles so that consecutive programs share
     activation tiles in L2. Under PDL the next launch is let in after the K loop, not at the
-    start: its programs would otherwise sit on the SMs this loop streams through (measured:
-    docs/hopper_kernels.md, 'PDL's trigger after the K loop').
+    start: its programs would otherwise sit on the SMs this loop streams through
+    (docs/hopper_kernels.md, 'PDL's trigger after the K loop').
     """
     pdl_start(PDL, False)
     pid = tl.program_id(0)

@@ -148,10 +148,8 @@ class Backend:
     # A declined problem is neither validated nor timed, which keeps warm-up short.
     declines: Callable[[Problem, Mapping[str, Any]], str | None] | None = None
     # Device types (``env["device"]``) where this backend cannot win while any other candidate
-    # passes (emulation on CUDA: 20-100x behind every GPU kernel). There it is a fallback: the
-    # selector probes it only when no other candidate passes, and otherwise records it as
-    # ``skipped`` without running it. Batch-invariant problems, which preference decides, are
-    # probed as usual.
+    # passes (emulation on CUDA): a fallback there, probed only when no other candidate passes
+    # (the selector's rules).
     fallback_on: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:

@@ -1,14 +1,14 @@
 """Decode a and the weight into bfloat16 workspaces, then one GEMM: two candidates for large M.
 
-* ``torch-dequant``: cuBLAS. cuBLAS takes alpha only as a host number and callers pass a
+* ``torch-dequant``: cuBLAS, which takes alpha only as a host number while callers pass a
   device tensor, so with alpha (or float16 out) the product goes through a float32 workspace
-  and a second pass applies alpha, a large part of the GEMM's time at large M.
-* ``hopper-dequant``: a persistent Triton GEMM fed by TMA, which ran as fast as cuBLAS at
-  large M and scales its float32 tile in registers (docs/hopper_kernels.md).
-  TMA needs compute capability 9.0+ and a Triton with host tensor descriptors.
+  and a second pass applies alpha.
+* ``hopper-dequant``: a persistent Triton GEMM fed by TMA (SM90+, a Triton with host tensor
+  descriptors), as fast as cuBLAS at large M (docs/hopper_kernels.md), scaling its float32
+  tile in registers.
 
-For large M the GEMM dominates, so paying one decode pass per operand is the cheapest way to
-full tensor-core speed on GPUs without FP4 tensor cores.
+For large M the GEMM dominates, so one decode pass per operand is the cheapest way to full
+tensor-core speed on GPUs without FP4 tensor cores.
 
 Design rules:
 
@@ -24,15 +24,12 @@ Design rules:
   that needs more during capture decodes into a temporary from the graph's own pool.
   Workspaces are per device, not per stream.
 * The decode is a Triton kernel when triton is installed (one pass, no temporaries), else the
-  reference decode in torch. CUDA only: on the CPU this is exactly what ``emulation`` already
-  does (decode, then multiply), slower in bfloat16, so it would add a candidate and no speed.
+  reference decode in torch. CUDA only: on the CPU this is what ``emulation`` already does.
 * ``hopper-dequant`` writes with masked stores, so any ``out`` the checks accept (strided
-  too) is written in place. Its workspaces' rows are K bfloat16 values, a multiple of 16
-  bytes for every K the checks accept, as TMA requires. Its tile: 128 x 256 x 64 (8 warps),
-  which matched cuBLAS, or 128 x 128 x 64 (4 warps) where that fills the SMs' waves clearly
-  better (``hopper_configs.dequant_tile``). It declines buckets ending below ``MIN_M``
-  (``Capabilities.min_m``): there its decode passes alone cost more than the kernels that
-  decode in registers take.
+  too) is written in place; its workspaces' rows (K bfloat16 values) are a multiple of 16
+  bytes for every K the checks accept, as TMA requires. Its tile is
+  ``hopper_configs.dequant_tile``'s. It declines buckets ending below ``MIN_M``: there its
+  decode passes alone cost more than the kernels that decode in registers take.
 * Importing this module never imports triton.
 """
 
@@ -211,9 +208,7 @@ def run_torch(
     x, w = decoded(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4)
     if alpha is None and out_dtype == torch.bfloat16:
         return torch.mm(x, w.T, out=out)  # cuBLAS rounds once, to bfloat16
-    # Otherwise the product stays in float32 until alpha is applied: one rounding to the
-    # output dtype (bfloat16 then alpha would round twice, which can reach the validator's
-    # whole bound), and no float16 overflow of a raw sum that alpha scales down.
+    # Otherwise float32 until alpha is applied: one rounding (the module's rules).
     result = _mm_f32(x, w.T, growing(_f32_workspaces, (device, n), m, n, torch.float32, device))
     if alpha is None:
         return out.copy_(result)

@@ -66,9 +66,8 @@ BACKEND = Backend(
     ),
     # Last in every near-tie: a native kernel that is as fast is always the better choice.
     preference=1000,
-    # On a GPU every kernel that passes is faster: validating and timing emulation there only
-    # slowed warm-up (about 6.7 s of Llama-3.1-8B's 84 keys on the H200), so it serves only when none
-    # passes. On the CPU it is the candidate to beat, and competes as any other.
+    # On a GPU every kernel that passes is faster, and probing emulation only slows warm-up
+    # (docs/design.md, 'The fallback'): it serves only when none passes. On the CPU it competes.
     fallback_on=frozenset({"cuda"}),
     family="builtin",
     description="decode to float32 and multiply; the fallback and the reference",

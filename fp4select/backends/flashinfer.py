@@ -4,27 +4,22 @@ Design rules:
 
 * The list of backends is read from ``inspect.signature(flashinfer.mm_fp4)`` every process,
   never written down here: a backend that appears in a later flashinfer is a candidate with no
-  change to fp4select.
-* Which compute capabilities a backend supports comes from ``mm_fp4.is_backend_supported``
-  (feature-detected; an older flashinfer without it is asked by running the probe).
-* What is written down here is only what flashinfer cannot tell without a GPU and real
-  tensors: the layout family each backend expects (trtllm takes row-shuffled weights and is
-  the one that takes 8x4 scales for a), output dtypes, alpha kinds and divisibility. A backend
-  missing from that table gets the plain-layout defaults, and flashinfer's own per-call checks
-  (left on while probing) reject what it cannot do; those rejections are "unsupported", not
-  failures.
-* Dispatch after validation calls mm_fp4 with ``skip_check=True``: the checks already ran on
-  this problem while probing.
+  change to fp4select. Which compute capabilities each supports comes from
+  ``mm_fp4.is_backend_supported`` where it exists (else the probe finds out).
+* Only what flashinfer cannot tell without a GPU and real tensors is written down here: each
+  backend's layout family (trtllm takes row-shuffled weights and 8x4 scales for a), output
+  dtypes, alpha kinds and divisibility. A backend missing from that table gets the plain
+  defaults, and flashinfer's own per-call checks (on while probing) reject what it cannot do,
+  as "unsupported", not failures. After validation mm_fp4 is called with ``skip_check=True``.
 * Each backend is tuned under flashinfer's own autotuner before it is validated and timed, and
-  is served at the tactic it was timed at (``flashinfer_tactics`` says how and why).
-* flashinfer's batch-invariant class (``mm_fp4(..., batch_invariant=True)``, 0.7.4 and later,
-  read from the signature) is one more backend, ``INVARIANT_NAME``, competing only for
-  batch-invariant problems, where invariance, not speed, is the point: the first choice
-  wherever it runs, emulation's chunked product everywhere else. Its declaration mirrors
-  flashinfer's limits for the class (``backend="auto"``, 128x4 scales, a plain weight, no
-  per-token alpha); its architectures come from flashinfer (``MM_FP4_ARCHS``), and where that
-  is not exposed the class is unavailable, with the reason (not knowing costs speed, never
-  correctness). A problem the class turns down at run time is "unsupported", never a fault.
+  is served at the tactic it was timed at (``flashinfer_tactics``).
+* flashinfer's batch-invariant class (``mm_fp4(..., batch_invariant=True)``, 0.7.4+, read from
+  the signature) is one more backend, ``INVARIANT_NAME``, competing only for batch-invariant
+  problems, where invariance, not speed, is the point: the first choice wherever it runs. Its
+  declaration mirrors flashinfer's limits for the class (``backend="auto"``, 128x4 scales, a
+  plain weight, no per-token alpha); its architectures come from ``MM_FP4_ARCHS``, and where
+  that is not exposed it is unavailable (not knowing costs speed, never correctness). A
+  problem the class turns down at run time is "unsupported", never a fault.
 """
 
 from __future__ import annotations

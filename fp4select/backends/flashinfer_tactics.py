@@ -1,74 +1,53 @@
 """flashinfer tactics: compare backends at their best tactic for the bucket, serve that tactic.
 
-Why one file of ~730 lines: like Triton's ``autotuner.py``, the whole tactic mechanism (what the
+Why one file of ~700 lines: like Triton's ``autotuner.py``, the whole tactic mechanism (what the
 installed flashinfer offers, tuning through its autotuner, the stored record, the per-call hook
 that serves and checks it) reads in one place, against flashinfer's source it mirrors.
 
 ``flashinfer.mm_fp4`` asks ``AutoTuner.get().choose_one("fp4_gemm", runners, tuning_config,
-inputs)`` on every call and then runs ``runner(inputs=inputs, tactic=tactic)``. Outside a
-``flashinfer.autotune(True)`` context choose_one returns a cached tactic or the default (-1), so
-timing a backend through plain mm_fp4 times it untuned.
+inputs)`` on every call; outside ``flashinfer.autotune(True)`` that returns a cached tactic or
+the default (-1), so timing through plain mm_fp4 times a backend untuned. docs/tactics.md holds
+the guarantees, what ``verify`` shows and how to check them on a Blackwell GPU.
 
-Design rules (the mechanism, chosen after reading flashinfer 0.6.0, 0.6.18.post1, 0.7.2.post1
-and 0.7.4):
+Design rules (read against flashinfer 0.6.0, 0.6.18.post1, 0.7.2.post1 and 0.7.4):
 
-* **Tune with flashinfer's own autotuner, one bucket at a time.** In the probe (the sandbox
-  child), the backend's runner runs once at M = the bucket's top inside
-  ``flashinfer.autotune(True, tuning_buckets=(bucket,))``: flashinfer profiles that one
-  profile with the measurement policy mm_fp4 declares (CUDA graphs and cold L2 since 0.7.2),
-  and with flashinfer's own tie rule (the fastest measured: a ``tie_tolerance`` would only make
-  separate processes agree, and a stored tactic is tuned once for all). Without ``tuning_buckets``
-  (flashinfer 0.6.0 and other early 0.6 releases) it would profile every power of two up to M
-  and bucket M downwards, so tuning is reported unavailable there and backends are timed at
-  flashinfer's default, as before. The same holds where mm_fp4's tuning configs map M to
-  buckets other than fp4select's (checked once): cuDNN builds one graph per mapped M and its
-  tactic is a plan index into that graph, so the tactic tuned at the bucket's top means the
-  same kernel across the bucket only when both map every M of it to that top.
-* **What was chosen is read from choose_one itself**, not from flashinfer's cache: the same
-  hook that serves tactics records ``(runner class, tactic)`` of the fp4_gemm choice made
-  while tuning. The tactic is then validated (pinned) at every validation M of the bucket, and
-  timed (pinned) against the default tactic (-1, pinned too, since the tuned tactic now sits in
-  the child's flashinfer cache).
+* **Tune with flashinfer's own autotuner, one bucket at a time**: in the probe child, at M = the
+  bucket's top inside ``autotune(True, tuning_buckets=(bucket,))``, with flashinfer's
+  measurement policy and tie rule (the fastest measured: a stored tactic is tuned once for
+  all). Where ``tuning_buckets`` is missing (early 0.6) or mm_fp4's configs map M to other
+  buckets than fp4select's, tuning is reported unavailable: a tactic (for cuDNN a plan index
+  into one graph per mapped M) means the same kernel across a bucket only when both map every
+  M of it to its top.
+* **What was chosen is read from choose_one itself** (the serving hook records the fp4_gemm
+  choice), not from flashinfer's cache; it is then validated pinned at every validation M and
+  timed pinned against the default (-1, pinned too: the tuned one sits in the child's cache).
 * **The tactic is stored in fp4select's decision** (``verdicts[name].detail["tactic"]``, JSON
-  via flashinfer's ``_tactic_to_json``/``_json_to_tactic`` where present: lists <-> tuples), not
-  in flashinfer's v1 JSON cache nor its ``autotune_v2`` store. Reasons: a v1 key embeds
-  flashinfer's M mapping (floor power of two in 0.6.0, ceil hybrid buckets since 0.6.18), the
-  exact shapes of all ten mm_fp4 inputs (padding included) and runner extras;
-  ``autotune(cache=...)`` clears loaded configs on entry, so an engine's warmup would drop ours;
-  ``autotune_v2`` exists in 0.7.4 only. fp4select's entry is already keyed by everything a
-  tactic's meaning depends on (GPU, flashinfer version, N, K, bucket, formats, layouts).
-* **Serving pins the tactic per call**, independent of flashinfer's bucket mapping: a bound
-  fast runner sets a thread-local pin around its mm_fp4 call, and a hook on the AutoTuner
-  singleton's ``choose_one`` answers an fp4_gemm choice with one runner of the recorded class
-  by ``(runners[0], tactic)``, with no cache lookup and no tuning. Anything else (other ops,
-  other callers, backend="auto", a runner of another class) goes to flashinfer unchanged. No
-  re-tuning ever happens in a process that read the decision from disk.
-* **A served tactic is checked for the call's own problem, once per M**, as flashinfer checks a
-  cached one (``_tactic_still_valid``, i.e. the runner's ``validate_tactic``), or, for a runner
-  without a validator, by membership in its ``get_valid_tactics`` for these inputs (trtllm's
-  cubins and SM12x cute-dsl's "raw" tiles depend on M). Where it fails, that call runs at
-  flashinfer's default tactic, as flashinfer itself would fall back: logged once, counted in
-  ``stats()["tactic_fallbacks"]``, listed by ``explain``, and recorded per validation M in the
-  verdict (``default_at``), so what is served is what was checked. A stored record of the
-  wrong type ("abc", 1.5, true) is a miss: one warning, flashinfer's default.
-* **Tuning that cannot finish is not a fault**: tuning has its own limit
-  (``FP4SELECT_TUNE_TIMEOUT_S``, checked between tactic profiles, each of which reports
-  progress to the sandbox); past it, or when flashinfer's autotuner gives up (-1 after an OOM
-  or with every tactic failing), the record holds tactic -1 with ``fallback`` and the reason,
-  and the backend competes at flashinfer's default. ``default_kind`` says what -1 runs
-  (CUTLASS: its config 0, not a heuristic), so no speed-up is claimed against an arbitrary
-  kernel.
-* **Engines defer to fp4select for the calls it decided**: inside an engine's warmup
-  ``flashinfer.autotune(True)`` a pinned call returns the stored tactic, so flashinfer tunes
-  nothing for it (its tuning would pick a tactic fp4select has neither validated nor timed).
-  Calls fp4select did not pin (no decision, no tactic recorded, other ops) are tuned by the
-  engine as before. fp4select's calls never join an engine's ``set_autotune_process_group``
-  collectives, whatever this rank's store holds: pinned calls skip them, untuned ones answer
-  the default while a group tunes, and tuning (in-process isolation) leaves the group unset
-  for its duration. So ranks that disagree on what is decided still meet the same collectives.
+  via flashinfer's ``_tactic_to_json``/``_json_to_tactic``), not in flashinfer's caches: a v1
+  key embeds flashinfer's M mapping (changed in 0.6.18), all ten input shapes and runner
+  extras; ``autotune(cache=...)`` clears loaded configs on entry; ``autotune_v2`` is 0.7.4
+  only. fp4select's entry is already keyed by all a tactic's meaning depends on.
+* **Serving pins the tactic per call**: a bound runner sets a thread-local pin, and a hook on
+  the AutoTuner singleton's ``choose_one`` answers an fp4_gemm choice of the recorded runner
+  class with it, no cache lookup, no tuning. Anything else goes to flashinfer unchanged; a
+  process that read the decision from disk never re-tunes.
+* **A served tactic is checked for the call's own problem, once per M**, as flashinfer checks
+  a cached one (``_tactic_still_valid``), or by membership in ``get_valid_tactics`` for a
+  runner without a validator (trtllm's cubins and SM12x cute-dsl's tiles depend on M). Where
+  it fails the call runs flashinfer's default, logged once, counted and listed by ``explain``.
+  A stored record of the wrong type ("abc", 1.5, true) is a miss: one warning, the default.
+* **Tuning that cannot finish is not a fault**: past ``FP4SELECT_TUNE_TIMEOUT_S`` (checked
+  between tactic profiles, each a sign of life to the sandbox), or when flashinfer gives up
+  (-1 after an OOM or every tactic failing), the record holds -1 with ``fallback`` and the
+  reason, and the backend competes at the default. ``default_kind`` says what -1 runs
+  (CUTLASS: its config 0), so no speed-up is claimed against an arbitrary kernel.
+* **Engines defer to fp4select for the calls it decided**: inside an engine's
+  ``autotune(True)`` a pinned call returns the stored tactic, which flashinfer would otherwise
+  replace with one fp4select neither validated nor timed. fp4select's calls never join an
+  engine's ``set_autotune_process_group`` collectives (pinned calls skip them, untuned ones
+  answer the default while a group tunes, tuning unsets the group), so ranks that disagree on
+  what is decided still meet the same collectives.
 * Everything is feature-detected; a missing piece is a reason string in the tactic record,
-  never an exception. ``FP4SELECT_TACTICS=default`` turns tuning off (backends are then timed
-  and served at flashinfer's default, as before); ``default:cute-dsl,b12x`` for those only.
+  never an exception. ``FP4SELECT_TACTICS=default`` (or ``default:NAME,...``) turns tuning off.
 """
 
 from __future__ import annotations
@@ -637,24 +616,19 @@ def tune(
     name: str | None = None,
     progress: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``runner(*args)`` (M = the bucket's top) under flashinfer's autotuner; the record.
+    """Run ``runner(*args)`` (M = the bucket's top) under flashinfer's autotuner; the record
+    (plain JSON; ``tactic`` -1 with ``fallback`` when tuning gave up, None when nothing was
+    tuned, each with a ``reason``).
 
-    The record is plain JSON: ``tactic`` (the tuned tactic; -1, flashinfer's default, with
-    ``reason`` and ``fallback`` when tuning gave up or ran out of time; None when nothing was
-    tuned, with ``reason``), ``runner`` (the TunableRunner class that holds it), ``default``
-    (flashinfer's fallback tactic) and ``default_kind`` (what that runs), the bucket, the
-    number of tactics profiled, and flashinfer's version. ``progress`` is called before each
-    tactic is profiled (the sandbox's sign of life); ``name`` is the backend's, for
-    ``FP4SELECT_TACTICS=default:NAME,...``. Out-of-memory and CUDA errors propagate (the probe
-    classifies them); other tuning failures become a reason and the backend is timed at its
-    default tactic.
+    ``progress`` is the sandbox's sign of life, called before each tactic's profile. OOM and
+    CUDA errors propagate (the probe classifies them); any other tuning failure becomes a
+    reason and the backend is timed at its default tactic.
     """
     try:
         settings = settings_mod.current()
         mode, limit_s = settings.tactics, settings.tune_timeout_s
-    except ValueError as exc:  # a bad variable in this process's environment
-        # Raised here it would read as "unsupported" for every backend (flashinfer's checks
-        # raise ValueError): say it in each record and the log instead, and tune nothing.
+    except ValueError as exc:  # a bad variable: raised, it would read as "unsupported"
+        # (flashinfer's checks raise ValueError), so say it in the record and log instead
         bad = f"{exc}; not tuned"
         if first_time(f"flashinfer tactics: {bad}"):
             log.error(bad)

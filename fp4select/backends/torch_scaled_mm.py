@@ -2,23 +2,21 @@
 
 Design rules:
 
-* Only where it can run: torch must have ``float4_e2m1fn_x2`` and ``nn.functional.scaled_mm``
-  (torch >= 2.10), and the GPU FP4 tensor cores (compute capability >= 10.0). Anywhere else
-  ``why_unavailable`` returns the reason (SM90 has no FP4 tensor cores), so ``fp4select
-  verify`` and ``doctor`` list it as unsupported, never as failed.
+* Only where it can run: torch with ``float4_e2m1fn_x2`` and ``nn.functional.scaled_mm``
+  (torch >= 2.10) and FP4 tensor cores (compute capability >= 10.0); anywhere else
+  ``why_unavailable`` says why, so ``verify`` and ``doctor`` list it as unsupported.
 * The arguments are mm_fp4's tensors, reinterpreted, never copied: a as ``(M, K/2)``
   float4_e2m1fn_x2 row-major, b as the ``(K/2, N)`` column-major view it already is, scales in
   the 128x4 layout, which is cuBLASLt's ``SWIZZLE_32_4_4``. NVFP4 uses two-level scaling
   (``BlockWise1x16`` e4m3 plus a ``TensorWise`` float32), with alpha as a's tensor-wise scale and
   a constant 1 as b's; MXFP4 uses ``BlockWise1x32`` with the scale bytes viewed as
   ``float8_e8m0fnu``, and alpha, which that recipe cannot take, multiplies the output after.
-* Declared honestly: 128x4 scales for a only (no 8x4 swizzle in cuBLASLt), plain b, alpha none
-  or one scalar (no per-token alpha in the recipe), N % 16 == 0 and K % 32 == 0 (torch checks
-  that the packed operands' dimensions are multiples of 16; the CPU test found this).
-* MXFP4 is built (``BlockWise1x32``) but not declared: torch 2.13's shape rule for MX scales
-  (``_check_scaled_mm_sizes_v2``) counts them from the packed ``a.shape[1] = K/2``, so the
-  MXFP4 128x4 scales (K/32 per row) are refused by its meta function; whether the CUDA path
-  agrees needs a Blackwell GPU. Until then the selector never offers it MXFP4 problems.
+* Declared honestly: 128x4 scales for a only (cuBLASLt has no 8x4 swizzle), plain b, alpha
+  none or one scalar (no per-token alpha in the recipe), N % 16 == 0 and K % 32 == 0 (torch
+  wants the packed operands' dimensions multiples of 16).
+* MXFP4 is built but not declared: torch 2.13's shape rule for MX scales
+  (``_check_scaled_mm_sizes_v2``) counts them from the packed ``a.shape[1] = K/2``, so its meta
+  function refuses the MXFP4 128x4 scales; whether the CUDA path agrees needs a Blackwell GPU.
 * :func:`scaled_mm_arguments` builds exactly what is passed, so CPU tests check it against
   torch's own shape/dtype rules for ``_scaled_mm_v2`` (its meta function, on fake CUDA tensors).
   No result of this backend on a Blackwell GPU has been measured by this project.

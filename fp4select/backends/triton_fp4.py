@@ -19,15 +19,13 @@ Design rules:
   interleaving shuffle is needed. Both nibbles of a byte share one block scale.
 * Each tile configuration is its own registered candidate (``triton-gemv``, ``triton-m16``,
   ``triton-m64``, ``triton-m128``): the selector picks one per M bucket by measurement, with
-  no tactic machinery. ``triton-gemv`` (M <= 4) skips the tensor cores: per scale block it sums
-  decoded weight x decoded activation in float32 and applies b's block scale once per block. ``triton-m16`` splits K across programs (``split_k``) so that a decode GEMM fills
-  every SM; partial sums go to a float32 workspace that a second small kernel reduces in a fixed
-  order (deterministic) and finishes with alpha.
+  no tactic machinery. ``triton-gemv`` (M <= 4) skips the tensor cores. ``triton-m16`` splits
+  K across programs so that a decode GEMM fills every SM; a second small kernel reduces the
+  float32 partial sums in a fixed order (deterministic) and finishes with alpha.
 * The warm path and CUDA graph capture: a call allocates nothing but the output. The split-K
-  workspace is allocated once per (device, N, split) for the largest M the candidate declares,
-  outside capture; a call that would need one during capture runs without split instead.
-  The workspace is per device, not per stream: two streams running the same N at once would
-  share it (engines run one GEMM stream per device).
+  workspace is allocated once per (device, N, split) for the largest M declared, outside
+  capture; a call that would need one during capture runs without split instead. It is per
+  device, not per stream (engines run one GEMM stream per device).
 * Importing this module never imports triton; ``why_unavailable`` says why it cannot run (no
   CUDA, no triton, compute capability under 8.0 for bf16/fp16 dots).
 """

@@ -1,42 +1,34 @@
 """SGLang plugin: its dense FP4 GEMMs go through fp4select, tuned when the model is loaded.
 
-Turn it on with ``SGLANG_PLUGINS=fp4select`` (SGLang's plugin allow-list; add other plugins to
-the comma list) or ``FP4SELECT_ENGINE_PLUGIN=1``; from code, ``patch()`` / ``unpatch()``. The
-entry point patches only a process that has imported the call site's module: SGLang's
-scheduler process has (scheduler.py imports it before ``load_plugins()``); the HTTP server and
-detokenizer processes, which run no GEMM, have not.
+How to turn it on and what it covers: docs/engines.md. The entry point patches only a process
+that has imported the call site's module: SGLang's scheduler has (before ``load_plugins()``);
+the HTTP server and detokenizer, which run no GEMM, have not.
 
 Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
 
 * The patch target is the module global ``sglang.srt.layers.quantization.modelopt_quant.
-  flashinfer_fp4_gemm``: ``fp4_gemm`` (a custom op used by the ModelOpt and the
-  compressed-tensors W4A4 NVFP4 paths, eager, custom-op and compiled alike) looks it up at call
-  time. ``flashinfer.mm_fp4`` itself is left alone: SGLang bound its own name at import.
+  flashinfer_fp4_gemm``, which ``fp4_gemm`` (ModelOpt and compressed-tensors W4A4 NVFP4,
+  eager, custom-op and compiled alike) looks up at call time. ``flashinfer.mm_fp4`` is left
+  alone: SGLang bound its own name at import.
 * SGLang passes a concrete ``backend=`` from ``--fp4-gemm-backend`` and prepared the weights
-  for it; fp4select then selects among the backends that read that layout (trtllm: shuffled;
-  cutlass, cudnn, cute-dsl: plain 128x4). Marlin never calls mm_fp4 and is left alone, as is the
-  W4A16 mode (``mm_bf16_fp4``).
+  for it; fp4select selects among the backends that read that layout. Marlin and the W4A16
+  mode (``mm_bf16_fp4``) never call mm_fp4 and are left alone.
 * Tuning at load: ``ModelRunner.initialize`` is wrapped; after it returns (weights loaded and
-  post-processed, every post-load transform applied, "before the KV cache is sized" in SGLang's
-  own words) the FP4 linear layers' (N, K) are tuned for every M bucket up to the server's
-  largest batch: ``max(cuda_graph_max_bs_decode x speculative_num_draft_tokens,
-  chunked_prefill_size or max_prefill_tokens)``. The sandbox worker is closed before memory
-  pools are allocated. Misses during graph capture fall back without tuning (fp4select's api).
+  post-processed, "before the KV cache is sized" in SGLang's words) the FP4 layers' (N, K) are
+  tuned for every M bucket up to the server's largest batch, and the sandbox worker is closed
+  before memory pools are allocated.
 * GPUs without FP4 tensor cores (SM80-SM90): SGLang serves ModelOpt NVFP4 there only through
-  Marlin (W4A16); ``--fp4-gemm-backend auto`` picks Marlin and a named FlashInfer backend
-  raises in ``ModelOptFp4LinearMethod.process_weights_after_loading`` ("ModelOpt NVFP4 native
-  dense GEMM backends require SM100+"). With the plugin on and a fp4select GPU kernel there
-  (:func:`fp4select.integrations._common.w4a4_unavailable`): ``auto`` resolves to
-  ``flashinfer_cutlass`` instead of Marlin (the wrapped ``initialize_fp4_gemm_config``; the
-  plain 128x4 weight layout fp4select's kernels read), the SM100 gate is lifted for that one
-  call (``get_platform`` is rebound in ``modelopt_quant`` for its duration, so SGLang's own
+  Marlin (a named FlashInfer backend raises "ModelOpt NVFP4 native dense GEMM backends require
+  SM100+"). With the plugin on and a fp4select GPU kernel there (``_common.w4a4_unavailable``):
+  ``auto`` resolves to ``flashinfer_cutlass`` (the plain 128x4 layout fp4select's kernels
+  read; the wrapped ``initialize_fp4_gemm_config``), the SM100 gate is lifted for that one
+  call (``get_platform`` rebound in ``modelopt_quant`` for its duration, so SGLang's own
   padding and scale swizzle run unchanged), and ``modelopt_quant.fp4_quantize`` (flashinfer's,
-  which refuses below SM100) gives way to :func:`fp4select.quantize.fp4_quantize` below SM100.
-  ``apply`` is SGLang's own; its GEMM is the patched ``flashinfer_fp4_gemm``: W4A4, the numbers
-  Blackwell computes. ``--fp4-gemm-backend marlin`` keeps Marlin. Not covered there: the
-  compressed-tensors W4A4 scheme (SGLang serves it weight-only below SM100).
-* Not covered: the diffusion runtime (``sglang.multimodal_gen``) caches ``flashinfer.mm_fp4``
-  in an ``lru_cache`` on first use and is not patched.
+  refused below SM100) gives way to :func:`fp4select.quantize.fp4_quantize`. ``apply`` stays
+  SGLang's; its GEMM is the patched one: W4A4, the numbers Blackwell computes.
+* Not covered: the compressed-tensors W4A4 scheme below SM100 (SGLang serves it weight-only)
+  and the diffusion runtime (``sglang.multimodal_gen``), which caches ``flashinfer.mm_fp4`` in
+  an ``lru_cache`` on first use.
 """
 
 from __future__ import annotations

@@ -1,33 +1,27 @@
 """vLLM plugin: its FlashInfer NVFP4 linear kernels go through fp4select, tuned at model load.
 
-Turn it on with ``VLLM_PLUGINS=fp4select`` (vLLM's plugin allow-list; add other plugins to the
-comma list) or ``FP4SELECT_ENGINE_PLUGIN=1``; from code, ``patch()`` / ``unpatch()``.
+How to turn it on and what it covers: docs/engines.md.
 
 Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
 
 * The patch target is the attribute ``flashinfer.mm_fp4``: vLLM's custom op
   ``vllm::flashinfer_mm_fp4`` imports it on every call, so every FlashInfer NVFP4 linear kernel
-  (cutlass, cute-dsl, trtllm, cudnn, b12x) reaches fp4select while the op stays opaque to
-  torch.compile. The custom op itself is not replaced.
+  reaches fp4select while the op stays opaque to torch.compile. The op itself is not replaced.
 * vLLM prepared the weights at load for the backend it names in each call (trtllm: shuffled;
   the others plain 128x4) and sends 8x4 activation scales to trtllm at M <= 32; fp4select
   selects among the backends that read those layouts. ``--linear-backend`` values that do not
-  go through flashinfer's mm_fp4 (vLLM's own cutlass, marlin, emulation, ...) are untouched.
+  go through flashinfer's mm_fp4 are untouched.
 * Tuning at load: ``Worker.load_model`` is wrapped; after it returns, the FP4 layers' (N, K) are
-  tuned for every M bucket up to ``max_num_batched_tokens`` (the profile run's size, which
-  bounds every graph size too), and the sandbox worker is closed, all before
-  ``determine_available_memory`` profiles memory.
-* GPUs without FP4 tensor cores (SM80-SM90): vLLM's NVFP4 W4A4 kernels all say no there and
-  Marlin serves the checkpoint as W4A16. The plugin adds ``Fp4selectNvFp4LinearKernel`` to
-  ``_POSSIBLE_NVFP4_KERNELS`` (CUDA), ahead of the weight-only kernels, so that on SM80-SM90
-  ``init_nvfp4_linear_kernel`` picks it when fp4select has a GPU kernel there
-  (:func:`fp4select.integrations._common.w4a4_unavailable`); it computes W4A4 as the checkpoint
-  was calibrated (:mod:`fp4select.integrations._layer`). ``--linear-backend marlin`` keeps
-  Marlin. The kernel is also a ``--linear-backend`` value, ``fp4select`` (added to
-  ``_LINEAR_BACKEND_KERNEL_MAP`` and to the CLI's choices), which chooses it on any GPU from
-  SM80, Blackwell included; there the ``flashinfer.mm_fp4`` patch above still serves vLLM's
-  own FlashInfer kernels, so both routes exist. ``linear_backend_per_quant`` and
-  ``--kernel-config`` JSON validate against vLLM's own list and do not take the name.
+  tuned for every M bucket up to ``max_num_batched_tokens`` (which bounds every graph size
+  too) and the sandbox worker is closed, all before ``determine_available_memory``.
+* GPUs without FP4 tensor cores (SM80-SM90), where vLLM's W4A4 kernels all say no and Marlin
+  serves W4A16: ``Fp4selectNvFp4LinearKernel`` goes into ``_POSSIBLE_NVFP4_KERNELS`` ahead of
+  the weight-only kernels, so ``init_nvfp4_linear_kernel`` picks it where fp4select has a GPU
+  kernel (``_common.w4a4_unavailable``); it computes W4A4 as the checkpoint was calibrated
+  (:mod:`fp4select.integrations._layer`). It is also a ``--linear-backend`` value,
+  ``fp4select`` (in ``_LINEAR_BACKEND_KERNEL_MAP`` and the CLI's choices), on any GPU from
+  SM80; on Blackwell the ``mm_fp4`` patch still serves vLLM's own FlashInfer kernels, so both
+  routes exist. ``linear_backend_per_quant`` and ``--kernel-config`` do not take the name.
 """
 
 from __future__ import annotations

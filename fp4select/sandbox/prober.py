@@ -6,8 +6,7 @@ docstring says what its other modules do). Design rules:
 * A CUDA fault is sticky: the process that saw it can never use the GPU again. So every
   unproven candidate runs in a worker child; the caller's process runs a backend only after it
   was proven there. One worker per device is reused across keys; it is shut down after
-  ``worker_idle_s`` idle seconds (``FP4SELECT_WORKER_IDLE_S``, default 120), at ``close()``
-  and at exit.
+  ``worker_idle_s`` idle seconds, at ``close()`` and at exit.
 * Only plain data crosses: backends registered at runtime go as an importable
   ``module:qualname`` spec. A backend whose functions cannot be named that way gets an
   ``error`` verdict here; nothing is spawned for it.
@@ -18,16 +17,14 @@ docstring says what its other modules do). Design rules:
   kept in the verdict detail of the backend that was running.
 * Blame needs a reproduction. The child says what it is about to run before it runs it
   (``run`` events). When it dies (``crash``), stops reporting (``hang``: no event for
-  ``probe_timeout_s`` seconds, ``FP4SELECT_PROBE_TIMEOUT_S``, default 600, since a JIT compile
-  can take minutes) or
-  reports a CUDA error, the backend of the last ``run`` event is only the first suspect: a fault
-  can be fired late by another candidate (a thread, an asynchronous kernel). The suspect, then
-  every other candidate that ran in that child, most recent first, is re-run alone in a fresh
-  child (validated, timed, then watched for ``ALONE_LINGER_S``) until one fails the same way:
-  only that one gets the fatal verdict (which the selector blacklists). When none does, nobody
-  is blamed: the candidates that ran there get an ``error`` verdict for this key that says so,
-  except the built-in fallback, which is simply probed again once. Each round settles at least
-  one candidate, and the rounds are capped, so the loop ends.
+  ``probe_timeout_s``, long because a JIT compile can take minutes) or reports a CUDA error,
+  the backend of the last ``run`` event is only the first suspect: a fault can be fired late
+  by another candidate (a thread, an asynchronous kernel). The suspect, then every other
+  candidate that ran in that child, most recent first, is re-run alone in a fresh child
+  (validated, timed, then watched for ``ALONE_LINGER_S``) until one fails the same way: only
+  that one gets the fatal verdict. When none does, nobody is blamed: the candidates that ran
+  there get an ``error`` verdict for this key that says so (the built-in fallback is simply
+  probed again once). Each round settles at least one candidate and the rounds are capped.
 * After a death, or after a CUDA error (which poisons the child's context, so the child exits
   after reporting it), a fresh worker continues with every candidate that has no verdict yet
   *and* every one that passed: those are validated again and timed together, so the timings of
@@ -89,8 +86,7 @@ class SandboxProber:
         *,
         registry: Callable[[], Registry],
     ) -> None:
-        # What is not given comes from ``settings`` (by default the process-wide ones), which
-        # also reach the worker children as their environment variables.
+        # ``settings`` also reach the worker children, as their environment variables.
         self.settings = settings if settings is not None else settings_mod.current()
         # The caller's backends (``backends.discover``, or the selector's cached registry): the
         # child finds by name those it would discover itself; the others go as specs.

@@ -12,16 +12,12 @@ cache that can break the program it is meant to speed up is worse than no cache.
 The schema number is in the path so that fp4select versions with different schemas can share
 a root without reading each other's files.  Each module keeps its own rules at its top:
 
-- ``_jsonfile``: strict JSON, ``digest``, reading only regular files of bounded size, atomic
-  writes, removing only names fp4select could have made (never a directory); the schema
-  number and the header every file starts with. ``keys`` imports it for ``digest`` and
-  ``SCHEMA_VERSION`` (it is a leaf), not the whole store.
-- ``_collection``: damaged files are misses with one ``CacheWarning``; a failing disk turns
-  the root memory-only (and why that overlay is kept); only below real directories.
+- ``_jsonfile``: strict JSON, ``digest``, bounded reads of regular files, atomic writes (a
+  leaf: ``keys`` imports it for ``digest`` and ``SCHEMA_VERSION``).
+- ``_collection``: damaged files are misses; a failing disk turns the root memory-only.
 - ``_records``: what an entry and a blacklist record are (``RecordKind``), checked field by field.
 - ``_lock``: per-key locks across processes and threads (``filelock``), fork-safe.
-- ``_warn``: ``CacheWarning``, once per path per process; a cache problem never raises.
-  ``first_time``/``warn_once`` are fp4select's one say-it-once helper, exported for all.
+- ``_warn``: ``CacheWarning`` and ``first_time``/``warn_once``, fp4select's one say-it-once helper.
 - ``_store``: ``Store``, the public face of all of the above.
 - ``archive``: export and import of one archive file, where problems raise.
 """

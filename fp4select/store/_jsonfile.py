@@ -2,11 +2,10 @@
 
 Nothing here knows what a file means; the store decides that.  The rules kept:
 
-- Strict JSON only.  Nothing read is imported or executed, and parsing refuses NaN, Infinity
-  and floats that overflow to infinity (Python's json accepts all three), and nesting deeper
-  than ``MAX_DEPTH`` (a record 950 levels deep parsed, then broke every recursive reader
-  such as ``explain`` with RecursionError).  Encoding refuses
-  them too, so what is written can always be read back.
+- Strict JSON only.  Nothing read is imported or executed; parsing refuses NaN, Infinity and
+  floats that overflow to infinity (Python's json accepts all three), and nesting deeper than
+  ``MAX_DEPTH`` (it would break every recursive reader, such as ``explain``).  Encoding
+  refuses them too, so what is written can always be read back.
 - ``digest(obj)`` is the first 20 hex digits of the sha256 of the canonical JSON
   (``sort_keys=True, separators=(",", ":")``, ASCII, no NaN or infinity): dict order never
   matters, tuples and lists hash alike.  Changing it orphans every cache; a test freezes it.

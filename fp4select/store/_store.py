@@ -140,15 +140,8 @@ class Store:
     ) -> AbstractContextManager[None]:
         """Hold while tuning (env, key); raises ``filelock.Timeout`` after ``timeout`` s.
 
-        The pattern, so that N processes missing one key at once tune it once::
-
-            record = store.read_entry(env, key)
-            if record is None:
-                with store.lock(env, key):
-                    record = store.read_entry(env, key)  # someone may have tuned it meanwhile
-                    if record is None:
-                        record = tune()
-                        store.write_entry(env, key, record)
+        Read the entry again once the lock is held (``Selector.decide``): when N processes miss
+        one key at once, one tunes and the others read its result.
         """
         env_dir = self.env_dir(env)
         path = env_dir / "locks" / f"{hash_of(key, 'key')}.lock"
@@ -162,8 +155,7 @@ class Store:
             self._root.check_dirs(env_dir)  # before mkdir, which follows symlinks
             env_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            # No environment directory means no entries either: one memory-only warning
-            # says it all, rather than a lock warning now and a write warning later.
+            # No environment directory, no entries: one memory-only warning says it all.
             self._root.degrade(exc)
             return False
         self._root.check_dirs(env_dir / "locks")
