@@ -93,6 +93,15 @@ ALPHA_STRIDE = {0: -1, 2: 0, 3: 1}
 
 
 @gluon.jit
+def _gdc_wait():
+    """Under PDL: wait until the kernel before (a's decode) has finished and its writes are
+    visible (griddepcontrol.wait), before anything reads them."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def _load_step(
     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW: gl.constexpr
 ):  # fmt: skip
@@ -305,7 +314,7 @@ def mma_ws(
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -313,6 +322,8 @@ def mma_ws(
     SECOND: gl.constexpr = 1
     XW: gl.constexpr = x_desc.block_type.shape[1]  # tokens a wgmma takes: 64 (halves) or BT
     HALVES: gl.constexpr = BT // XW
+    if PDL:  # experiment: launched early, this program waits here for a's decode
+        _gdc_wait()
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     pid_k = gl.program_id(1)
     first = pid_k * per_split
