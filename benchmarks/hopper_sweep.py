@@ -70,8 +70,6 @@ FAMILY_HELP = {
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
-    "wspdl": "with tactics: each ws tactic with its main loop launched under PDL (pdl1), and "
-    "also a's decode letting it in only after its stores (pdl2)",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -101,6 +99,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   5fa76e3 "alt": 128 x 128 ws tiles, each consumer all rows on alternate steps;
 #   56996f9 "x64": the 64-row ws tiles (taking turns) beyond their tactics, M = 65-512
 #   b9bea34 "flight": the ws tactics decoding their next step while this step's wgmma runs
+#   81b000f "wspdl": the ws tactics launched under PDL (since their own form) and without
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
@@ -489,10 +488,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
-                if "wspdl" in families and kind == "ws":
-                    for mode in (1, 2):  # main loop under PDL; a's decode triggering late
-                        other = dataclasses.replace(c, pdl_main=mode)
-                        out[name + f" pdl{mode}"] = functools.partial(run, cfg=other)
                 if "late" in families and kind == "gemv":  # the other trigger under PDL
                     # (hopper_sweep_late.json ran the mma tactics' too, before ``mma_planes``
                     # let the next launch in after its K loop always: ab05436)

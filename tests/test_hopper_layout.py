@@ -447,9 +447,9 @@ def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
     assert tool.hazards(loop) == []
 
 
-def _compile_ws(cfg, alpha: int):
+def _compile_ws(cfg, alpha: int, pdl: bool = False):
     """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` with alpha of kind ``alpha``
-    (Gluon, for sm90)."""
+    (Gluon, for sm90), under PDL or not."""
     gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
     gl = pytest.importorskip("triton.experimental.gluon.language")
     from fp4select.backends import _hopper_ws
@@ -469,6 +469,8 @@ def _compile_ws(cfg, alpha: int):
     constexprs = {"BN": bn, "BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
     signature["OWN_LOADS"] = "constexpr"
     constexprs["OWN_LOADS"] = not cfg.loader_warp
+    signature["PDL"] = "constexpr"
+    constexprs["PDL"] = pdl
     stride = _hopper_ws.ALPHA_STRIDE[alpha]
     if stride == 1:  # Triton specializes an int argument of 1 into a constant
         signature["alpha_stride"] = "constexpr"
@@ -483,6 +485,7 @@ def _compile_ws(cfg, alpha: int):
         options={
             "num_warps": 4,
             "maxnreg": _hopper_ws.launch_regs(cfg.loader_warp),
+            "launch_pdl": pdl,
         },
     )
 
@@ -526,3 +529,23 @@ def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
         wait = next(i for i, line in enumerate(loop) if line.startswith("WARPGROUP.DEPBAR"))
         handed = [line for line in loop[last:wait] if "SYNCS.ARRIVE" in line]
         assert bool(handed) == (cfg.block_n == 64), loop[last:wait]
+
+
+@pytest.mark.parametrize("cfg", hopper_configs.candidates("ws", None), ids=str)
+def test_hopper_ws_under_pdl_waits_for_as_decode_before_anything_reads_it(cfg):
+    """Launched under PDL, a program runs while a's decode still writes its workspace: its
+    wait (griddepcontrol.wait; ACQBULK in SASS) must come before its barriers are set up and
+    before the barrier that releases its worker partitions (the loader's TMA loads), and a
+    launch without PDL must not wait at all."""
+    tool = _hazard_tool()
+    kernel = _compile_ws(cfg, 2, pdl=True)
+    ptx = kernel.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert wait < ptx.index("mbarrier.init") and wait < ptx.index("cp.async.bulk.tensor")
+    sass = [line.split(";")[0].strip() for line in tool._sass(kernel).splitlines()]
+    acq = [i for i, line in enumerate(sass) if line.endswith("ACQBULK")]
+    assert len(acq) == 1, acq
+    release = next(i for i in range(acq[0], len(sass)) if "BAR.SYNC.DEFER_BLOCKING 0x1" in sass[i])
+    # the barriers are set up (and, without a loader warp, the first stages loaded) after it
+    assert any("SYNCS.EXCH" in line for line in sass[acq[0] : release])
+    assert "griddepcontrol" not in _compile_ws(cfg, 2).asm["ptx"]

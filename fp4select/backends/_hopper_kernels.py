@@ -859,14 +859,13 @@ def decode_planes(
     BKW: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr = False,
-    LATE_TRIGGER: tl.constexpr = False,  # experiment: the next launch let in after the stores
 ):
     """a -> float16 (value * 2**-14 * scale) in the order ``mma_planes`` reads.
 
     Every element of the workspace is written, zeros past M and past K, so that the main loop
     reads whole tiles without masks (masks would stop its loads from being pipelined).
     """
-    pdl_start(PDL, not LATE_TRIGGER)
+    pdl_start(PDL, True)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     k = tl.program_id(1) * BKW + tl.arange(0, BKW)
     ok = (rows < M)[:, None] & (k < KW)[None, :]
@@ -887,8 +886,6 @@ def decode_planes(
     tl.store(base + (5 * BKW) * MP, p5, mask=live)
     tl.store(base + (6 * BKW) * MP, p6, mask=live)
     tl.store(base + (7 * BKW) * MP, p7, mask=live)
-    if LATE_TRIGGER:
-        pdl_trigger(PDL)
 
 
 @triton.jit

@@ -48,6 +48,11 @@ Design rules:
   waits for a phase the other completes next, so neither is ever two phases ahead of a
   barrier, and the consumer with the last step (the first, if the steps are odd) waits for
   nothing the other does not issue.
+* Under PDL (``PDL``, as a's decode launches it) a program starts while a's decode still runs
+  and waits for it (griddepcontrol.wait) first of all, in the default partition, before its
+  barriers are set up and its worker partitions released: no load can read the workspace
+  early, and the wait is the only thing it does early. It does not let the next kernel in
+  early (the split's reduction, or the caller's next kernel, starts when it ends).
 * alpha reaches the consumers as the stride of one load (``ALPHA_STRIDE``): with its kind
   branched on in a worker partition, or loaded as a scalar there, Triton 3.6's LLVM lowering
   asserts. So a Python number for alpha is not taken (``run_ws`` hands it to hopper-mma).
@@ -322,7 +327,7 @@ def mma_ws(
     SECOND: gl.constexpr = 1
     XW: gl.constexpr = x_desc.block_type.shape[1]  # tokens a wgmma takes: 64 (halves) or BT
     HALVES: gl.constexpr = BT // XW
-    if PDL:  # experiment: launched early, this program waits here for a's decode
+    if PDL:  # launched during a's decode: wait for it before anything starts (design rules)
         _gdc_wait()
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     pid_k = gl.program_id(1)

@@ -64,7 +64,6 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    pdl_main: int = 0  # experiment: 1 main loop under PDL, 2 also a's decode triggering late
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):

@@ -282,14 +282,7 @@ def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
 
 
 def _a_planes(
-    c: triton_fp4.Checked,
-    a32: torch.Tensor,
-    a8x4: bool,
-    steps: int,
-    bkw: int,
-    mp: int,
-    pdl: bool,
-    late: bool = False,
+    c: triton_fp4.Checked, a32: torch.Tensor, a8x4: bool, steps: int, bkw: int, mp: int, pdl: bool
 ) -> torch.Tensor:
     """a decoded into the float16 workspace the main loops read: (steps * 8 * bkw, mp), K-major,
     zeros past M and K. Per call, from the caching allocator (a graph capture takes it from the
@@ -299,7 +292,6 @@ def _a_planes(
     k.decode_planes[(k.cdiv(mp, 32), steps)](
         a32, c.a_descale, x, c.m, mp, c.kh // 4, a32.stride(0), c.cp,
         A_8X4=a8x4, BR=32, BKW=bkw, ASM=ASM, **_with_pdl(pdl), num_warps=4,
-        **({"LATE_TRIGGER": True} if late and pdl else {}),
     )  # fmt: skip
     return x
 
@@ -412,10 +404,10 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     split = 1 if parts is None else split
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(c.m, bt) * bt
-    # As in hopper-mma, the a decode and the split-K reduction take PDL when asked (hopper-mma's
-    # compiled kernels); the Gluon main loop launches without it, after the decode has finished.
+    # As in hopper-mma, a's decode and the split-K reduction take PDL when asked; so does the
+    # Gluon main loop, waiting for the decode (docs/hopper_kernels.md, 'PDL for hopper-ws').
     pdl = _pdl(args, c.out.device)
-    x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl, late=cfg.pdl_main == 2)
+    x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl)
     xw = cfg.mma_tokens
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
@@ -429,8 +421,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         w_desc, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, strides[0], strides[1],
         alpha_stride, per_split, c.m * c.n,
         BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP, OWN_LOADS=not cfg.loader_warp,
-        **({"PDL": True, "launch_pdl": True} if pdl and cfg.pdl_main else {}),
-        num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
+        **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
     )  # fmt: skip
     if parts is not None:
         _reduce_partials(parts, c, split, pdl)
