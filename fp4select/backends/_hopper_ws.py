@@ -107,15 +107,6 @@ def _gdc_wait():
 
 
 @gluon.jit
-def _gdc_launch_dependents():
-    """Under PDL: let the next kernel launch now (it waits for this one in its own wait)."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _load_step(
     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW: gl.constexpr
 ):  # fmt: skip
@@ -329,7 +320,6 @@ def mma_ws(
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, PDL: gl.constexpr = False,
-    TRIGGER: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -339,8 +329,6 @@ def mma_ws(
     HALVES: gl.constexpr = BT // XW
     if PDL:  # launched during a's decode: wait for it before anything starts (design rules)
         _gdc_wait()
-        if TRIGGER:  # experiment: the next kernel (a split's reduction) launched early
-            _gdc_launch_dependents()
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     pid_k = gl.program_id(1)
     first = pid_k * per_split

@@ -64,7 +64,6 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    trigger: int = 0  # experiment: under PDL, let the next kernel launch at the start
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):
