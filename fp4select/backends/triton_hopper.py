@@ -405,7 +405,7 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(c.m, bt) * bt
     # As in hopper-mma, a's decode and the split-K reduction take PDL when asked; so does the
-    # Gluon main loop, waiting for the decode (docs/hopper_kernels.md, 'PDL for hopper-ws').
+    # Gluon main loop, waiting for the decode (docs/hopper_kernels.md, 'PDL for `hopper-ws`').
     pdl = _pdl(args, c.out.device)
     x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl)
     xw = cfg.mma_tokens
