@@ -298,6 +298,7 @@ def _sum_if_last(acc0, part_ptr, alpha_ptr, off_n, off_t, M, N, HALVES: gl.const
     s * M * N); the last adds them in split order, as ``reduce_split``, scales by alpha and
     stores, and puts the tile's count back to zero (graph replays reuse it)."""
     out_ptr, stride_om, stride_on, alpha_stride, count_ptr = final
+    part_ptr -= gl.program_id(1) * M * N  # split 0's, where mma_ws had moved it to this split's
     mma: gl.constexpr = acc0.type.layout
     XW: gl.constexpr = acc0.shape[1]
     gl.thread_barrier()
