@@ -70,7 +70,6 @@ FAMILY_HELP = {
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
-    "wslast": "with tactics: each 64-row ws tactic summing a K split in its last program",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -490,9 +489,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
-                if "wslast" in families and kind == "ws" and c.block_n == 64:
-                    other = dataclasses.replace(c, sum_last=1)
-                    out[name + " last"] = functools.partial(run, cfg=other)
                 if "late" in families and kind == "gemv":  # the other trigger under PDL
                     # (hopper_sweep_late.json ran the mma tactics' too, before ``mma_planes``
                     # let the next launch in after its K loop always: ab05436)

@@ -447,7 +447,7 @@ def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
     assert tool.hazards(loop) == []
 
 
-def _compile_ws(cfg, alpha: int, pdl: bool = False, sum_last: bool = False):
+def _compile_ws(cfg, alpha: int, pdl: bool = False):
     """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` with alpha of kind ``alpha``
     (Gluon, for sm90), under PDL or not."""
     gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
@@ -465,16 +465,12 @@ def _compile_ws(cfg, alpha: int, pdl: bool = False, sum_last: bool = False):
         "sw_ptr": "*i32", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
         "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
         "stride_on": "i32", "alpha_stride": "i32", "per_split": "i32", "split_stride": "i32",
-        "final_ptr": "*bf16", "final_som": "i32", "final_son": "i32", "final_alpha_stride": "i32",
-        "count_ptr": "*i32",
     } | dict.fromkeys(("BN", "BT", "BKW", "STAGES", "GROUP"), "constexpr")  # fmt: skip
     constexprs = {"BN": bn, "BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
     signature["OWN_LOADS"] = "constexpr"
     constexprs["OWN_LOADS"] = not cfg.loader_warp
     signature["PDL"] = "constexpr"
     constexprs["PDL"] = pdl
-    signature["SUM_LAST"] = "constexpr"
-    constexprs["SUM_LAST"] = sum_last
     stride = _hopper_ws.ALPHA_STRIDE[alpha]
     if stride == 1:  # Triton specializes an int argument of 1 into a constant
         signature["alpha_stride"] = "constexpr"

@@ -209,7 +209,6 @@ def _consumer(
     w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
     off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on, alpha_stride,
     w_desc, x_desc, ROLE: gl.constexpr, LOADS: gl.constexpr, ORDER: gl.constexpr,
-    final, SUM_LAST: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: each of its steps decode, issue the step's wgmma (one group over the
     tile's tokens or one a 64-token half), wait for them, give the stage back (and with
@@ -264,8 +263,6 @@ def _consumer(
                 acc1 += partial.index(1).load(mma)
         _store(acc0, acc1, alpha_ptr, out_ptr, off_n, off_t, M, N, stride_om, stride_on,
                alpha_stride, HALVES)  # fmt: skip
-        if SUM_LAST:
-            _sum_if_last(acc0, out_ptr, alpha_ptr, off_n, off_t, M, N, HALVES, final)
 
 
 @gluon.jit
@@ -289,39 +286,6 @@ def _store(
         ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
         mask = (offs_n < N)[:, None] & mask_t[None, :]
         gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _sum_if_last(acc0, part_ptr, alpha_ptr, off_n, off_t, M, N, HALVES: gl.constexpr, final):
-    """Experiment: the split's sum by the tile's last program to arrive (as hopper-mma's
-    ``_sum_if_last``): each program has stored its partial sums (``part_ptr``, split s at
-    s * M * N); the last adds them in split order, as ``reduce_split``, scales by alpha and
-    stores, and puts the tile's count back to zero (graph replays reuse it)."""
-    out_ptr, stride_om, stride_on, alpha_stride, count_ptr = final
-    part_ptr -= gl.program_id(1) * M * N  # split 0's, where mma_ws had moved it to this split's
-    mma: gl.constexpr = acc0.type.layout
-    XW: gl.constexpr = acc0.shape[1]
-    gl.thread_barrier()
-    tile = gl.program_id(0)
-    arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    split = gl.num_programs(1)
-    if arrived == split - 1:
-        gl.store(count_ptr + tile, 0)
-        offs_n = off_n + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, mma))
-        for h in gl.static_range(HALVES):
-            offs_t = off_t + XW * h + gl.arange(0, XW, layout=gl.SliceLayout(0, mma))
-            mask_t = offs_t < M
-            mask = (offs_n < N)[:, None] & mask_t[None, :]
-            base = part_ptr + offs_t[None, :] * N + offs_n[:, None]
-            total = gl.zeros(acc0.shape, gl.float32, mma)
-            for s in range(0, split):
-                total += gl.load(base + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            alpha = gl.load(
-                alpha_ptr + offs_t * alpha_stride, mask=mask_t & (alpha_stride >= 0), other=1.0
-            )
-            val = total * alpha.to(gl.float32)[None, :]
-            ptrs = out_ptr + offs_t[None, :] * stride_om + offs_n[:, None] * stride_on
-            gl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -354,10 +318,8 @@ def mma_ws(
     alpha_stride,  # ALPHA_STRIDE of alpha's kind (-1 for partial sums)
     per_split,  # steps of K a program takes (program axis 1 splits K)
     split_stride,  # elements between two splits' partial sums
-    final_ptr, final_som, final_son, final_alpha_stride, count_ptr,  # SUM_LAST's (experiment)
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, PDL: gl.constexpr = False,
-    SUM_LAST: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -368,8 +330,6 @@ def mma_ws(
     if PDL:  # launched during a's decode: wait for it before anything starts (design rules)
         _gdc_wait()
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
-    final = (final_ptr, final_som, final_son, final_alpha_stride, count_ptr)
-    gl.static_assert(not SUM_LAST or BN == 64, "SUM_LAST: the 64-row tiles' first consumer")
     pid_k = gl.program_id(1)
     first = pid_k * per_split
     steps = gl.minimum(gl.cdiv(KW, BKW) - first, per_split)
@@ -415,13 +375,13 @@ def mma_ws(
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False, ORDER, final, SUM_LAST),
+                     stride_on, alpha_stride, w_desc, x_desc, FIRST, False, ORDER),
                 ),
                 (
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr,
                      out_ptr, off_n, off_t, M, N, KW, cp, first, steps, stride_om,
-                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True, ORDER, final, False),
+                     stride_on, alpha_stride, w_desc, x_desc, SECOND, True, ORDER),
                 ),
             ],
             [4],
@@ -434,13 +394,13 @@ def mma_ws(
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, FIRST, False, ORDER, final, SUM_LAST),
+                     alpha_stride, w_desc, x_desc, FIRST, False, ORDER),
                 ),
                 (
                     _consumer,
                     (w_bufs, x_bufs, ready, empty, partial, done, turn, sw_ptr, alpha_ptr, out_ptr,
                      off_n, off_t, M, N, KW, cp, first, steps, stride_om, stride_on,
-                     alpha_stride, w_desc, x_desc, SECOND, False, ORDER, final, False),
+                     alpha_stride, w_desc, x_desc, SECOND, False, ORDER),
                 ),
                 (
                     _loader,

@@ -64,7 +64,6 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    sum_last: int = 0  # experiment: a split's sum by each 64-row tile's last program
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):

@@ -412,24 +412,18 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
-    final_stride = ws.ALPHA_STRIDE[c.alpha_kind]
     if parts is None:  # scaled by alpha and stored in out
-        dst, strides, alpha_stride = c.out, c.out.stride(), final_stride
+        dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
     else:  # float32 partial sums, (split, M, N), as reduce_split reads them
         dst, strides, alpha_stride = parts, (c.n, 1), -1
-    counts = None
-    if parts is not None and cfg.sum_last and bn == 64:
-        counts = triton_fp4._counts(c.out.device, tiles)
     # 4 warps: the first consumer; the second (and the loader warp) partitions of their own
     ws.mma_ws[(tiles, split)](
         w_desc, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, strides[0], strides[1],
         alpha_stride, per_split, c.m * c.n,
-        c.out, c.out.stride(0), c.out.stride(1), final_stride, sw32 if counts is None else counts,
         BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP, OWN_LOADS=not cfg.loader_warp,
         **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
-        **({"SUM_LAST": True} if counts is not None else {}),
     )  # fmt: skip
-    if parts is not None and counts is None:
+    if parts is not None:
         _reduce_partials(parts, c, split, pdl)
     return c.out
 
