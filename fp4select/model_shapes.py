@@ -1,6 +1,6 @@
 """The dense FP4 GEMM shapes (N, K) one tensor-parallel rank of a model runs, from its config.
 
-Why one file of ~630 lines: most of it is the per-family layer rules and their notes, and one
+Why one file of ~620 lines: most of it is the per-family layer rules and their notes, and one
 family's rules are checked against the others' (fused QKV, MLA, replicated KV heads); split,
 the table would be read in pieces.
 

@@ -1,6 +1,6 @@
 """Miss handling: candidates -> probe -> decide -> store -> the winner's runner.
 
-Why one file of ~630 lines: like Triton's ``autotuner.py``, the whole mechanism (lookup order,
+Why one file of ~620 lines: like Triton's ``autotuner.py``, the whole mechanism (lookup order,
 candidates, locking, probing, the decision, the blacklist, binding) reads in one place; the
 parts it uses (keys, timing, probe, sandbox, store, backends) are modules of their own.
 
