@@ -70,8 +70,6 @@ FAMILY_HELP = {
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
-    "early": "with tactics: each pre GEMV tactic prefetching, and loading its first step before "
-    "PDL's wait",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -492,12 +490,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
-                if "early" in families and kind == "gemv" and c.pre:
-                    if not c.prefetch:  # the same tiling prefetching, as the shipped kernel
-                        pf = dataclasses.replace(c, prefetch=1)
-                        out[name + " pf"] = functools.partial(run, cfg=pf)
-                    early = dataclasses.replace(c, prefetch=1, early=1)
-                    out[name + " early"] = functools.partial(run, cfg=early)
                 if "late" in families and kind == "gemv":  # the other trigger under PDL
                     # (hopper_sweep_late.json ran the mma tactics' too, before ``mma_planes``
                     # let the next launch in after its K loop always: ab05436)

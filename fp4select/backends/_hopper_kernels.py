@@ -797,9 +797,6 @@ def gemv_dp4a(
     HW_E4M3: tl.constexpr = False,
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
     PRE: tl.constexpr = False,  # a_ptr is gemv_a_words' workspace (stride_am: its plane)
-    EARLY: tl.constexpr = False,  # experiment: PRE and PREFETCH, the first step's weight
-    # loaded before PDL's wait (gemv_a_words let this launch after its own wait, so every
-    # kernel before it has ended: only a's words are still being written)
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -808,17 +805,15 @@ def gemv_dp4a(
     has its own accumulator (unrolled: BM is at most 8), reduced once at the end. No tensor
     cores, no shared memory, no split-K.
     """
+    pdl_start(PDL, not LATE_TRIGGER)
     # Scale bytes as uint8 whatever their dtype (float8_e4m3fn or uint8): a masked load of
     # float8 cannot take zeros for the masked lanes.
     sa_ptr = sa_ptr.to(tl.pointer_type(tl.uint8))
     sw_ptr = sw_ptr.to(tl.pointer_type(tl.uint8))
     pid = tl.program_id(0)
     kk = tl.arange(0, BK)
-    rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
-    if EARLY:
-        w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
-    pdl_start(PDL, not LATE_TRIGGER)
     tpos, tneg = lane_tables(kk * 0, M, ASM)
+    rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
     acc0 = tl.zeros((R, BK), dtype=tl.float32)
     acc1 = tl.zeros((R, BK), dtype=tl.float32)
     acc2 = tl.zeros((R, BK), dtype=tl.float32)
@@ -827,7 +822,7 @@ def gemv_dp4a(
     acc5 = tl.zeros((R, BK), dtype=tl.float32)
     acc6 = tl.zeros((R, BK), dtype=tl.float32)
     acc7 = tl.zeros((R, BK), dtype=tl.float32)
-    if PREFETCH and not EARLY:
+    if PREFETCH:
         w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST)
     for k0 in range(0, KW, BK):
         k = k0 + kk

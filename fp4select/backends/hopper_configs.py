@@ -32,7 +32,6 @@ class GemvConfig:
     evict_first: int = 0  # 1: the weight's loads ask L2 to evict it first (it is read once)
     late: int = 0  # 1: under PDL the next launch is let in after the K loop, not at the start
     pre: int = 0  # 1: a decoded once per call by a kernel of its own (``gemv_a_words``)
-    early: int = 0  # experiment: with pre and prefetch, the first step loaded before PDL's wait
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,6 @@ def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl), **hw,
         **({"EVICT_FIRST": True} if cfg.evict_first else {}), **({"PRE": True} if cfg.pre else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}), num_warps=cfg.num_warps,
-        **({"EARLY": True} if cfg.early and cfg.pre and cfg.prefetch and pdl else {}),
     )  # fmt: skip
     return c.out
 
