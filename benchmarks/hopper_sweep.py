@@ -102,6 +102,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   81b000f "wspdl": the ws tactics launched under PDL (since their own form) and without
 #   e0fea9a "wstrig": the ws tactics under PDL letting the next kernel launch at their start
 #   b784645 "wslast": the 64-row ws tactics summing a K split in their last program
+#   5e72b05 "early": the pre GEMV tactics loading their first weight step before PDL's wait
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
