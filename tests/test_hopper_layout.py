@@ -447,7 +447,7 @@ def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
     assert tool.hazards(loop) == []
 
 
-def _compile_ws(cfg, alpha: int, pdl: bool = False):
+def _compile_ws(cfg, alpha: int, pdl: bool = False, early_w: bool = False):
     """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` with alpha of kind ``alpha``
     (Gluon, for sm90), under PDL or not."""
     gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
@@ -471,6 +471,8 @@ def _compile_ws(cfg, alpha: int, pdl: bool = False):
     constexprs["OWN_LOADS"] = not cfg.loader_warp
     signature["PDL"] = "constexpr"
     constexprs["PDL"] = pdl
+    signature["EARLY_W"] = "constexpr"
+    constexprs["EARLY_W"] = early_w
     stride = _hopper_ws.ALPHA_STRIDE[alpha]
     if stride == 1:  # Triton specializes an int argument of 1 into a constant
         signature["alpha_stride"] = "constexpr"

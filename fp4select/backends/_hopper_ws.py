@@ -112,29 +112,69 @@ def _load_step(
 ):  # fmt: skip
     """This program's step j (step first + j of K) into stage j % STAGES, once the stage's
     step j - STAGES has been given back (at once for j < STAGES); ready barrier j % READY."""
+    _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW)
+    _load_x(x_desc, w_bufs, x_bufs, ready, off_t, first, j, BKW)
+
+
+@gluon.jit
+def _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW: gl.constexpr):
+    """``_load_step``'s first half: the stage given back, its ready barrier told the bytes of
+    the whole step, the weight's words asked for."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    READY: gl.constexpr = ready.type.shape[0]
+    HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
+    s = j % STAGES
+    mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+    r = j % READY
+    mbarrier.expect(ready.index(r), nbytes)
+    _tma_load(w_desc, [off_n, (first + j) * BKW], ready.index(r), w_bufs.index(s))
+
+
+@gluon.jit
+def _load_x(x_desc, w_bufs, x_bufs, ready, off_t, first, j, BKW: gl.constexpr):
+    """``_load_step``'s second half: a's decoded tiles of step j (what a's decode writes)."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     READY: gl.constexpr = ready.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
     XW: gl.constexpr = x_bufs.type.shape[2]
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + HALVES * x_desc.block_type.nbytes
     s = j % STAGES
-    i = first + j
-    mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
     r = j % READY
-    mbarrier.expect(ready.index(r), nbytes)
-    _tma_load(w_desc, [off_n, i * BKW], ready.index(r), w_bufs.index(s))
     for h in gl.static_range(HALVES):
         _tma_load(
-            x_desc, [i * 8 * BKW, off_t + XW * h], ready.index(r), x_bufs.index(s * HALVES + h)
-        )
+            x_desc, [(first + j) * 8 * BKW, off_t + XW * h], ready.index(r),
+            x_bufs.index(s * HALVES + h),
+        )  # fmt: skip
+
+
+@gluon.jit
+def _first_loads(
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW: gl.constexpr,
+    PDL: gl.constexpr,
+):  # fmt: skip
+    """The ring's first STAGES steps. Under PDL the weight's words are asked for before the
+    wait for a's decode (every kernel before the decode has ended: the decode lets this kernel
+    launch after its own wait), a's tiles after it."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    for j in gl.static_range(STAGES):
+        if j < steps:
+            _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW)
+    if PDL:
+        _gdc_wait()
+    for j in gl.static_range(STAGES):
+        if j < steps:
+            _load_x(x_desc, w_bufs, x_bufs, ready, off_t, first, j, BKW)
 
 
 @gluon.jit
 def _loader(
-    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW: gl.constexpr
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     """Steps first .. first + steps - 1 of K, each into stage j % STAGES (j counts from 0)."""
-    for j in range(steps):
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    _first_loads(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW, PDL)
+    for j in range(STAGES, steps):
         _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW)
 
 
@@ -320,6 +360,7 @@ def mma_ws(
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, PDL: gl.constexpr = False,
+    EARLY_W: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -327,7 +368,9 @@ def mma_ws(
     SECOND: gl.constexpr = 1
     XW: gl.constexpr = x_desc.block_type.shape[1]  # tokens a wgmma takes: 64 (halves) or BT
     HALVES: gl.constexpr = BT // XW
-    if PDL:  # launched during a's decode: wait for it before anything starts (design rules)
+    # experiment: with EARLY_W the loads wait (after asking for the weight), not the program
+    LOAD_WAIT: gl.constexpr = PDL and EARLY_W
+    if PDL and not EARLY_W:  # launched during a's decode: wait for it before anything starts
         _gdc_wait()
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     pid_k = gl.program_id(1)
@@ -364,11 +407,10 @@ def mma_ws(
     fence_async_shared()
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
     if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
-        for j in gl.static_range(STAGES):
-            if j < steps:
-                _load_step(
-                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW
-                )
+        _first_loads(
+            w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW,
+            LOAD_WAIT,
+        )  # fmt: skip
         gl.warp_specialize(
             [
                 (
@@ -405,7 +447,7 @@ def mma_ws(
                 (
                     _loader,
                     (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps,
-                     BKW),
+                     BKW, LOAD_WAIT),
                 ),
             ],
             [4, 1],
