@@ -70,8 +70,6 @@ FAMILY_HELP = {
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
-    "earlyw": "with tactics: each ws tactic under PDL asking for its weight's first stages "
-    "before the wait for a's decode",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -105,6 +103,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   e0fea9a "wstrig": the ws tactics under PDL letting the next kernel launch at their start
 #   b784645 "wslast": the 64-row ws tactics summing a K split in their last program
 #   5e72b05 "early": the pre GEMV tactics loading their first weight step before PDL's wait
+#   69c4b1c "earlyw": the ws tactics asking for their weight before PDL's wait (since their own)
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
@@ -493,9 +492,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[name] = functools.partial(run, cfg=c)
                 if "nopdl" in families:  # the same, launched without PDL
                     out[name + " nopdl"] = functools.partial(_without_pdl, run, cfg=c)
-                if "earlyw" in families and kind == "ws":
-                    other = dataclasses.replace(c, early_w=1)
-                    out[name + " earlyw"] = functools.partial(run, cfg=other)
                 if "late" in families and kind == "gemv":  # the other trigger under PDL
                     # (hopper_sweep_late.json ran the mma tactics' too, before ``mma_planes``
                     # let the next launch in after its K loop always: ab05436)

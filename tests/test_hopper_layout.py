@@ -447,7 +447,7 @@ def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
     assert tool.hazards(loop) == []
 
 
-def _compile_ws(cfg, alpha: int, pdl: bool = False, early_w: bool = False):
+def _compile_ws(cfg, alpha: int, pdl: bool = False):
     """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` with alpha of kind ``alpha``
     (Gluon, for sm90), under PDL or not."""
     gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
@@ -471,8 +471,6 @@ def _compile_ws(cfg, alpha: int, pdl: bool = False, early_w: bool = False):
     constexprs["OWN_LOADS"] = not cfg.loader_warp
     signature["PDL"] = "constexpr"
     constexprs["PDL"] = pdl
-    signature["EARLY_W"] = "constexpr"
-    constexprs["EARLY_W"] = early_w
     stride = _hopper_ws.ALPHA_STRIDE[alpha]
     if stride == 1:  # Triton specializes an int argument of 1 into a constant
         signature["alpha_stride"] = "constexpr"
@@ -505,7 +503,7 @@ WS_TILES = (
 @pytest.mark.parametrize("alpha", [0, 2, 3])
 def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
     tool = _hazard_tool()
-    sass = tool._sass(_compile_ws(cfg, alpha))
+    sass = tool._sass(_compile_ws(cfg, alpha, pdl=True))  # as SM90 runs it by default
     loops = tool.mma_loops(sass)
     assert len(loops) == 2  # the two consumer partitions
 
@@ -513,9 +511,10 @@ def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
         return [line for line in lines if re.search(r"\b(STL|LDL)\b", line)]
 
     # within the registers run_ws launches it with: nothing spilled to local memory (the
-    # 256-token tiles spill a few registers around their loops, none in them)
+    # tiles without a loader warp, whose prologue loads the first stages, spill a few
+    # registers around their loops: the 256-token ones, and 256 x 128 with alpha per token)
     in_loops = [line for loop in loops for line in loop]
-    assert not spills(in_loops if cfg.block_t == 256 else sass.splitlines())
+    assert not spills(in_loops if not cfg.loader_warp else sass.splitlines())
     for loop in loops:
         # 8 planes x the token halves (or the whole tile) x the consumer's 64-row MMA tiles
         rows = cfg.block_n // 2 if cfg.block_n >= 128 else cfg.block_n
@@ -535,19 +534,17 @@ def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
 
 @pytest.mark.parametrize("cfg", hopper_configs.candidates("ws", None), ids=str)
 def test_hopper_ws_under_pdl_waits_for_as_decode_before_anything_reads_it(cfg):
-    """Launched under PDL, a program runs while a's decode still writes its workspace: its
-    wait (griddepcontrol.wait; ACQBULK in SASS) must come before its barriers are set up and
-    before the barrier that releases its worker partitions (the loader's TMA loads), and a
-    launch without PDL must not wait at all."""
-    tool = _hazard_tool()
-    kernel = _compile_ws(cfg, 2, pdl=True)
-    ptx = kernel.asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    assert wait < ptx.index("mbarrier.init") and wait < ptx.index("cp.async.bulk.tensor")
-    sass = [line.split(";")[0].strip() for line in tool._sass(kernel).splitlines()]
-    acq = [i for i, line in enumerate(sass) if line.endswith("ACQBULK")]
-    assert len(acq) == 1, acq
-    release = next(i for i in range(acq[0], len(sass)) if "BAR.SYNC.DEFER_BLOCKING 0x1" in sass[i])
-    # the barriers are set up (and, without a loader warp, the first stages loaded) after it
-    assert any("SYNCS.EXCH" in line for line in sass[acq[0] : release])
+    """Launched under PDL, a program runs while a's decode still writes its workspace: every
+    TMA load of a's tiles (float16) must come after the wait (griddepcontrol.wait), and the
+    weight's first stages (int32 words) are asked for before it. Read in TTGIR, where each
+    partition's code keeps its program order (the prologue before ``warp_specialize``, whose
+    partitions start after it). Without PDL there is no wait at all."""
+    ttgir = _compile_ws(cfg, 2, pdl=True).asm["ttgir"].splitlines()
+    waits = [i for i, line in enumerate(ttgir) if "griddepcontrol.wait" in line]
+    loads = [i for i, line in enumerate(ttgir) if "async_tma_copy_global_to_local" in line]
+    a_tiles = [i for i in loads if "xf16" in ttgir[i]]
+    words = [i for i in loads if "xsi32" in ttgir[i]]
+    assert len(waits) == 1 and a_tiles and words
+    assert min(a_tiles) > waits[0]
+    assert min(words) < waits[0]  # the weight asked for while the decode runs
     assert "griddepcontrol" not in _compile_ws(cfg, 2).asm["ptx"]

@@ -48,11 +48,14 @@ Design rules:
   waits for a phase the other completes next, so neither is ever two phases ahead of a
   barrier, and the consumer with the last step (the first, if the steps are odd) waits for
   nothing the other does not issue.
-* Under PDL (``PDL``, as a's decode launches it) a program starts while a's decode still runs
-  and waits for it (griddepcontrol.wait) first of all, in the default partition, before its
-  barriers are set up and its worker partitions released: no load can read the workspace
-  early, and the wait is the only thing it does early. It does not let the next kernel in
-  early (the split's reduction, or the caller's next kernel, starts when it ends).
+* Under PDL (``PDL``, as a's decode launches it) a program starts while a's decode still runs.
+  Whoever loads the stages (the loader warp, or without it the prologue) asks for the first
+  STAGES steps' weight words, then waits for the decode (griddepcontrol.wait), then asks for
+  a's tiles: nothing else reads what the decode writes (the consumers read a only from the
+  stages), and every kernel before the decode has ended (the decode lets this kernel launch
+  after its own wait), so the weight, its scales, alpha and out are safe to touch early.
+  It does not let the next kernel in early (the split's reduction, or the caller's next
+  kernel, starts when it ends).
 * alpha reaches the consumers as the stride of one load (``ALPHA_STRIDE``): with its kind
   branched on in a worker partition, or loaded as a scalar there, Triton 3.6's LLVM lowering
   asserts. So a Python number for alpha is not taken (``run_ws`` hands it to hopper-mma).
@@ -153,17 +156,22 @@ def _first_loads(
     PDL: gl.constexpr,
 ):  # fmt: skip
     """The ring's first STAGES steps. Under PDL the weight's words are asked for before the
-    wait for a's decode (every kernel before the decode has ended: the decode lets this kernel
-    launch after its own wait), a's tiles after it."""
+    wait for a's decode, a's tiles after it (the design rules)."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
-    for j in gl.static_range(STAGES):
-        if j < steps:
-            _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW)
     if PDL:
+        for j in gl.static_range(STAGES):
+            if j < steps:
+                _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW)
         _gdc_wait()
-    for j in gl.static_range(STAGES):
-        if j < steps:
-            _load_x(x_desc, w_bufs, x_bufs, ready, off_t, first, j, BKW)
+        for j in gl.static_range(STAGES):
+            if j < steps:
+                _load_x(x_desc, w_bufs, x_bufs, ready, off_t, first, j, BKW)
+    else:
+        for j in gl.static_range(STAGES):
+            if j < steps:
+                _load_step(
+                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW
+                )
 
 
 @gluon.jit
@@ -360,7 +368,6 @@ def mma_ws(
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, PDL: gl.constexpr = False,
-    EARLY_W: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
     num_warps=4 (the default partition is the first consumer)."""
@@ -368,10 +375,6 @@ def mma_ws(
     SECOND: gl.constexpr = 1
     XW: gl.constexpr = x_desc.block_type.shape[1]  # tokens a wgmma takes: 64 (halves) or BT
     HALVES: gl.constexpr = BT // XW
-    # experiment: with EARLY_W the loads wait (after asking for the weight), not the program
-    LOAD_WAIT: gl.constexpr = PDL and EARLY_W
-    if PDL and not EARLY_W:  # launched during a's decode: wait for it before anything starts
-        _gdc_wait()
     off_n, off_t = _tile(M, N, BN, BT, GROUP)
     pid_k = gl.program_id(1)
     first = pid_k * per_split
@@ -408,9 +411,8 @@ def mma_ws(
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
     if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
         _first_loads(
-            w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW,
-            LOAD_WAIT,
-        )  # fmt: skip
+            w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW, PDL
+        )
         gl.warp_specialize(
             [
                 (
@@ -447,7 +449,7 @@ def mma_ws(
                 (
                     _loader,
                     (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps,
-                     BKW, LOAD_WAIT),
+                     BKW, PDL),
                 ),
             ],
             [4, 1],

@@ -64,7 +64,6 @@ class WsConfig:
     split: int = 1
     mma_tokens: int = 64
     loader_warp: int = 1
-    early_w: int = 0  # experiment: under PDL the weight's first stages asked for before the wait
 
     def __post_init__(self) -> None:
         if self.mma_tokens not in (64, self.block_t):

@@ -422,7 +422,6 @@ def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
         alpha_stride, per_split, c.m * c.n,
         BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP, OWN_LOADS=not cfg.loader_warp,
         **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
-        **({"EARLY_W": True} if pdl and cfg.early_w else {}),
     )  # fmt: skip
     if parts is not None:
         _reduce_partials(parts, c, split, pdl)
