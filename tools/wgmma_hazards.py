@@ -134,7 +134,8 @@ def main() -> int:
     configs = {c for _, cs in hopper_configs.MMA_TACTICS for c in cs}
     kernels = [(cfg, layout._compile_mma) for cfg in sorted(configs, key=str)]
     kernels += [
-        (cfg, lambda c: layout._compile_ws(c, 2)) for cfg in hopper_configs.candidates("ws", None)
+        (cfg, lambda c: layout._compile_ws(c, 2, pdl=True))  # as SM90 runs it by default
+        for cfg in hopper_configs.candidates("ws", None)
     ]
     worst = 0
     for cfg, compile_kernel in kernels:

@@ -156,7 +156,8 @@ def _first_loads(
     PDL: gl.constexpr,
 ):  # fmt: skip
     """The ring's first STAGES steps. Under PDL the weight's words are asked for before the
-    wait for a's decode, a's tiles after it (the design rules)."""
+    wait for a's decode, a's tiles after it (the design rules); without, each step's loads
+    go together, as in the loop (held apart, they cost 256 x 128 a spilled register pair)."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     if PDL:
         for j in gl.static_range(STAGES):
