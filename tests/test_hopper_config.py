@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fp4select import settings, validate
+from fp4select.backends import hopper_args
 from fp4select.backends import hopper_configs as hc
 from fp4select.backends import hopper_tactics as ht
 from fp4select.backends import triton_hopper as th
@@ -27,27 +28,27 @@ def test_split_k_aims_at_two_programs_per_sm():
     cfg = th.MmaConfig(128, 16, 32, 4, 3, 0)
     kw = 8192 // 8
     # The H200 sweep's best splits at M = 16: 4 at N = 8192, 8 at N = 4096, none at N = 28672.
-    assert th._mma_split(16, 8192, kw, cfg, 132) == 4
-    assert th._mma_split(16, 4096, 14336 // 8, cfg, 132) == 8
-    assert th._mma_split(16, 28672, 4096 // 8, cfg, 132) == 1
-    assert th._mma_split(16, 128, kw, cfg, 132) == 16  # capped
-    assert th._mma_split(16, 128, 32, cfg, 132) == 1  # never more splits than K steps
-    assert th._mma_split(16, 8192, kw, th.MmaConfig(128, 16, 32, 4, 3, 3), 132) == 3  # pinned
+    assert hc.mma_split(16, 8192, kw, cfg, 132) == 4
+    assert hc.mma_split(16, 4096, 14336 // 8, cfg, 132) == 8
+    assert hc.mma_split(16, 28672, 4096 // 8, cfg, 132) == 1
+    assert hc.mma_split(16, 128, kw, cfg, 132) == 16  # capped
+    assert hc.mma_split(16, 128, 32, cfg, 132) == 1  # never more splits than K steps
+    assert hc.mma_split(16, 8192, kw, th.MmaConfig(128, 16, 32, 4, 3, 3), 132) == 3  # pinned
 
 
 def test_hopper_ws_splits_k_to_fill_the_sms_once():
     small = hc.WsConfig(128, 128, 2, 0)
     steps = 8192 // 8 // 16  # N = K = 8192, M = 128: 64 tiles of 128 rows, 64 steps
-    assert th._ws_split(64, steps, small, 132) == 2
-    assert th._ws_split(36, 7168 // 128, small, 132) == 3  # 4608 x 7168
-    assert th._ws_split(72, 7168 // 128, small, 132) == 1  # rounded down: not two of 72
-    assert th._ws_split(224, 4096 // 128, small, 132) == 1  # N = 28672: tiles enough
-    assert th._ws_split(2, steps, small, 132) == 8  # every split keeps 8 steps or more
-    assert th._ws_split(2, 20, small, 132) == 2
-    assert th._ws_split(64, steps, hc.WsConfig(128, 16, 8, 3), 132) == 3  # pinned
+    assert hc.ws_split(64, steps, small, 132) == 2
+    assert hc.ws_split(36, 7168 // 128, small, 132) == 3  # 4608 x 7168
+    assert hc.ws_split(72, 7168 // 128, small, 132) == 1  # rounded down: not two of 72
+    assert hc.ws_split(224, 4096 // 128, small, 132) == 1  # N = 28672: tiles enough
+    assert hc.ws_split(2, steps, small, 132) == 8  # every split keeps 8 steps or more
+    assert hc.ws_split(2, 20, small, 132) == 2
+    assert hc.ws_split(64, steps, hc.WsConfig(128, 16, 8, 3), 132) == 3  # pinned
     # never a program without a step: 7 steps in 4 splits would leave one empty
-    assert th._ws_split(1, 7, hc.WsConfig(128, 16, 8, 4), 132) == 4
-    assert th._ws_split(1, 5, hc.WsConfig(128, 16, 8, 4), 132) == 3
+    assert hc.ws_split(1, 7, hc.WsConfig(128, 16, 8, 4), 132) == 4
+    assert hc.ws_split(1, 5, hc.WsConfig(128, 16, 8, 4), 132) == 3
     assert all(c.split == 0 for c in hc.candidates("ws", None))  # every tactic chooses its split
 
 
@@ -80,8 +81,8 @@ def test_hopper_ws_refuses_a_negative_k_split(split):
 
 def test_word_views_refuse_rows_that_are_not_aligned():
     a = torch.zeros((3, 33), dtype=torch.uint8)
-    assert th._words(a[:, 1:], torch.int64) is None  # 4-byte rows from an odd offset
-    words = th._words(torch.zeros((3, 32), dtype=torch.uint8), torch.int64)
+    assert hopper_args.words(a[:, 1:], torch.int64) is None  # 4-byte rows from an odd offset
+    words = hopper_args.words(torch.zeros((3, 32), dtype=torch.uint8), torch.int64)
     assert words is not None and words.shape == (3, 4)
 
 

@@ -58,6 +58,18 @@ for run, cfg, n, k, ms, layout, alpha, out_dtype in cases:
         inputs = validate.make_inputs(p, m, "cpu", seed=m + n)
         res = validate.check(run(*inputs.args(p), cfg=cfg), inputs, p.torch_out_dtype)
         print(run.__name__, n, k, m, layout, alpha, out_dtype, "ok" if res.ok else "WRONG " + res.reason)
+# The warm path's runners keep a plan per kind of call: a second call with other values (same
+# shapes) must read its own tensors, not the first call's.
+fast = [
+    (th.fast_gemv, th.GemvConfig(2, 2, 1, 1, pre=1), 6, 48, 4, "128x4", "per_token", "float16"),
+    (th.fast_mma, th.MmaConfig(16, 16, 16, 1, 1, 2), 40, 512, 5, "8x4", "scalar", "bfloat16"),
+]
+for run, cfg, n, k, m, layout, alpha, out_dtype in fast:
+    p = Problem(n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype)
+    for seed in (1, 2):
+        inputs = validate.make_inputs(p, m, "cpu", seed=seed)
+        res = validate.check(run(*inputs.args(p), cfg=cfg), inputs, p.torch_out_dtype)
+        print("fast", run.__name__, seed, "ok" if res.ok else "WRONG " + res.reason)
 if len(sys.argv) > 1:
     p = Problem(n=40, k=64, m_bucket=4)
     inputs = validate.make_inputs(p, 3, "cpu", seed=1)
@@ -89,8 +101,14 @@ def child_lines() -> list[str]:
 
 
 def test_every_twin_matches_the_exact_reference(child_lines):
-    lines = [line for line in child_lines if not line.startswith("planted")]
+    lines = [line for line in child_lines if not line.startswith(("planted", "fast"))]
     assert len(lines) == 16, child_lines
+    assert all(line.endswith(" ok") for line in lines), lines
+
+
+def test_the_warm_paths_planned_runners_read_each_calls_own_tensors(child_lines):
+    lines = [line for line in child_lines if line.startswith("fast")]
+    assert len(lines) == 4, child_lines
     assert all(line.endswith(" ok") for line in lines), lines
 
 

@@ -11,6 +11,7 @@ Design rules:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,7 +210,7 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 
 
 # hopper-ws: its tiles by M (the bucket's top M at most ``limit``), each with K split where its
-# tiles leave SMs idle (split 0: ``triton_hopper._ws_split``), which narrow layers need.
+# tiles leave SMs idle (split 0: ``ws_split``), which narrow layers need.
 # - the 128-token tiles take one wgmma over all their tokens (mma_tokens 128), one stage deeper
 #   than their halves ran fastest with: faster tile for tile;
 # - from M = 129 a tile of 128 weight rows x 256 tokens, which only fits in registers without
@@ -263,3 +264,26 @@ def default(kind: str, m: int) -> Any:
     if kind == "ws":
         return candidates("ws", m)[0]
     return for_m(GEMV_BY_M if kind == "gemv" else MMA_BY_M, m)
+
+
+def mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
+    """``hopper-mma``'s K split: cfg's if set, else about two programs an SM."""
+    if cfg.split:
+        return cfg.split
+    # About two programs per SM: each program runs a long serial K loop with 4-8 warps, so
+    # fewer leave the SMs waiting on memory (docs/hopper_kernels.md, '`hopper-mma`'s K split').
+    tiles = math.ceil(n / cfg.block_n) * math.ceil(m / cfg.block_t)
+    steps = math.ceil(kw / cfg.words_per_step)
+    split = max(1, min(16, steps, round(2 * sms / max(tiles, 1))))
+    per = math.ceil(steps / split)
+    return math.ceil(steps / per)
+
+
+def ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
+    """K split: cfg's if positive, else so that the programs fill the SMs at most once (one
+    program holds an SM: its registers), each keeping at least 8 steps. Rounded down: 66-88
+    tiles split in two (132 SMs) ran slower than unsplit, while fewer tiles gained much
+    (measured: docs/hopper_kernels.md, '`hopper-ws` splitting K')."""
+    split = cfg.split if cfg.split > 0 else max(1, min(16, steps // 8, sms // max(tiles, 1)))
+    per = math.ceil(steps / split)
+    return math.ceil(steps / per)  # no program without a step

@@ -50,7 +50,10 @@ _KINDS = {
     "run_gemv": "gemv",
     "run_mma": "mma",
     "run_ws": "ws",
-}  # the runners of triton_hopper that take cfg=
+    "fast_gemv": "gemv",
+    "fast_mma": "mma",
+    "fast_ws": "ws",
+}  # the runners of triton_hopper that take cfg= (checked, and the warm path's)
 # Seconds per candidate, after its first (compiling) call. compile_ahead's children set 0: they
 # only compile, and time nothing they keep (each candidate still runs its few samples).
 TUNE_BUDGET_S = 0.05

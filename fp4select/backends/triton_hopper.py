@@ -1,5 +1,11 @@
 """``hopper-*``: NVFP4 kernels for GPUs without FP4 tensor cores that decode whole words.
 
+Why one file of ~540 lines: each path's plan (what a call launches: its checks, split, grid
+and kernels; ``hopper_launch``) sits beside the path's registration, because a module of
+plans between ``triton_fp4`` and the registry would put every importer of the backends a
+level deeper than issue 17's bound of ten allows; the call's views and the splits' arithmetic
+are modules of their own (``hopper_args``, ``hopper_configs``).
+
 Three candidates, each for its own range of M, all on the layout ``mm_fp4`` receives (a: 128x4
 or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 scales):
 
@@ -34,16 +40,20 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from fp4select.backends import hopper_configs, hopper_tactics, triton_fp4
+from fp4select.backends import (
+    hopper_args,
+    hopper_configs,
+    hopper_launch,
+    hopper_tactics,
+    triton_fp4,
+)
 from fp4select.backends.base import Backend, Capabilities, cuda_from
 from fp4select.backends.hopper_configs import (
-    _SHIFTS,
     GEMV_BY_M,
     MMA_BY_M,
     GemvConfig,
@@ -51,6 +61,7 @@ from fp4select.backends.hopper_configs import (
     WsConfig,
     for_m,
 )
+from fp4select.backends.hopper_launch import Launch, Plan
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 FAMILY = "native"
@@ -109,45 +120,6 @@ def ws_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The (rows, K/2) byte matrix ``t`` viewed as words of ``dtype``, or None if misaligned."""
-    if t.dtype != torch.uint8:
-        t = t.view(torch.uint8)
-    try:
-        return t.view(dtype)
-    except RuntimeError:
-        return None
-
-
-def _scale_words(scales: torch.Tensor) -> torch.Tensor | None:
-    """The swizzled scale bytes' storage viewed as int32 words, or None if it cannot be.
-
-    The kernels index the 128x4 layout from the data pointer, so only the storage matters:
-    ``scales`` may be the row-major tensor or its ``.T``.
-    """
-    raw = scales.view(torch.uint8)
-    if not raw.is_contiguous():
-        raw = raw.T
-    if not raw.is_contiguous() or raw.numel() % 4 or raw.data_ptr() % 4:
-        return None
-    return raw.reshape(-1).view(torch.int32)
-
-
-_shift_tables: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def _shift_table(device: torch.device) -> torch.Tensor | None:
-    """int32 ``8 * ((i // 2) % 4)``: the byte of a scale word that word i of a step needs."""
-    key = (device.type, device.index)
-    table = _shift_tables.get(key)
-    if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # never copy to the device inside a graph capture
-        steps = torch.arange(_SHIFTS, dtype=torch.int32)
-        table = _shift_tables[key] = (8 * ((steps // 2) % 4)).to(device)
-    return table
-
-
 def _fallback(args: tuple[Any, ...]) -> torch.Tensor:
     return triton_fp4._run(*args, cfg=triton_fp4._BY_NAME["triton-m64"])
 
@@ -162,7 +134,7 @@ def _checked_words(
     )
     if not use_nvfp4:
         raise ValueError(f"{name} takes NVFP4 only (use_nvfp4=True)")
-    return c, _words(a, dtype), _words(b.T, dtype)
+    return c, hopper_args.words(a, dtype), hopper_args.words(b.T, dtype)
 
 
 # From this compute capability the GPU converts e4m3 itself (``cvt``), and Triton lets a kernel
@@ -235,65 +207,78 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
-    """``hopper-gemv``: mm_fp4's positional order (without backend)."""
+def _gemv_plan(args: tuple[Any, ...], cfg: GemvConfig | None) -> Plan:
     c, a64, w64 = _checked_words(args, "hopper-gemv", torch.int64)
-    b_descale, a8x4 = args[3], args[8]
     if c.m > 8:
         raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
-    if c.m == 0 or c.n == 0:
-        return c.out
+    m, n, kw, cp = c.m, c.n, c.kh // 8, c.cp
+    if m == 0 or n == 0:
+        return hopper_args.nothing_to_do(m, n)
     if a64 is None or w64 is None:
-        return _fallback(args)
-    cfg = cfg or for_m(GEMV_BY_M, c.m)
+        return _fallback
+    cfg = cfg or for_m(GEMV_BY_M, m)
     pdl = _pdl(args, c.out.device)
-    k, kw = kernels(), c.kh // 8
+    k, a8x4 = kernels(), args[8]
     hw = {"HW_E4M3": True} if _e4m3_in_hardware(c.out.device) else {}
-    a_arg, a_stride = a64, a64.stride(0)
-    if cfg.pre:  # a decoded once per call, into the (M, 3, plane) words gemv_dp4a reads
-        a_stride = k.cdiv(kw, 16) * 16
-        a_arg = torch.empty((c.m, 3, a_stride), dtype=torch.int64, device=c.out.device)
-        k.gemv_a_words[(c.m, k.cdiv(kw, 256))](
-            a64, c.a_descale, a_arg, c.m, kw, a64.stride(0), c.cp, a_stride,
-            A_8X4=a8x4, BK=256, ASM=ASM, **hw, **_with_pdl(pdl), num_warps=2,
-        )  # fmt: skip
-    k.gemv_dp4a[(k.cdiv(c.n, cfg.rows_per_program),)](
-        a_arg, w64, c.a_descale, b_descale, c.alpha_ptr, c.out,
-        c.m, c.n, kw, a_stride, w64.stride(0), c.out.stride(0), c.out.stride(1),
-        c.cp, c.alpha_value,
-        A_8X4=a8x4, ALPHA=c.alpha_kind, BM=_next_pow2(c.m), R=cfg.rows_per_program,
+    a_stride, w_stride = a64.stride(0), w64.stride(0)
+    words = k.cdiv(kw, 16) * 16  # a decoded once per call, into (M, 3, words) (cfg.pre)
+    decode = Launch(
+        k.gemv_a_words, (m, k.cdiv(kw, 256)),
+        A_8X4=a8x4, BK=256, ASM=ASM, **hw, **_with_pdl(pdl), num_warps=2,
+    ) if cfg.pre else None  # fmt: skip
+    main = Launch(
+        k.gemv_dp4a, (k.cdiv(n, cfg.rows_per_program),),
+        A_8X4=a8x4, ALPHA=c.alpha_kind, BM=_next_pow2(m), R=cfg.rows_per_program,
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl), **hw,
         **({"EVICT_FIRST": True} if cfg.evict_first else {}), **({"PRE": True} if cfg.pre else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}), num_warps=cfg.num_warps,
     )  # fmt: skip
-    return c.out
+
+    def run(args: tuple[Any, ...]) -> torch.Tensor:
+        out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
+        a_words, x_stride = hopper_args.words(args[0], torch.int64), a_stride
+        if decode is not None:
+            x = torch.empty((m, 3, words), dtype=torch.int64, device=out.device)
+            decode(a_words, args[2], x, m, kw, a_stride, cp, words)
+            a_words, x_stride = x, words
+        main(
+            a_words, hopper_args.words(args[1].T, torch.int64), args[2], args[3], alpha_ptr, out,
+            m, n, kw, x_stride, w_stride, out.stride(0), out.stride(1), cp, alpha_value,
+        )  # fmt: skip
+        return out
+
+    return run
 
 
-def _mma_split(m: int, n: int, kw: int, cfg: MmaConfig, sms: int) -> int:
-    if cfg.split:
-        return cfg.split
-    # About two programs per SM: each program runs a long serial K loop with 4-8 warps, so
-    # fewer leave the SMs waiting on memory (docs/hopper_kernels.md, '`hopper-mma`'s K split').
-    tiles = math.ceil(n / cfg.block_n) * math.ceil(m / cfg.block_t)
-    steps = math.ceil(kw / cfg.words_per_step)
-    split = max(1, min(16, steps, round(2 * sms / max(tiles, 1))))
-    per = math.ceil(steps / split)
-    return math.ceil(steps / per)
+def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """``hopper-gemv``: mm_fp4's positional order (without backend)."""
+    return _gemv_plan(args, cfg)(args)
+
+
+def fast_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """``run_gemv`` planned once per kind of call (``hopper_launch``): the warm path's."""
+    return hopper_launch.planned("gemv", _gemv_plan, args, cfg)
 
 
 def _a_planes(
-    c: triton_fp4.Checked, a32: torch.Tensor, a8x4: bool, steps: int, bkw: int, mp: int, pdl: bool
-) -> torch.Tensor:
+    a8x4: bool, steps: int, bkw: int, m: int, mp: int, kh: int, cp: int, pdl: bool
+) -> Any:
     """a decoded into the float16 workspace the main loops read: (steps * 8 * bkw, mp), K-major,
     zeros past M and K. Per call, from the caching allocator (a graph capture takes it from the
-    graph's pool)."""
+    graph's pool): a function of the call's arguments."""
     k = kernels()
-    x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=c.out.device)
-    k.decode_planes[(k.cdiv(mp, 32), steps)](
-        a32, c.a_descale, x, c.m, mp, c.kh // 4, a32.stride(0), c.cp,
+    decode = Launch(
+        k.decode_planes, (k.cdiv(mp, 32), steps),
         A_8X4=a8x4, BR=32, BKW=bkw, ASM=ASM, **_with_pdl(pdl), num_warps=4,
     )  # fmt: skip
-    return x
+
+    def planes(args: tuple[Any, ...], device: torch.device) -> torch.Tensor:
+        a32 = hopper_args.words(args[0], torch.int32)
+        x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=device)
+        decode(a32, args[2], x, m, mp, kh // 4, a32.stride(0), cp)
+        return x
+
+    return planes
 
 
 def _partials(c: triton_fp4.Checked, split: int) -> torch.Tensor | None:
@@ -304,28 +289,28 @@ def _partials(c: triton_fp4.Checked, split: int) -> torch.Tensor | None:
     return triton_fp4._workspace(c.out.device, c.n, split, max(c.m, 128))
 
 
-def _reduce_partials(parts: torch.Tensor, c: triton_fp4.Checked, split: int, pdl: bool) -> None:
-    """out = alpha * the sum of the splits' partial sums, in a fixed order."""
+def _reduction(c: triton_fp4.Checked, split: int, pdl: bool) -> Launch:
+    """out = alpha * the sum of the splits' partial sums, in a fixed order. Called with
+    (partial sums, alpha's tensor, out, M, N, out's strides, alpha's number, split)."""
     k = kernels()
-    triton_fp4.kernels().reduce_split[(k.cdiv(c.m, 16), k.cdiv(c.n, 128))](
-        parts, c.alpha_ptr, c.out, c.m, c.n, c.out.stride(0), c.out.stride(1), c.alpha_value,
-        split, ALPHA=c.alpha_kind, BM=16, BN=128, **_with_pdl(pdl), num_warps=4,
+    return Launch(
+        triton_fp4.kernels().reduce_split, (k.cdiv(c.m, 16), k.cdiv(c.n, 128)),
+        ALPHA=c.alpha_kind, BM=16, BN=128, **_with_pdl(pdl), num_warps=4,
     )  # fmt: skip
 
 
-def _run_planes(
+def _planes_plan(
     args: tuple[Any, ...], name: str, cfg: MmaConfig, hw_e4m3: bool | None = None
-) -> torch.Tensor:
+) -> Plan:
     """a decoded once into float16 planes, then the weight decoded in the tensor-core loop
     (``hw_e4m3=False``: the weight's scales in integer arithmetic, SM80's path, for sweeps)."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
-    b_descale, a8x4 = args[3], args[8]
-    if c.m == 0 or c.n == 0:
-        return c.out
-    sw32 = _scale_words(b_descale)
-    shifts = _shift_table(c.out.device)
-    if a32 is None or w32 is None or sw32 is None or shifts is None:
-        return _fallback(args)
+    m, n, kw, cp = c.m, c.n, c.kh // 4, c.cp
+    if m == 0 or n == 0:
+        return hopper_args.nothing_to_do(m, n)
+    shifts = hopper_args.shift_table(c.out.device)
+    if a32 is None or w32 is None or hopper_args.scale_words(args[3]) is None or shifts is None:
+        return _fallback
     k = kernels()
     pdl = _pdl(args, c.out.device)
     # The main loop joins PDL with the narrowest token tiles only: faster with 16-token tiles,
@@ -333,29 +318,46 @@ def _run_planes(
     # The a decode and the split-K reduction take it always (one compile each, not two):
     # next to a main loop launched without it, it changes nothing.
     pdl_main = pdl and cfg.block_t <= 16
-    kw, bkw = c.kh // 4, cfg.words_per_step
+    bkw = cfg.words_per_step
     sms = triton_fp4._sms(c.out.device) if c.out.device.type == "cuda" else 1
-    split = _mma_split(c.m, c.n, kw, cfg, sms)
+    split = hopper_configs.mma_split(m, n, kw, cfg, sms)
     parts = _partials(c, split)
     split = 1 if parts is None else split
     per_split = k.cdiv(k.cdiv(kw, bkw), split)
     steps = per_split * split  # what the programs read, past K included (zeros)
-    mp = k.cdiv(c.m, cfg.block_t) * cfg.block_t
-    x = _a_planes(c, a32, a8x4, steps, bkw, mp, pdl)
-    tiles = k.cdiv(c.n, cfg.block_n) * k.cdiv(c.m, cfg.block_t)
+    mp = k.cdiv(m, cfg.block_t) * cfg.block_t
+    planes = _a_planes(args[8], steps, bkw, m, mp, c.kh, cp, pdl)
+    tiles = k.cdiv(n, cfg.block_n) * k.cdiv(m, cfg.block_t)
     counts = triton_fp4._counts(c.out.device, tiles) if parts is not None and cfg.sum_last else None
     hw = _e4m3_in_hardware(c.out.device) if hw_e4m3 is None else hw_e4m3
-    k.mma_planes[(tiles, split)](
-        x, w32, sw32, shifts, c.alpha_ptr, c.out, c.out if parts is None else parts,
-        c.m, c.n, kw, mp, w32.stride(0), c.out.stride(0), c.out.stride(1), c.cp,
-        per_split, c.alpha_value, shifts if counts is None else counts,
+    main = Launch(
+        k.mma_planes, (tiles, split),
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if parts is not None and counts is None:
-        _reduce_partials(parts, c, split, pdl)
-    return c.out
+    reduce = _reduction(c, split, pdl) if parts is not None and counts is None else None
+    w_stride, last = w32.stride(0), shifts if counts is None else counts
+
+    def run(args: tuple[Any, ...]) -> torch.Tensor:
+        out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
+        x = planes(args, out.device)
+        main(
+            x, hopper_args.words(args[1].T, torch.int32), hopper_args.scale_words(args[3]), shifts, alpha_ptr, out,
+            out if parts is None else parts, m, n, kw, mp, w_stride, out.stride(0),
+            out.stride(1), cp, per_split, alpha_value, last,
+        )  # fmt: skip
+        if reduce is not None:
+            reduce(parts, alpha_ptr, out, m, n, out.stride(0), out.stride(1), alpha_value, split)
+        return out
+
+    return run
+
+
+def _run_planes(
+    args: tuple[Any, ...], name: str, cfg: MmaConfig, hw_e4m3: bool | None = None
+) -> torch.Tensor:
+    return _planes_plan(args, name, cfg, hw_e4m3)(args)
 
 
 @functools.cache
@@ -367,75 +369,108 @@ def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
     return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, tokens], gl.float16)
 
 
-def _ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
-    """K split: cfg's if positive, else so that the programs fill the SMs at most once (one
-    program holds an SM: its registers), each keeping at least 8 steps. Rounded down: 66-88
-    tiles split in two (132 SMs) ran slower than unsplit, while fewer tiles gained much
-    (measured: docs/hopper_kernels.md, '`hopper-ws` splitting K')."""
-    split = cfg.split if cfg.split > 0 else max(1, min(16, steps // 8, sms // max(tiles, 1)))
-    per = math.ceil(steps / split)
-    return math.ceil(steps / per)  # no program without a step
-
-
-def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
-    """``hopper-ws``: mm_fp4's positional order (without backend). A call TMA cannot read (K
-    not a multiple of 32, a misaligned view) or with alpha a Python number (see
-    ``_hopper_ws``) runs ``hopper-mma``'s kernel instead."""
+def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
+    """A call TMA cannot read (K not a multiple of 32, a misaligned view) or with alpha a Python
+    number (see ``_hopper_ws``) runs ``hopper-mma``'s kernel instead."""
     c, a32, w32 = _checked_words(args, "hopper-ws", torch.int32)
     cfg = cfg or hopper_configs.default("ws", c.m)
-    if c.m == 0 or c.n == 0:
-        return c.out
-    sw32 = _scale_words(args[3])
+    m, n, kw, cp = c.m, c.n, c.kh // 4, c.cp
+    if m == 0 or n == 0:
+        return hopper_args.nothing_to_do(m, n)
     # TMA reads the weight's rows: its base and row stride must be multiples of 16 bytes, and
     # only whole 16-word steps were run on the GPU (K a multiple of 32).
     # alpha kind 1 is a Python number, which the kernel does not take (_hopper_ws).
-    if (a32 is None or w32 is None or sw32 is None or c.kh % 16 or c.alpha_kind == 1
-            or (w32.stride(0) * 4) % 16 or w32.data_ptr() % 16):  # fmt: skip
-        return _run_planes(args, "hopper-ws", for_m(MMA_BY_M, c.m))
+    if (a32 is None or w32 is None or hopper_args.scale_words(args[3]) is None or c.kh % 16
+            or c.alpha_kind == 1 or (w32.stride(0) * 4) % 16 or w32.data_ptr() % 16):  # fmt: skip
+        return _planes_plan(args, "hopper-ws", for_m(MMA_BY_M, m))
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     k, ws = kernels(), ws_kernels()
-    kw, bkw, bn, bt = c.kh // 4, ws.STEP_WORDS, cfg.block_n, cfg.block_t
+    bkw, bn, bt = ws.STEP_WORDS, cfg.block_n, cfg.block_t
     steps = k.cdiv(kw, bkw)
-    tiles = k.cdiv(c.n, bn) * k.cdiv(c.m, bt)
-    sms = triton_fp4._sms(c.out.device)
-    split = _ws_split(tiles, steps, cfg, sms)
+    tiles = k.cdiv(n, bn) * k.cdiv(m, bt)
+    split = hopper_configs.ws_split(tiles, steps, cfg, triton_fp4._sms(c.out.device))
     parts = _partials(c, split)
     split = 1 if parts is None else split
     per_split = k.cdiv(steps, split)
-    mp = k.cdiv(c.m, bt) * bt
+    mp = k.cdiv(m, bt) * bt
     # As in hopper-mma, a's decode and the split-K reduction take PDL when asked; so does the
     # Gluon main loop, waiting for the decode (docs/hopper_kernels.md, 'PDL for `hopper-ws`').
     pdl = _pdl(args, c.out.device)
-    x = _a_planes(c, a32, args[8], steps, bkw, mp, pdl)
+    planes = _a_planes(args[8], steps, bkw, m, mp, c.kh, cp, pdl)
     xw = cfg.mma_tokens
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
-    w_desc = TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, bkw], w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
-    if parts is None:  # scaled by alpha and stored in out
-        dst, strides, alpha_stride = c.out, c.out.stride(), ws.ALPHA_STRIDE[c.alpha_kind]
-    else:  # float32 partial sums, (split, M, N), as reduce_split reads them
-        dst, strides, alpha_stride = parts, (c.n, 1), -1
+    w_shape, w_strides = list(w32.shape), list(w32.stride())
     # 4 warps: the first consumer; the second (and the loader warp) partitions of their own
-    ws.mma_ws[(tiles, split)](
-        w_desc, x_desc, sw32, c.alpha_ptr, dst, c.m, c.n, kw, c.cp, strides[0], strides[1],
-        alpha_stride, per_split, c.m * c.n,
+    main = Launch(
+        ws.mma_ws, (tiles, split),
         BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP, OWN_LOADS=not cfg.loader_warp,
         **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
     )  # fmt: skip
-    if parts is not None:
-        _reduce_partials(parts, c, split, pdl)
-    return c.out
+    reduce = _reduction(c, split, pdl) if parts is not None else None
+    alpha_stride = ws.ALPHA_STRIDE[c.alpha_kind]
+
+    def run(args: tuple[Any, ...]) -> torch.Tensor:
+        out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
+        x = planes(args, out.device)
+        w_desc = TensorDescriptor(
+            hopper_args.words(args[1].T, torch.int32), w_shape, w_strides, [bn, bkw], w_layout
+        )
+        x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
+        if parts is None:  # scaled by alpha and stored in out
+            dst, s0, s1, a_stride = out, out.stride(0), out.stride(1), alpha_stride
+        else:  # float32 partial sums, (split, M, N), as reduce_split reads them
+            dst, s0, s1, a_stride = parts, n, 1, -1
+        main(
+            w_desc, x_desc, hopper_args.scale_words(args[3]), alpha_ptr, dst, m, n, kw, cp, s0, s1,
+            a_stride, per_split, m * n,
+        )  # fmt: skip
+        if reduce is not None:
+            reduce(parts, alpha_ptr, out, m, n, out.stride(0), out.stride(1), alpha_value, split)
+        return out
+
+    return run
+
+
+def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
+    """``hopper-ws``: mm_fp4's positional order (without backend)."""
+    return _ws_plan(args, cfg)(args)
+
+
+def fast_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
+    """``run_ws`` planned once per kind of call (``hopper_launch``): the warm path's."""
+    return hopper_launch.planned("ws", _ws_plan, args, cfg)
+
+
+def _mma_plan(args: tuple[Any, ...], cfg: MmaConfig | None) -> Plan:
+    return _planes_plan(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
 
 
 def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
     """``hopper-mma``: mm_fp4's positional order (without backend)."""
-    return _run_planes(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
+    return _mma_plan(args, cfg)(args)
+
+
+def fast_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
+    """``run_mma`` planned once per kind of call (``hopper_launch``): the warm path's."""
+    return hopper_launch.planned("mma", _mma_plan, args, cfg)
 
 
 def _rows(args: tuple[Any, ...]) -> int:
     a = args[0]
     return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
+
+
+def fast_gemv_runner(problem: Problem) -> Any:
+    return fast_gemv
+
+
+def fast_mma_runner(problem: Problem) -> Any:
+    return fast_mma
+
+
+def fast_ws_runner(problem: Problem) -> Any:
+    return fast_ws
 
 
 GEMV_MAX_M = 4  # from SM90, the buckets it competes in (see the module rules)
@@ -465,6 +500,7 @@ BACKENDS: tuple[Backend, ...] = (
     Backend(
         name="hopper-gemv",
         checked_runner=run_gemv,
+        make_fast_runner=fast_gemv_runner,
         why_unavailable=why_unavailable,
         caps=_caps(8),
         declines=gemv_declines,
@@ -477,6 +513,7 @@ BACKENDS: tuple[Backend, ...] = (
     Backend(
         name="hopper-mma",
         checked_runner=run_mma,
+        make_fast_runner=fast_mma_runner,
         why_unavailable=why_unavailable,
         caps=_caps(256),
         preference=185,
@@ -488,6 +525,7 @@ BACKENDS: tuple[Backend, ...] = (
     Backend(
         name="hopper-ws",
         checked_runner=run_ws,
+        make_fast_runner=fast_ws_runner,
         why_unavailable=ws_why_unavailable,
         caps=_caps(None, min_m=WS_MIN_M),
         declines=ws_declines,

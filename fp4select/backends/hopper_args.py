@@ -1,0 +1,75 @@
+"""mm_fp4's tensors as the ``hopper-*`` kernels read them: the packed operands as words, the
+weight's scales as words with their byte-shift table, and a call's ``out`` and alpha.
+
+Design rules:
+
+* A view, never a copy: a tensor that cannot be viewed as words (a sliced row at an odd
+  offset) gives None, and the caller hands the call to the byte-wise kernel.
+* Read anew on every call, never kept: the warm path's plans (``hopper_launch``) keep the
+  numbers these decide, not the tensors (``per_call``).
+* The shift table is made once per device, never inside a CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fp4select.backends.hopper_configs import _SHIFTS
+
+
+def words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The (rows, K/2) byte matrix ``t`` viewed as words of ``dtype``, or None if misaligned."""
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
+def scale_words(scales: torch.Tensor) -> torch.Tensor | None:
+    """The swizzled scale bytes' storage viewed as int32 words, or None if it cannot be.
+
+    The kernels index the 128x4 layout from the data pointer, so only the storage matters:
+    ``scales`` may be the row-major tensor or its ``.T``.
+    """
+    raw = scales.view(torch.uint8)
+    if not raw.is_contiguous():
+        raw = raw.T
+    if not raw.is_contiguous() or raw.numel() % 4 or raw.data_ptr() % 4:
+        return None
+    return raw.reshape(-1).view(torch.int32)
+
+
+_shift_tables: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def shift_table(device: torch.device) -> torch.Tensor | None:
+    """int32 ``8 * ((i // 2) % 4)``: the byte of a scale word that word i of a step needs."""
+    key = (device.type, device.index)
+    table = _shift_tables.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # never copy to the device inside a graph capture
+        steps = torch.arange(_SHIFTS, dtype=torch.int32)
+        table = _shift_tables[key] = (8 * ((steps // 2) % 4)).to(device)
+    return table
+
+
+def per_call(args: tuple[Any, ...], m: int, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A plan's per-call values: ``out`` (made if not given), what the kernels read alpha from
+    (alpha, else a tensor they never read), and alpha as a Python number (1.0 otherwise)."""
+    alpha, out_dtype, out = args[4], args[5], args[6]
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=args[0].device)
+    if isinstance(alpha, torch.Tensor):
+        return out, alpha, 1.0
+    return out, out, 1.0 if alpha is None else float(alpha)
+
+
+def nothing_to_do(m: int, n: int) -> Callable[[tuple[Any, ...]], torch.Tensor]:
+    """The plan of a call with no rows or no columns: its ``out``, written by no kernel."""
+    return lambda args: per_call(args, m, n)[0]

@@ -1,0 +1,131 @@
+"""Eager calls of the ``hopper-*`` paths planned once per kind of call, then launched from the
+kernels Triton compiled.
+
+Called eagerly (a prefill; any caller without CUDA graphs), a call of these paths costs its
+host time, which at M <= 512 is longer than its kernels: fp4select's argument checks and
+decisions (split, grid, tile, PDL) and Triton's JIT binding every argument of every launch to
+find the compiled kernel again (docs/hopper.md, 'Eager launches'). A *plan* holds what a call's
+metadata decides; a ``Launch`` holds one kernel at one grid and one set of compile-time
+arguments, launched through the JIT the first time and then straight through the compiled
+kernel's own launcher (``CompiledKernel[grid](*args)``), as Triton's ahead-of-time users do.
+
+Design rules:
+
+* A plan depends only on what ``call_key`` reads: every tensor's shape, strides, dtype and
+  device, its data pointer's remainder mod 16, the flags and alpha's kind, the current device.
+  Those fix every integer a kernel receives and every property Triton specializes a kernel on
+  (pointers' and integers' divisibility by 16, integers equal to 1, dtypes), so the compiled
+  kernel of the first launch is the kernel the JIT would pick again. Data pointers and a Python
+  alpha's value change freely: they are passed on every call.
+* A plan never holds a caller's tensor (only workspaces and tables the kernels' modules keep
+  anyway), so caching plans keeps no activation or weight alive.
+* A plan made while a CUDA graph is being captured is used once and not kept: during capture
+  the workspaces and tables that cannot be allocated are replaced by slower choices (no K
+  split, the byte-wise kernel), which an eager call made later should not inherit.
+* The checked runners (what probing runs) plan every call anew, so they check every call; the
+  warm path's fast runners (``planned``) plan once per key. Both run the same plan code.
+* Where a launch does not return a compiled kernel (Triton's interpreter), or Triton calls
+  hooks before its launches, every launch goes through the JIT as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+Plan = Callable[[tuple[Any, ...]], torch.Tensor]
+PlanFor = Callable[[tuple[Any, ...], Any], Plan]
+
+# Plans kept per process; past this many distinct calls the table starts again (a model has a
+# few dozen shapes, each at a few M).
+MAX_PLANS = 512
+
+_plans: dict[Hashable, Plan] = {}
+_plans_lock = threading.Lock()
+
+
+class Launch:
+    """One kernel at one grid with fixed compile-time arguments (``options``); called with the
+    kernel's leading run-time arguments, the same ones every call up to their values."""
+
+    __slots__ = ("_compiled", "_fn", "_grid", "_options")
+
+    def __init__(self, fn: Any, grid: tuple[int, ...], **options: Any) -> None:
+        self._fn, self._grid, self._options = fn, grid, options
+        self._compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> None:
+        if self._compiled is not None:
+            self._compiled(*args)
+            return
+        kernel = self._fn[self._grid](*args, **self._options)
+        self._compiled = _direct(kernel, self._fn, self._grid, len(args), self._options)
+
+
+def _direct(
+    kernel: Any, fn: Any, grid: tuple[int, ...], leading: int, options: dict[str, Any]
+) -> Callable[..., Any] | None:
+    """The compiled kernel's own launcher, taking the leading arguments; None to stay on the JIT.
+
+    The launcher takes every parameter in order, compile-time ones included (it skips them),
+    so the rest are appended from ``options`` or the parameter's default."""
+    if type(kernel).__name__ != "CompiledKernel" or getattr(fn, "pre_run_hooks", None):
+        return None
+    try:
+        names = list(fn.arg_names)
+        defaults = {p.name: p.default for p in fn.params}
+        tail = tuple(options[n] if n in options else defaults[n] for n in names[leading:])
+        run = kernel[(*grid, 1, 1)[:3]]  # its launcher reads all three dimensions
+    except Exception:  # another Triton's internals: the JIT path is always right
+        return None
+
+    def launch(*args: Any) -> None:
+        run(*args, *tail)
+
+    return launch
+
+
+def call_key(args: tuple[Any, ...]) -> Hashable | None:
+    """What a plan for mm_fp4's positional ``args`` depends on (the module rules), or None for
+    a call that is not all tensors where tensors are expected (planned every time)."""
+    a, b, a_descale, b_descale, alpha, out_dtype, out = args[:7]
+    try:
+        tensors = (
+            (a, b, a_descale, b_descale)
+            + ((alpha,) if isinstance(alpha, torch.Tensor) else ())
+            + ((out,) if out is not None else ())
+        )
+        meta = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors)
+        device = torch.cuda.current_device() if a.device.type == "cuda" else -1
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    kind = alpha if alpha is None else type(alpha)
+    return (meta, kind, out is None, out_dtype, *args[7:11], device)
+
+
+def planned(kind: str, plan_for: PlanFor, args: tuple[Any, ...], cfg: Any) -> torch.Tensor:
+    """Run ``args`` by the plan kept for their key (``plan_for(args, cfg)`` on the first call)."""
+    key = call_key(args)
+    whole = None if key is None else (kind, cfg, key)
+    plan = None if whole is None else _plans.get(whole)
+    if plan is None:
+        plan = plan_for(args, cfg)
+        if whole is not None and not _capturing(args[0]):
+            with _plans_lock:
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
+                _plans[whole] = plan
+    return plan(args)
+
+
+def _capturing(a: torch.Tensor) -> bool:
+    return a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def clear_plans() -> None:
+    """Forget every plan (tests; after ``triton_fp4.clear_workspaces``)."""
+    with _plans_lock:
+        _plans.clear()

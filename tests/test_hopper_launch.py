@@ -1,0 +1,145 @@
+"""The warm path's plans for the ``hopper-*`` paths (``hopper_launch``, ``triton_hopper``): what a
+plan's key tells apart, that a plan is made once per key, and that it keeps no caller tensor.
+
+The compiled launches themselves run on a GPU only (``tests/test_hopper_kernels_gpu.py``);
+the interpreter's tests run the planned runners twice with other values
+(``tests/test_hopper_interpret.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+
+from fp4select import validate
+from fp4select.backends import hopper_configs as hc
+from fp4select.backends import hopper_launch, triton_fp4, triton_hopper
+from fp4select.keys import Problem, m_bucket
+
+pytestmark = pytest.mark.skipif(
+    not triton_fp4.triton_installed(), reason="the plans name Triton kernels"
+)
+
+
+def _args(m: int = 4, n: int = 64, k: int = 128, seed: int = 1, **problem: str) -> tuple:
+    p = Problem(n=n, k=k, m_bucket=m_bucket(m), **problem)
+    return validate.make_inputs(p, m, "cpu", seed=seed, with_reference=False).args(p)
+
+
+def test_calls_that_differ_only_in_values_share_a_key():
+    assert hopper_launch.call_key(_args(seed=1)) == hopper_launch.call_key(_args(seed=2))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "m",
+        "alpha none",
+        "alpha number",
+        "out given",
+        "out strided",
+        "a misaligned",
+        "pdl off",
+        "8x4 scales",
+    ],
+)
+def test_a_key_tells_apart_what_a_plan_depends_on(change):
+    base = _args(m=4, alpha_kind="scalar")
+    args = list(base)
+    if change == "m":
+        args = list(_args(m=3, alpha_kind="scalar"))
+    elif change == "alpha none":
+        args[4] = None
+    elif change == "alpha number":
+        args[4] = 0.5
+    elif change == "out given":
+        args[6] = torch.empty((4, 64), dtype=torch.bfloat16)
+    elif change == "out strided":
+        args[6] = torch.empty((64, 4), dtype=torch.bfloat16).T
+    elif change == "a misaligned":  # the same shape and strides, 8 bytes into a buffer
+        buffer = torch.zeros(base[0].numel() + 8, dtype=torch.uint8)
+        args[0] = buffer[8:].view(base[0].shape)
+        assert args[0].shape == base[0].shape and args[0].stride() == base[0].stride()
+    elif change == "pdl off":
+        args[10] = False
+    elif change == "8x4 scales":
+        args = list(_args(m=4, alpha_kind="scalar", a_sf_layout="8x4"))
+    assert hopper_launch.call_key(tuple(args)) != hopper_launch.call_key(base)
+
+
+def test_a_call_that_is_not_tensors_has_no_key():
+    args = list(_args())
+    args[0] = [[0]]
+    assert hopper_launch.call_key(tuple(args)) is None
+
+
+def test_a_plan_is_made_once_per_key_and_each_call_runs_it():
+    hopper_launch.clear_plans()
+    made: list[int] = []
+    ran: list[int] = []
+
+    def plan_for(args: tuple, cfg: object):
+        made.append(args[0].shape[0])
+        return lambda call: ran.append(call[0].shape[0]) or call[0]
+
+    for m in (4, 4, 3, 4, 3):
+        hopper_launch.planned("test", plan_for, _args(m=m, seed=m), None)
+    assert made == [4, 3]
+    assert ran == [4, 4, 3, 4, 3]
+    hopper_launch.planned("test", plan_for, _args(m=4), hc.GemvConfig(2, 4, 1))  # another cfg
+    assert made == [4, 3, 4]
+    hopper_launch.clear_plans()
+
+
+def test_the_table_starts_again_when_full(monkeypatch):
+    hopper_launch.clear_plans()
+    monkeypatch.setattr(hopper_launch, "MAX_PLANS", 2)
+    made: list[int] = []
+
+    def plan_for(args: tuple, cfg: object):
+        made.append(1)
+        return lambda call: call[0]
+
+    for m in (1, 2, 3, 1):
+        hopper_launch.planned("test", plan_for, _args(m=m), None)
+    assert len(made) == 4  # the third plan cleared the table, so the first was made again
+    assert len(hopper_launch._plans) == 2
+    hopper_launch.clear_plans()
+
+
+@pytest.mark.parametrize(
+    ("plan_for", "cfg", "m"),
+    [
+        (triton_hopper._gemv_plan, hc.GemvConfig(2, 4, 1, pre=1), 3),
+        (triton_hopper._mma_plan, hc.MmaConfig(16, 16, 16, 1, 1, 2), 5),
+    ],
+)
+def test_a_plan_keeps_no_tensor_of_the_call_it_was_made_from(plan_for, cfg, m):
+    args = _args(m=m, n=40, k=512, alpha_kind="per_token")
+    refs = [weakref.ref(t) for t in args if isinstance(t, torch.Tensor)]
+    plan = plan_for(args, cfg)  # planning launches nothing: it runs on the CPU
+    del args
+    gc.collect()
+    assert callable(plan)
+    assert [r() for r in refs] == [None] * len(refs)
+
+
+def test_the_warm_path_binds_the_planned_runners_at_the_records_tactic():
+    th = triton_hopper
+    problem = Problem(n=4096, k=4096, m_bucket=m_bucket(16))
+    backends = {b.name: b for b in th.BACKENDS}
+    cases = [
+        ("hopper-gemv", th.fast_gemv, hc.candidates("gemv", 1)[1]),
+        ("hopper-mma", th.fast_mma, hc.candidates("mma", 16)[1]),
+        ("hopper-ws", th.fast_ws, hc.candidates("ws", 128)[1]),
+    ]
+    for name, fast, cfg in cases:
+        record = {"op": "hopper", "tactic": list(dataclasses.astuple(cfg))}
+        runner = backends[name].fast_runner_for(problem, record)
+        assert runner.func is fast and runner.keywords == {"cfg": cfg}, name
+        assert backends[name].fast_runner_for(problem) is fast
+        assert backends[name].checked_runner_for(problem, record).func is not fast

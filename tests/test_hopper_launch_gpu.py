@@ -1,0 +1,136 @@
+"""The warm path's planned ``hopper-*`` runners on a CUDA GPU: after a call's first launch
+through Triton's JIT, its kernels launch from what was compiled, with the checked runners'
+bits, each call reading its own tensors, in and out of CUDA graphs.
+
+The plans' keys and bookkeeping are tested on the CPU (``tests/test_hopper_launch.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4select import validate
+from fp4select.backends import hopper_configs as hc
+from fp4select.backends import hopper_launch, triton_hopper
+from fp4select.keys import Problem, m_bucket
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (checked runner, planned runner, cfg or None for the table's, N, K, M, alpha kind):
+# the GEMV with and without a's own decode, the MMA kernel with its reduction kernel and with
+# the last program's sum, hopper-ws unsplit and split, and hopper-ws handing a Python alpha to
+# the MMA kernel.
+CASES = [
+    (triton_hopper.run_gemv, triton_hopper.fast_gemv, None, 4096, 4096, 1, "scalar"),
+    (triton_hopper.run_gemv, triton_hopper.fast_gemv, None, 520, 2064, 3, "per_token"),
+    (triton_hopper.run_mma, triton_hopper.fast_mma, hc.MmaConfig(128, 16, 32, 4, 3, 4), 4096, 4096, 16, "none"),
+    (triton_hopper.run_mma, triton_hopper.fast_mma, hc.MmaConfig(64, 32, 32, 4, 3, 4, 8, 1), 520, 2064, 33, "per_token"),
+    (triton_hopper.run_ws, triton_hopper.fast_ws, None, 4096, 4096, 256, "scalar"),
+    (triton_hopper.run_ws, triton_hopper.fast_ws, hc.WsConfig(64, 128, 4, 2), 520, 2080, 64, "per_token"),
+    (triton_hopper.run_ws, triton_hopper.fast_ws, None, 520, 2080, 200, "number"),
+]  # fmt: skip
+
+
+def _args(problem: Problem, m: int, seed: int, alpha: str) -> tuple[validate.ProbeInputs, tuple]:
+    inputs = validate.make_inputs(problem, m, "cuda", seed=seed)
+    args = list(inputs.args(problem))
+    if alpha == "number":
+        args[4] = float(inputs.alpha.item())
+    return inputs, tuple(args)
+
+
+def _problem(n: int, k: int, m: int, alpha: str) -> Problem:
+    kind = "scalar" if alpha == "number" else alpha
+    return Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind=kind)
+
+
+@pytest.fixture
+def jit_runs(monkeypatch):
+    """The names of the kernels launched through Triton's JIT (``JITFunction.run``)."""
+    from triton.runtime.jit import JITFunction
+
+    names: list[str] = []
+    run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    return names
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1].__name__}-M{c[5]}-{c[6]}")
+def test_a_planned_runner_gives_the_checked_runners_bits_and_skips_the_jit(case, jit_runs):
+    checked, planned, cfg, n, k, m, alpha = case
+    hopper_launch.clear_plans()
+    problem = _problem(n, k, m, alpha)
+    kw = {} if cfg is None else {"cfg": cfg}
+    for seed in (1, 2, 3):  # the first call plans; the others must read their own tensors
+        inputs, args = _args(problem, m, seed, alpha)
+        jit_runs.clear()
+        got = planned(*args, **kw)
+        fast_launches = list(jit_runs)
+        want = checked(*args, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (seed, case)
+        assert validate.check(got, inputs, problem.torch_out_dtype).ok, (seed, case)
+        if seed == 1:
+            assert fast_launches, "the first call launches through the JIT"
+        else:
+            assert fast_launches == [], f"launched through the JIT again: {fast_launches}"
+    hopper_launch.clear_plans()
+
+
+def test_a_planned_runner_writes_into_a_given_strided_out():
+    hopper_launch.clear_plans()
+    m, n = 33, 520
+    problem = _problem(n, 2064, m, "scalar")
+    for seed in (1, 2):
+        inputs, args = _args(problem, m, seed, "scalar")
+        out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda").T
+        got = triton_hopper.fast_mma(*args[:6], out, *args[7:])
+        assert got is out
+        assert validate.check(out, inputs, problem.torch_out_dtype).ok, seed
+    hopper_launch.clear_plans()
+
+
+CHECKED = {
+    triton_hopper.fast_gemv: triton_hopper.run_gemv,
+    triton_hopper.fast_mma: triton_hopper.run_mma,
+    triton_hopper.fast_ws: triton_hopper.run_ws,
+}
+
+
+@pytest.mark.parametrize(
+    ("planned", "m"), [(triton_hopper.fast_gemv, 2), (triton_hopper.fast_mma, 16), (triton_hopper.fast_ws, 256)]
+)  # fmt: skip
+def test_a_plan_first_made_in_a_capture_is_not_kept_and_replays_right(planned, m):
+    hopper_launch.clear_plans()
+    problem = _problem(4096, 4096, m, "scalar")
+    _, args = _args(problem, m, 5, "scalar")
+    out = torch.empty((m, 4096), dtype=torch.bfloat16, device="cuda")
+    call = (*args[:6], out, *args[7:])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles, outside the capture (as engines warm up)
+        CHECKED[planned](*call)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planned(*call)
+    assert hopper_launch._plans == {}
+    fresh, new = _args(problem, m, 6, "scalar")  # new values into the captured tensors
+    for held, value in zip(call[:5], new[:5]):
+        held.copy_(value)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert validate.check(out, fresh, problem.torch_out_dtype).ok
+    planned(*call)  # eagerly: kept now
+    assert len(hopper_launch._plans) == 1
+    hopper_launch.clear_plans()
