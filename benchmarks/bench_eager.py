@@ -6,7 +6,11 @@ launches: fp4select's argument checks and Triton's launcher, for the two or thre
 path runs (a's decode, the main loop, a split's reduction). Per path and point, three numbers:
 the host time of one call (200 calls issued back to back, no sync: what the CPU spends), the
 eager time per call (the same with the sync: whichever of host and GPU is slower), and the
-graph-replay time per call (the GPU's). bf16 ``torch.mm`` on the same problem is the baseline.
+graph-replay time per call (the GPU's). Each ``hopper-*`` path twice: its checked runner (what
+probing runs: every call checked and planned) and, as "planned", the runner the warm path binds
+(``hopper_launch``: planned once per kind of call, launched from the compiled kernels). bf16
+``torch.mm`` on the same problem is the baseline, and ``best_mm_fp4`` (tuned first, in a
+temporary cache, in process) is what a user's eager call costs, its pick named.
 
     python benchmarks/bench_eager.py   (a CUDA GPU; prints a table, writes eager_cuda.json)
 """
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import tempfile
 import time
 
 import torch
 from _common import graph_replay_us, table, write
 
+import fp4select
 from fp4select import formats, validate
 from fp4select.backends import dequant, triton_hopper
 from fp4select.keys import Problem, m_bucket
@@ -34,10 +40,13 @@ def paths(m: int) -> dict:
     out = {}
     if m <= 8:
         out["hopper-gemv"] = triton_hopper.run_gemv
+        out["hopper-gemv planned"] = triton_hopper.fast_gemv
     if m <= 256:
         out["hopper-mma"] = triton_hopper.run_mma
+        out["hopper-mma planned"] = triton_hopper.fast_mma
     if 33 <= m <= 2048:
         out["hopper-ws"] = triton_hopper.run_ws
+        out["hopper-ws planned"] = triton_hopper.fast_ws
     if m >= 512:
         out["hopper-dequant"] = dequant.run_hopper
     return out
@@ -58,6 +67,8 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     device = torch.device("cuda")
     rows = []
+    cache = tempfile.TemporaryDirectory()
+    fp4select.configure(cache_dir=cache.name, isolation="inprocess")
     for n, k, m in POINTS:
         problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
         inputs = validate.make_inputs(problem, m, device, seed=7, with_reference=False)
@@ -67,6 +78,10 @@ def main() -> None:
         a, w = a.to(torch.bfloat16), w.to(torch.bfloat16)
         calls = {name: functools.partial(run, *args) for name, run in paths(m).items()}
         calls["bf16 torch.mm"] = functools.partial(torch.mm, a, w.T)
+        kwargs = inputs.kwargs(problem)
+        fp4select.best_mm_fp4(**kwargs)  # tunes this key, then binds its pick
+        pick = fp4select.explain(problem=problem, device=device)["winner"]
+        calls[f"best_mm_fp4 ({pick})"] = functools.partial(fp4select.best_mm_fp4, **kwargs)
         for name, fn in calls.items():
             host, eager = host_and_eager_us(fn)
             rows.append(
@@ -80,6 +95,7 @@ def main() -> None:
     ]
     print(table(cells, ["N x K", "M", "path", "host us", "eager us", "graph us"]))
     print(f"wrote {write('eager', device, {'calls': CALLS, 'rows': rows})}")
+    cache.cleanup()
 
 
 if __name__ == "__main__":
