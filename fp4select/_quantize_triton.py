@@ -26,6 +26,10 @@ Triton interpreter computes the same bits as the GPU:
 * e2m1: count the midpoints below the magnitude (strict or inclusive by the tie's even
   neighbour), as ``fp4select.formats.e2m1_encode`` does.
 * Divisions use ``div_rn`` (Triton's ``/`` on float32 is approximate on the GPU).
+
+A launch is kept per kind of call (``_launches``), keyed as ``hopper_launch`` keys the GEMMs'
+plans, so that an eager call that repeats a shape launches from the compiled kernel without
+Triton's per-call binding (``hopper_launch.Launch``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import triton
 import triton.language as tl
 
 from fp4select.backends._triton_kernels import gdc_launch_dependents, pdl_start
+from fp4select.backends.hopper_launch import MAX_PLANS, Launch
 
 if TYPE_CHECKING:
     from fp4select.quantize import QuantConfig
@@ -223,6 +228,10 @@ def grid(m: int, cp: int, cfg: QuantConfig) -> tuple[int, int, int]:
     return block_m, tiles + (rp > m), -(-cp // cfg.block_c)
 
 
+# (the call's key) -> (the launch, BLOCK_M): see the module docstring.
+_launches: dict[tuple, tuple[Launch, int]] = {}
+
+
 def quantize(
     x: torch.Tensor, gs: torch.Tensor, cfg: QuantConfig, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,15 +243,24 @@ def quantize(
     sf = torch.empty((rp, cp), dtype=torch.uint8, device=x.device)
     if m == 0:  # nothing to write, and a grid of no programs is not a launch
         return out, sf.view(torch.float8_e4m3fn)
-    block_m, programs_m, programs_c = grid(m, cp, cfg)
-    args = (x, gs, out, sf, m, k, x.stride(0), x.stride(1), cp, -(-m // block_m))
-    _quantize_kernel[(programs_m, programs_c)](
-        *args,
-        BLOCK_M=block_m,
-        BLOCK_C=cfg.block_c,
-        SPLIT=cfg.split,
-        PAD_PROGRAMS=cfg.pad_programs,
-        num_warps=cfg.num_warps,
-        **({"PDL": True, "launch_pdl": True} if pdl else {}),
-    )
+    # Everything Triton specializes the kernel on, and everything the grid depends on.
+    cuda = x.device.type == "cuda"
+    key = (
+        m, k, x.stride(), x.dtype, x.device, x.data_ptr() & 15, gs.data_ptr() & 15, cfg, pdl,
+        torch.cuda.current_device() if cuda else -1,
+    )  # fmt: skip
+    kept = _launches.get(key)
+    if kept is None:
+        block_m, programs_m, programs_c = grid(m, cp, cfg)
+        kept = Launch(
+            _quantize_kernel, (programs_m, programs_c),
+            BLOCK_M=block_m, BLOCK_C=cfg.block_c, SPLIT=cfg.split, PAD_PROGRAMS=cfg.pad_programs,
+            num_warps=cfg.num_warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        ), block_m  # fmt: skip
+        if not (cuda and torch.cuda.is_current_stream_capturing()):
+            if len(_launches) >= MAX_PLANS:
+                _launches.clear()
+            _launches[key] = kept
+    launch, block_m = kept
+    launch(x, gs, out, sf, m, k, x.stride(0), x.stride(1), cp, -(-m // block_m))
     return out, sf.view(torch.float8_e4m3fn)

@@ -134,3 +134,24 @@ def test_a_plan_first_made_in_a_capture_is_not_kept_and_replays_right(planned, m
     planned(*call)  # eagerly: kept now
     assert len(hopper_launch._plans) == 1
     hopper_launch.clear_plans()
+
+
+def test_the_quantizer_launches_a_repeated_shape_from_its_compiled_kernel(jit_runs):
+    from fp4select import _quantize_triton, quantize
+
+    _quantize_triton._launches.clear()
+    gs = torch.tensor([0.7], device="cuda")
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
+        jit_runs.clear()
+        got = quantize.fp4_quantize(x, gs)
+        launched = list(jit_runs)
+        want = quantize.quantize_torch(x, gs)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]), seed
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), seed
+        if seed == 1:
+            assert launched, "the first call launches through the JIT"
+        else:
+            assert launched == [], f"launched through the JIT again: {launched}"
