@@ -12,6 +12,11 @@ probing runs: every call checked and planned) and, as "planned", the runner the 
 ``torch.mm`` on the same problem is the baseline, and ``best_mm_fp4`` (tuned first, in a
 temporary cache, in process) is what a user's eager call costs, its pick named.
 
+An eager prefill brings a new M most calls: the first call of a new M misses the warm table
+(the bucket's decision is in memory; the call is checked, bound and planned), and the same
+shape's other layers repeat it. ``new lengths`` times both, host time only, over M = 129-192
+at 4096 x 4096 (one bucket, one decision).
+
     python benchmarks/bench_eager.py   (a CUDA GPU; prints a table, writes eager_cuda.json)
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import tempfile
 import time
 
@@ -63,6 +69,36 @@ def host_and_eager_us(fn) -> tuple[float, float]:
     return host / CALLS * 1e6, (time.perf_counter() - start) / CALLS * 1e6
 
 
+def new_lengths(device: torch.device, n: int = 4096, k: int = 4096) -> dict[str, float]:
+    """Median host time of best_mm_fp4's first call of each new M, of its repeats, and of
+    torch.mm at the same M (see the module docstring)."""
+    calls = {}
+    for m in range(129, 193):
+        problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+        calls[m] = validate.make_inputs(problem, m, device, seed=m, with_reference=False)
+    first = calls[129]
+    fp4select.best_mm_fp4(**first.kwargs(Problem(n=n, k=k, m_bucket=m_bucket(129))))  # tunes
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    miss, again, mm = [], [], []
+    for m, inputs in list(calls.items())[1:]:
+        kwargs = inputs.kwargs(Problem(n=n, k=k, m_bucket=m_bucket(m)))
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        for times in (miss, again, again, again):
+            start = time.perf_counter()
+            fp4select.best_mm_fp4(**kwargs)
+            times.append((time.perf_counter() - start) * 1e6)
+        start = time.perf_counter()
+        torch.mm(a, w.T)
+        mm.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return {
+        "best_mm_fp4, a new M (first call)": statistics.median(miss),
+        "best_mm_fp4, the same M again": statistics.median(again),
+        "bf16 torch.mm": statistics.median(mm),
+    }
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     device = torch.device("cuda")
@@ -94,7 +130,10 @@ def main() -> None:
         for r in rows
     ]
     print(table(cells, ["N x K", "M", "path", "host us", "eager us", "graph us"]))
-    print(f"wrote {write('eager', device, {'calls': CALLS, 'rows': rows})}")
+    lengths = new_lengths(device)
+    print(table([[k, f"{v:.1f}"] for k, v in lengths.items()], ["new lengths", "host us"]))
+    payload = {"calls": CALLS, "rows": rows, "new_lengths": lengths}
+    print(f"wrote {write('eager', device, payload)}")
     cache.cleanup()
 
 
