@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import weakref
 
 import pytest
@@ -143,3 +144,71 @@ def test_the_warm_path_binds_the_planned_runners_at_the_records_tactic():
         assert runner.func is fast and runner.keywords == {"cfg": cfg}, name
         assert backends[name].fast_runner_for(problem) is fast
         assert backends[name].checked_runner_for(problem, record).func is not fast
+
+
+class _Param:
+    def __init__(self, name: str, default: object = inspect.Parameter.empty) -> None:
+        self.name, self.default = name, default
+
+
+class CompiledKernel:
+    """Stands for Triton's compiled kernel (Launch reads its class name): its launcher logs
+    each launch, or refuses its arguments as another Triton's launcher would."""
+
+    def __init__(self, log: list, refuse: bool) -> None:
+        self.log, self.refuse = log, refuse
+
+    def __getitem__(self, grid: tuple):
+        def run(*args):
+            if self.refuse:
+                raise TypeError("launch() takes 14 positional arguments")
+            self.log.append(("direct", grid, args))
+
+        return run
+
+
+class _Jit:
+    """Stands for a JIT function of parameters (x, n, BLOCK, FLAG=False)."""
+
+    def __init__(self, refuse: bool = False, compiled: bool = True) -> None:
+        self.arg_names = ["x", "n", "BLOCK", "FLAG"]
+        self.params = [_Param("x"), _Param("n"), _Param("BLOCK"), _Param("FLAG", False)]
+        self.log: list = []
+        self.refuse, self.compiled = refuse, compiled
+
+    def __getitem__(self, grid: tuple):
+        def run(*args, **options):
+            self.log.append(("jit", grid, args, options))
+            return CompiledKernel(self.log, self.refuse) if self.compiled else None
+
+        return run
+
+
+def test_a_launch_goes_through_the_jit_once_then_through_the_compiled_launcher():
+    fn = _Jit()
+    launch = hopper_launch.Launch(fn, (4,), BLOCK=64, num_warps=4)
+    launch("a", 7)
+    launch("b", 8)
+    launch("c", 9)
+    assert fn.log == [
+        ("jit", (4,), ("a", 7), {"BLOCK": 64, "num_warps": 4}),
+        ("direct", (4, 1, 1), ("b", 8, 64, False)),  # every parameter, the grid in 3 dimensions
+        ("direct", (4, 1, 1), ("c", 9, 64, False)),
+    ]
+
+
+def test_a_launcher_that_refuses_the_direct_form_leaves_the_launch_on_the_jit():
+    fn = _Jit(refuse=True)
+    launch = hopper_launch.Launch(fn, (2, 3), BLOCK=32)
+    for x in "abc":
+        launch(x, 1)
+    assert [entry[0] for entry in fn.log] == ["jit", "jit", "jit"]  # each call launched once
+    assert [entry[2][0] for entry in fn.log] == ["a", "b", "c"]
+
+
+def test_a_launch_that_compiles_nothing_stays_on_the_jit():
+    fn = _Jit(compiled=False)  # as Triton's interpreter returns
+    launch = hopper_launch.Launch(fn, (1,), BLOCK=16)
+    launch("a", 1)
+    launch("b", 2)
+    assert [entry[0] for entry in fn.log] == ["jit", "jit"]

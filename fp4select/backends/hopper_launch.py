@@ -25,7 +25,10 @@ Design rules:
 * The checked runners (what probing runs) plan every call anew, so they check every call; the
   warm path's fast runners (``planned``) plan once per key. Both run the same plan code.
 * Where a launch does not return a compiled kernel (Triton's interpreter), or Triton calls
-  hooks before its launches, every launch goes through the JIT as before.
+  hooks before its launches, every launch goes through the JIT as before; so does a launch
+  whose first direct call raised an argument error (``TypeError``, ``IndexError``,
+  ``AttributeError``: a Triton whose launcher takes its arguments otherwise), which Python
+  raises before the kernel is enqueued.
 """
 
 from __future__ import annotations
@@ -51,18 +54,29 @@ class Launch:
     """One kernel at one grid with fixed compile-time arguments (``options``); called with the
     kernel's leading run-time arguments, the same ones every call up to their values."""
 
-    __slots__ = ("_compiled", "_fn", "_grid", "_options")
+    __slots__ = ("_compiled", "_fn", "_grid", "_jit_only", "_options", "_proven")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], **options: Any) -> None:
         self._fn, self._grid, self._options = fn, grid, options
         self._compiled: Callable[..., Any] | None = None
+        self._proven = False  # a direct launch has gone through
+        self._jit_only = False  # this Triton's launcher refused the direct form
 
     def __call__(self, *args: Any) -> None:
         if self._compiled is not None:
-            self._compiled(*args)
-            return
+            if self._proven:
+                self._compiled(*args)
+                return
+            try:  # the first direct launch: an argument error means another Triton's launcher
+                self._compiled(*args)
+            except (TypeError, IndexError, AttributeError):  # raised before anything launched
+                self._compiled, self._jit_only = None, True
+            else:
+                self._proven = True
+                return
         kernel = self._fn[self._grid](*args, **self._options)
-        self._compiled = _direct(kernel, self._fn, self._grid, len(args), self._options)
+        if not self._jit_only:
+            self._compiled = _direct(kernel, self._fn, self._grid, len(args), self._options)
 
 
 def _direct(
