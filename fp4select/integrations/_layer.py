@@ -75,25 +75,37 @@ def linear_op() -> Any:
     return _op
 
 
+# The op's schema, written out as vLLM's ``direct_register_custom_op`` does for its own ops.
+_SCHEMA = (
+    "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale_inv, "
+    "Tensor alpha, ScalarType out_dtype) -> Tensor"
+)
+_library: Any = None  # kept: the op is registered for as long as its Library lives
+
+
+def _fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale_inv: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
 def _register() -> Any:
-    name = "fp4select::nvfp4_linear"
+    """Registered with ``torch.library.Library`` (as vLLM registers its ops), not
+    ``torch.library.custom_op``, whose Python wrapper (autograd and aliasing checks) cost about
+    15 us of host time on every eager call on the development machine, where this costs about
+    3: eager calls of a small layer are bound by the host (docs/hopper.md, 'Eager launches')."""
+    global _library
     existing = getattr(getattr(torch.ops, "fp4select", None), "nvfp4_linear", None)
     if existing is not None:  # a second import of this module (reloads, tests) reuses it
         return existing
-
-    @torch.library.custom_op(name, mutates_args=())
-    def nvfp4_linear(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        input_scale_inv: torch.Tensor,
-        alpha: torch.Tensor,
-        out_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        return linear_nvfp4(x, weight, weight_scale, input_scale_inv, alpha, out_dtype)
-
-    @nvfp4_linear.register_fake
-    def _(x, weight, weight_scale, input_scale_inv, alpha, out_dtype):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
-
+    library = torch.library.Library("fp4select", "FRAGMENT")
+    library.define(_SCHEMA)
+    library.impl("nvfp4_linear", linear_nvfp4, "CompositeExplicitAutograd")
+    torch.library.register_fake("fp4select::nvfp4_linear", _fake, lib=library)
+    _library = library
     return torch.ops.fp4select.nvfp4_linear
