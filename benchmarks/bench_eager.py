@@ -10,7 +10,9 @@ graph-replay time per call (the GPU's). Each ``hopper-*`` path twice: its checke
 probing runs: every call checked and planned) and, as "planned", the runner the warm path binds
 (``hopper_launch``: planned once per kind of call, launched from the compiled kernels). bf16
 ``torch.mm`` on the same problem is the baseline, and ``best_mm_fp4`` (tuned first, in a
-temporary cache, in process) is what a user's eager call costs, its pick named.
+temporary cache, in process) is what a user's eager call costs, its pick named. Up to M = 128
+also the engines' layer op (``torch.ops.fp4select.nvfp4_linear``: the activation quantizer,
+then ``best_mm_fp4``) beside bf16 ``F.linear``.
 
 An eager prefill brings a new M most calls: the first call of a new M misses the warm table
 (the bucket's decision is in memory; the call is checked, bound and planned), and the same
@@ -34,6 +36,7 @@ from _common import graph_replay_us, table, write
 import fp4select
 from fp4select import formats, validate
 from fp4select.backends import dequant, triton_hopper
+from fp4select.integrations import _layer
 from fp4select.keys import Problem, m_bucket
 
 POINTS = [(4096, 4096, 1), (4096, 4096, 16), (4096, 4096, 128), (4096, 4096, 2048)]
@@ -118,6 +121,13 @@ def main() -> None:
         fp4select.best_mm_fp4(**kwargs)  # tunes this key, then binds its pick
         pick = fp4select.explain(problem=problem, device=device)["winner"]
         calls[f"best_mm_fp4 ({pick})"] = functools.partial(fp4select.best_mm_fp4, **kwargs)
+        if m <= 128:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            one = torch.ones(1, device=device)
+            calls["layer op (quantize + best_mm_fp4)"] = functools.partial(
+                _layer.linear_op(), x, inputs.b.T, inputs.b_descale.T, one, one, torch.bfloat16
+            )
+            calls["bf16 F.linear"] = functools.partial(torch.nn.functional.linear, x, w)
         for name, fn in calls.items():
             host, eager = host_and_eager_us(fn)
             rows.append(
