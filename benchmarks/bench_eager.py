@@ -58,6 +58,7 @@ def paths(m: int) -> dict:
         out["hopper-ws planned"] = triton_hopper.fast_ws
     if m >= 512:
         out["hopper-dequant"] = dequant.run_hopper
+        out["hopper-dequant planned"] = dequant.fast_hopper
     return out
 
 

@@ -31,6 +31,7 @@ CHILD = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 from fp4select import validate
+from fp4select.backends import dequant
 from fp4select.backends import triton_hopper as th
 from fp4select.keys import Problem, m_bucket
 th.ASM = False
@@ -63,6 +64,7 @@ for run, cfg, n, k, ms, layout, alpha, out_dtype in cases:
 fast = [
     (th.fast_gemv, th.GemvConfig(2, 2, 1, 1, pre=1), 6, 48, 4, "128x4", "per_token", "float16"),
     (th.fast_mma, th.MmaConfig(16, 16, 16, 1, 1, 2), 40, 512, 5, "8x4", "scalar", "bfloat16"),
+    (dequant.fast_hopper, None, 40, 256, 5, "8x4", "per_token", "bfloat16"),
 ]
 for run, cfg, n, k, m, layout, alpha, out_dtype in fast:
     p = Problem(n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype)
@@ -108,7 +110,7 @@ def test_every_twin_matches_the_exact_reference(child_lines):
 
 def test_the_warm_paths_planned_runners_read_each_calls_own_tensors(child_lines):
     lines = [line for line in child_lines if line.startswith("fast")]
-    assert len(lines) == 4, child_lines
+    assert len(lines) == 6, child_lines
     assert all(line.endswith(" ok") for line in lines), lines
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fp4select import validate
+from fp4select.backends import dequant, hopper_launch, triton_hopper
 from fp4select.backends import hopper_configs as hc
-from fp4select.backends import hopper_launch, triton_hopper
 from fp4select.keys import Problem, m_bucket
 
 pytestmark = [
@@ -23,7 +23,7 @@ pytestmark = [
 # (checked runner, planned runner, cfg or None for the table's, N, K, M, alpha kind):
 # the GEMV with and without a's own decode, the MMA kernel with its reduction kernel and with
 # the last program's sum, hopper-ws unsplit and split, and hopper-ws handing a Python alpha to
-# the MMA kernel.
+# the MMA kernel; hopper-dequant.
 CASES = [
     (triton_hopper.run_gemv, triton_hopper.fast_gemv, None, 4096, 4096, 1, "scalar"),
     (triton_hopper.run_gemv, triton_hopper.fast_gemv, None, 520, 2064, 3, "per_token"),
@@ -32,6 +32,8 @@ CASES = [
     (triton_hopper.run_ws, triton_hopper.fast_ws, None, 4096, 4096, 256, "scalar"),
     (triton_hopper.run_ws, triton_hopper.fast_ws, hc.WsConfig(64, 128, 4, 2), 520, 2080, 64, "per_token"),
     (triton_hopper.run_ws, triton_hopper.fast_ws, None, 520, 2080, 200, "number"),
+    (dequant.run_hopper, dequant.fast_hopper, None, 4096, 4096, 600, "scalar"),
+    (dequant.run_hopper, dequant.fast_hopper, None, 520, 2064, 515, "per_token"),
 ]  # fmt: skip
 
 
@@ -103,11 +105,13 @@ CHECKED = {
     triton_hopper.fast_gemv: triton_hopper.run_gemv,
     triton_hopper.fast_mma: triton_hopper.run_mma,
     triton_hopper.fast_ws: triton_hopper.run_ws,
+    dequant.fast_hopper: dequant.run_hopper,
 }
 
 
 @pytest.mark.parametrize(
-    ("planned", "m"), [(triton_hopper.fast_gemv, 2), (triton_hopper.fast_mma, 16), (triton_hopper.fast_ws, 256)]
+    ("planned", "m"),
+    [(triton_hopper.fast_gemv, 2), (triton_hopper.fast_mma, 16), (triton_hopper.fast_ws, 256), (dequant.fast_hopper, 600)],
 )  # fmt: skip
 def test_a_plan_first_made_in_a_capture_is_not_kept_and_replays_right(planned, m):
     hopper_launch.clear_plans()
@@ -155,3 +159,21 @@ def test_the_quantizer_launches_a_repeated_shape_from_its_compiled_kernel(jit_ru
             assert launched, "the first call launches through the JIT"
         else:
             assert launched == [], f"launched through the JIT again: {launched}"
+
+
+@pytest.mark.parametrize("planned", [triton_hopper.fast_ws, dequant.fast_hopper])
+def test_a_kept_plan_keeps_no_tensor_of_its_calls(planned):
+    import gc
+    import weakref
+
+    hopper_launch.clear_plans()
+    problem = _problem(520, 2080, 600, "per_token")
+    inputs, args = _args(problem, 600, 1, "per_token")
+    refs = [weakref.ref(t) for t in args if isinstance(t, torch.Tensor)]
+    out = planned(*args)
+    refs.append(weakref.ref(out))
+    assert len(hopper_launch._plans) == 1
+    del inputs, args, out
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    hopper_launch.clear_plans()

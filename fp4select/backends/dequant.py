@@ -35,16 +35,17 @@ Design rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import astuple
 from typing import Any
 
 import torch
 
 from fp4select import formats
-from fp4select.backends import triton_fp4
+from fp4select.backends import hopper_args, hopper_launch, triton_fp4
 from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, cuda_from
 from fp4select.backends.hopper_configs import GemmTile, dequant_tile
+from fp4select.backends.hopper_launch import Launch
 from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
 
 MIN_CC = 90
@@ -100,32 +101,54 @@ def _words(data: torch.Tensor) -> torch.Tensor | None:
     return data.view(torch.int32)
 
 
+def _decoder(
+    rows: int, kh: int, words: bool, use_nvfp4: bool, layout: str
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """What decodes a (rows, K/2 packed bytes) operand and its scales into a bfloat16
+    (rows, K) workspace: the word kernel where ``words`` (``_words`` can view the operand), in
+    fewer instructions per value and with wider accesses, else the byte kernel. Called with
+    (data, scales, workspace); its launches are kept (``hopper_launch``)."""
+    cp = formats.padded_sf_shape(rows, 2 * kh // (16 if use_nvfp4 else 32), layout)[1]
+    k = triton_fp4.kernels()
+    meta = {"NVFP4": use_nvfp4, "SF_8X4": layout == "8x4"}
+    if words:
+        br, bw, warps = WORDS_TILE
+        by_words = Launch(
+            k.dequant_bf16_words, (k.cdiv(rows, br), k.cdiv(kh // 4, bw)),
+            **meta, BR=br, BW=bw, WIDE=False, num_warps=warps,
+        )  # fmt: skip
+
+        def decode_words(data: torch.Tensor, scales: torch.Tensor, ws: torch.Tensor) -> None:
+            view = _words(data if data.dtype == torch.uint8 else data.view(torch.uint8))
+            if view is None:  # an offset the plan's key did not tell apart: the byte kernel
+                _decoder(rows, kh, False, use_nvfp4, layout)(data, scales, ws)
+                return
+            by_words(view, scales, ws, rows, kh // 4, view.stride(0), cp)
+
+        return decode_words
+    by_bytes = Launch(
+        k.dequant_bf16, (k.cdiv(rows, 32), k.cdiv(kh, 64)), **meta, BR=32, BKH=64, num_warps=4
+    )
+
+    def decode_bytes(data: torch.Tensor, scales: torch.Tensor, ws: torch.Tensor) -> None:
+        raw = data if data.dtype == torch.uint8 else data.view(torch.uint8)
+        by_bytes(raw, scales, ws.view(torch.int32), rows, kh, raw.stride(0), cp)
+
+    return decode_bytes
+
+
+def _word_view_possible(data: torch.Tensor) -> bool:
+    return _words(data if data.dtype == torch.uint8 else data.view(torch.uint8)) is not None
+
+
 def _decode_into(
     ws: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, use_nvfp4: bool, layout: str
 ) -> None:
-    """Decode ``data`` (R, K/2 packed bytes) and its scales into the bfloat16 (R, K) ``ws``.
-
-    The word kernel does the same in fewer instructions per value and with wider accesses;
-    the byte kernel takes the views it cannot read (see ``_words``).
-    """
+    """Decode ``data`` (R, K/2 packed bytes) and its scales into the bfloat16 (R, K) ``ws``:
+    the Triton kernels where triton is installed, else the reference decode in torch."""
     rows, kh = data.shape
-    cp = formats.padded_sf_shape(rows, 2 * kh // (16 if use_nvfp4 else 32), layout)[1]
     if triton_fp4.triton_installed():
-        k = triton_fp4.kernels()
-        raw = data if data.dtype == torch.uint8 else data.view(torch.uint8)
-        meta = {"NVFP4": use_nvfp4, "SF_8X4": layout == "8x4"}
-        words = _words(raw)
-        if words is not None:
-            br, bw, warps = WORDS_TILE
-            k.dequant_bf16_words[(k.cdiv(rows, br), k.cdiv(kh // 4, bw))](
-                words, scales, ws, rows, kh // 4, words.stride(0), cp,
-                **meta, BR=br, BW=bw, WIDE=False, num_warps=warps,
-            )  # fmt: skip
-        else:
-            k.dequant_bf16[(k.cdiv(rows, 32), k.cdiv(kh, 64))](
-                raw, scales, ws.view(torch.int32), rows, kh, raw.stride(0), cp,
-                **meta, BR=32, BKH=64, num_warps=4,
-            )  # fmt: skip
+        _decoder(rows, kh, _word_view_possible(data), use_nvfp4, layout)(data, scales, ws)
         return
     ws.copy_(
         formats.dequantize(
@@ -146,7 +169,7 @@ def decoded(
     (M, K) and (N, K), row-major."""
     device, k = a.device, 2 * c.kh
     w = growing(_b_workspaces, (device, c.n, k), c.n, k, torch.bfloat16, device)
-    _decode_into(w, b.T, b_descale.T if b_descale.dim() == 2 else b_descale, use_nvfp4, "128x4")
+    _decode_into(w, b.T, _weight_scales(b_descale), use_nvfp4, "128x4")
     x = growing(_a_workspaces, (device, k), c.m, k, torch.bfloat16, device)
     _decode_into(x, a, c.a_descale, use_nvfp4, "8x4" if use_8x4_sf_layout else "128x4")
     return x, w
@@ -257,46 +280,66 @@ def why_hopper_unavailable(env: Mapping[str, Any]) -> str | None:
     return None
 
 
-def run_hopper(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_descale: torch.Tensor,
-    b_descale: torch.Tensor,
-    alpha: torch.Tensor | float | None,
-    out_dtype: torch.dtype,
-    out: torch.Tensor | None,
-    block_size: int,
-    use_8x4_sf_layout: bool,
-    use_nvfp4: bool,
-    enable_pdl: bool,
-    *,
-    cfg: GemmTile | None = None,
-) -> torch.Tensor:
-    """mm_fp4's positional order (without backend); enable_pdl means nothing here. ``cfg``:
-    the GEMM's tile (the sweeps name one), else ``dequant_tile``'s."""
+def _weight_scales(b_descale: torch.Tensor) -> torch.Tensor:
+    return b_descale.T if b_descale.dim() == 2 else b_descale
+
+
+def _hopper_plan(args: tuple[Any, ...], cfg: GemmTile | None) -> Callable[..., torch.Tensor]:
+    """``hopper-dequant``'s plan (``hopper_launch``): the call checked, its decoders and tile
+    chosen, its launches made; run with the call's arguments."""
+    a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4, _ = args
     c = triton_fp4.check_call(
-        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, use_nvfp4
+        a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, a8x4, use_nvfp4
     )
-    if c.m == 0 or c.n == 0:
-        return c.out
-    x, w = decoded(c, a, b, b_descale, use_8x4_sf_layout, use_nvfp4)
+    m, n, big_k = c.m, c.n, 2 * c.kh
+    if m == 0 or n == 0:
+        return hopper_args.nothing_to_do(m, n)
+    decode_w = _decoder(n, c.kh, _word_view_possible(b.T), use_nvfp4, "128x4")
+    decode_a = _decoder(m, c.kh, _word_view_possible(a), use_nvfp4, "8x4" if a8x4 else "128x4")
     descriptor = _descriptor_class()
     sms = triton_fp4._sms(a.device) if a.device.type == "cuda" else 1
-    bm, bn, bk, warps, stages = astuple(cfg or dequant_tile(c.m, c.n, sms))
-    grid = min(sms, -(-c.m // bm) * -(-c.n // bn))
-    triton_fp4.kernels().mm_tma_alpha[(grid,)](
-        descriptor.from_tensor(x, [bm, bk]), descriptor.from_tensor(w, [bn, bk]),
-        c.alpha_ptr, c.out, c.m, c.n, x.shape[1], c.out.stride(0), c.out.stride(1),
-        c.alpha_value,
+    bm, bn, bk, warps, stages = astuple(cfg or dequant_tile(m, n, sms))
+    mm = Launch(
+        triton_fp4.kernels().mm_tma_alpha, (min(sms, -(-m // bm) * -(-n // bn)),),
         ALPHA=c.alpha_kind, BM=bm, BN=bn, BK=bk, GROUP=8, UPCAST=a.device.type != "cuda",
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return c.out
+
+    def run(args: tuple[Any, ...]) -> torch.Tensor:
+        out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
+        device = out.device
+        w = growing(_b_workspaces, (device, n, big_k), n, big_k, torch.bfloat16, device)
+        decode_w(args[1].T, _weight_scales(args[3]), w)
+        x = growing(_a_workspaces, (device, big_k), m, big_k, torch.bfloat16, device)
+        decode_a(args[0], args[2], x)
+        mm(
+            descriptor.from_tensor(x, [bm, bk]), descriptor.from_tensor(w, [bn, bk]),
+            alpha_ptr, out, m, n, big_k, out.stride(0), out.stride(1), alpha_value,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+def run_hopper(*args: Any, cfg: GemmTile | None = None) -> torch.Tensor:
+    """mm_fp4's positional order (without backend); enable_pdl means nothing here. ``cfg``:
+    the GEMM's tile (the sweeps name one), else ``dequant_tile``'s."""
+    return _hopper_plan(args, cfg)(args)
+
+
+def fast_hopper(*args: Any, cfg: GemmTile | None = None) -> torch.Tensor:
+    """``run_hopper`` planned once per kind of call (``hopper_launch``): the warm path's."""
+    return hopper_launch.planned("dequant", _hopper_plan, args, cfg)
+
+
+def fast_hopper_runner(problem: Problem) -> Any:
+    return fast_hopper
 
 
 HOPPER_DEQUANT = Backend(
     name="hopper-dequant",
     checked_runner=run_hopper,
+    make_fast_runner=fast_hopper_runner,
     why_unavailable=why_hopper_unavailable,
     caps=Capabilities(
         formats=ALL_FORMATS,

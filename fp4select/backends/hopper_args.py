@@ -30,6 +30,20 @@ def words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
 
 
+def operand_words(
+    args: tuple[Any, ...], dtype: torch.dtype, with_scales: bool = False
+) -> tuple[torch.Tensor, ...] | None:
+    """a and the weight of mm_fp4's ``args`` as words of ``dtype`` (and with ``with_scales``
+    the weight's scales as int32 words), or None where one cannot be viewed so."""
+    a, w = words(args[0], dtype), words(args[1].T, dtype)
+    if a is None or w is None:
+        return None
+    if not with_scales:
+        return a, w
+    sw = scale_words(args[3])
+    return None if sw is None else (a, w, sw)
+
+
 def scale_words(scales: torch.Tensor) -> torch.Tensor | None:
     """The swizzled scale bytes' storage viewed as int32 words, or None if it cannot be.
 

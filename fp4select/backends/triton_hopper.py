@@ -235,14 +235,17 @@ def _gemv_plan(args: tuple[Any, ...], cfg: GemvConfig | None) -> Plan:
     )  # fmt: skip
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
+        views = hopper_args.operand_words(args, torch.int64)
+        if views is None:  # an offset the plan's key does not tell apart
+            return _fallback(args)
+        (a_words, w_words), x_stride = views, a_stride
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
-        a_words, x_stride = hopper_args.words(args[0], torch.int64), a_stride
         if decode is not None:
             x = torch.empty((m, 3, words), dtype=torch.int64, device=out.device)
             decode(a_words, args[2], x, m, kw, a_stride, cp, words)
             a_words, x_stride = x, words
         main(
-            a_words, hopper_args.words(args[1].T, torch.int64), args[2], args[3], alpha_ptr, out,
+            a_words, w_words, args[2], args[3], alpha_ptr, out,
             m, n, kw, x_stride, w_stride, out.stride(0), out.stride(1), cp, alpha_value,
         )  # fmt: skip
         return out
@@ -272,8 +275,7 @@ def _a_planes(
         A_8X4=a8x4, BR=32, BKW=bkw, ASM=ASM, **_with_pdl(pdl), num_warps=4,
     )  # fmt: skip
 
-    def planes(args: tuple[Any, ...], device: torch.device) -> torch.Tensor:
-        a32 = hopper_args.words(args[0], torch.int32)
+    def planes(args: tuple[Any, ...], a32: torch.Tensor, device: torch.device) -> torch.Tensor:
         x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=device)
         decode(a32, args[2], x, m, mp, kh // 4, a32.stride(0), cp)
         return x
@@ -340,11 +342,14 @@ def _planes_plan(
     w_stride, last = w32.stride(0), shifts if counts is None else counts
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
+        views = hopper_args.operand_words(args, torch.int32, with_scales=True)
+        if views is None:  # an offset the plan's key does not tell apart
+            return _fallback(args)
+        a32, w32, sw32 = views
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
-        x = planes(args, out.device)
+        x = planes(args, a32, out.device)
         main(
-            x, hopper_args.words(args[1].T, torch.int32), hopper_args.scale_words(args[3]), shifts, alpha_ptr, out,
-            out if parts is None else parts, m, n, kw, mp, w_stride, out.stride(0),
+            x, w32, sw32, shifts, alpha_ptr, out, out if parts is None else parts, m, n, kw, mp, w_stride, out.stride(0),
             out.stride(1), cp, per_split, alpha_value, last,
         )  # fmt: skip
         if reduce is not None:
@@ -411,18 +416,20 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     alpha_stride = ws.ALPHA_STRIDE[c.alpha_kind]
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
+        views = hopper_args.operand_words(args, torch.int32, with_scales=True)
+        if views is None:  # an offset the plan's key does not tell apart
+            return _fallback(args)
+        a32, w32, sw32 = views
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
-        x = planes(args, out.device)
-        w_desc = TensorDescriptor(
-            hopper_args.words(args[1].T, torch.int32), w_shape, w_strides, [bn, bkw], w_layout
-        )
+        x = planes(args, a32, out.device)
+        w_desc = TensorDescriptor(w32, w_shape, w_strides, [bn, bkw], w_layout)
         x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
         if parts is None:  # scaled by alpha and stored in out
             dst, s0, s1, a_stride = out, out.stride(0), out.stride(1), alpha_stride
         else:  # float32 partial sums, (split, M, N), as reduce_split reads them
             dst, s0, s1, a_stride = parts, n, 1, -1
         main(
-            w_desc, x_desc, hopper_args.scale_words(args[3]), alpha_ptr, dst, m, n, kw, cp, s0, s1,
+            w_desc, x_desc, sw32, alpha_ptr, dst, m, n, kw, cp, s0, s1,
             a_stride, per_split, m * n,
         )  # fmt: skip
         if reduce is not None:
