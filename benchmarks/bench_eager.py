@@ -4,8 +4,9 @@ Engines replay decode from CUDA graphs, where a call costs only its kernels; a p
 any caller without graphs) launches eagerly, where each call also pays the Python side of its
 launches: fp4select's argument checks and Triton's launcher, for the two or three kernels a
 path runs (a's decode, the main loop, a split's reduction). Per path and point, three numbers:
-the host time of one call (200 calls issued back to back, no sync: what the CPU spends), the
-eager time per call (the same with the sync: whichever of host and GPU is slower), and the
+the host time of one call (rounds of 40 calls issued back to back, no sync: what the CPU
+spends; the median of 5 rounds), the eager time per call (the same with the sync: whichever of
+host and GPU is slower), and the
 graph-replay time per call (the GPU's). Each ``hopper-*`` path twice: its checked runner (what
 probing runs: every call checked and planned) and, as "planned", the runner the warm path binds
 (``hopper_launch``: planned once per kind of call, launched from the compiled kernels). bf16
@@ -62,15 +63,23 @@ def paths(m: int) -> dict:
     return out
 
 
+ROUNDS = 5  # CALLS split into rounds; the median round is reported (one stalled call, a
+# garbage collection or a page fault on the host, moves one round, not the figure)
+
+
 def host_and_eager_us(fn) -> tuple[float, float]:
     fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / CALLS * 1e6, (time.perf_counter() - start) / CALLS * 1e6
+    host, eager = [], []
+    per_round = CALLS // ROUNDS
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        host.append((time.perf_counter() - start) / per_round * 1e6)
+        torch.cuda.synchronize()
+        eager.append((time.perf_counter() - start) / per_round * 1e6)
+    return statistics.median(host), statistics.median(eager)
 
 
 def new_lengths(device: torch.device, n: int = 4096, k: int = 4096) -> dict[str, float]:
