@@ -40,7 +40,14 @@ from _common import dumps, machine, sweep_points
 
 from fp4select import formats, timing, validate
 from fp4select.backends import _hopper_kernels as hk
-from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_fp4, triton_hopper
+from fp4select.backends import (
+    dequant,
+    hopper_args,
+    hopper_configs,
+    hopper_tactics,
+    triton_fp4,
+    triton_hopper,
+)
 from fp4select.backends._hopper_kernels import plane_major, weight_step
 from fp4select.keys import Problem, m_bucket
 from fp4select.timing import TimingOptions
@@ -339,10 +346,10 @@ def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool) -> torch.Tensor:
     b, b_descale = args[1], args[3]
     n, kh = b.shape[1], b.shape[0]
     w32 = b.T.view(torch.int32)
-    sw32 = triton_hopper._scale_words(b_descale)
+    sw32 = hopper_args.scale_words(b_descale)
     kw = kh // 4
     sms = triton_fp4._sms(b.device)
-    split = triton_hopper._mma_split(cfg.block_t, n, kw, cfg, sms)
+    split = hopper_configs.mma_split(cfg.block_t, n, kw, cfg, sms)
     iters = triton.cdiv(triton.cdiv(kw, cfg.words_per_step), split)
     cp = formats.padded_sf_shape(n, kh // 8, "128x4")[1]  # scale columns, whole tiles
     x = torch.zeros(

@@ -20,7 +20,7 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   of the weight exists in memory.
 * ``hopper-ws`` (SM90 only, buckets M = 33-2048): the same product warp-specialized in Gluon
   (``_hopper_ws``): two consumer warpgroups decode and multiply in turn, fed by TMA, with
-  split-K (``_ws_split``) where its tiles alone leave SMs idle.
+  split-K (``hopper_configs.ws_split``) where its tiles alone leave SMs idle.
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
