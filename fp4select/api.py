@@ -44,7 +44,9 @@ from fp4select.settings import Settings
 
 # The tables grow with the problems seen, not the calls. _bound: the Python key to (guard,
 # runner); _native_bound: the C++ key (exact metadata, no guard) to the runner; _checked: a
-# full call signature to the runner (a miss there runs the full checks).
+# full call signature to the runner (a miss there runs the full checks). An eager prefill
+# brings a new M most calls, so past _MAX_SIGNATURES the tables start again: a forgotten call
+# is a miss, checked and bound anew, never a wrong runner.
 _bound: dict[tuple, Any] = {}
 _lookup = _bound.get  # one global load on the warm path instead of two
 _native_bound: dict[tuple, Any] = {}
@@ -55,6 +57,7 @@ _checked: dict[tuple, Any] = {}
 # over-allocations of a_descale) finds the other here instead of a new guard every call.
 _spares: dict[tuple, tuple] = {}
 _SPARES = 3
+_MAX_SIGNATURES = 4096
 _table_lock = threading.Lock()
 _B16 = 16  # small ints are singletons in CPython: `block_size is _B16` refuses 16.0 and True
 # What the guard checks in place of alpha=None (a distinct object: PyTorch's guard refuses a
@@ -287,6 +290,8 @@ def _runner_for(key: tuple | None, args: tuple, flags: tuple) -> Any:
         if not bindable or signature is None or _always_check:
             return runner
         with _table_lock:
+            if len(_checked) >= _MAX_SIGNATURES:
+                _forget_all()
             _checked[signature] = runner
     if key is not None and not _always_check and type(key[0]) is int:  # the C++ key's
         with _table_lock:

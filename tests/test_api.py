@@ -489,3 +489,18 @@ def test_check_arguments_takes_every_parameter_of_best_mm_fp4_with_its_default()
     checked = inspect.signature(check_arguments).parameters
     assert set(ours) == set(checked)
     assert {n: p.default for n, p in ours.items()} == {n: checked[n].default for n in ours}
+
+
+def test_the_warm_tables_start_again_past_their_bound_and_serve_right(warm_path, monkeypatch):
+    """An eager prefill brings a new M most calls: the tables stay bounded, and a call they
+    forgot is checked and bound again, with the right result."""
+    monkeypatch.setattr(fp4select.api, "_MAX_SIGNATURES", 2)
+    problem = Problem(n=128, k=256, m_bucket=16)
+    from fp4select.validate import check
+
+    for m in (13, 14, 15, 13):
+        inputs = make_inputs(problem, m, "cpu", seed=m)
+        out = best_mm_fp4(**inputs.kwargs(problem))
+        assert check(out, inputs, torch.bfloat16).ok, m
+        assert fp4select.stats()["bound_signatures"] <= 2
+    assert fp4select.stats()["bound_signatures"] == 2  # 15 started the tables again; 13 rebound
