@@ -2,7 +2,7 @@
 kernels Triton compiled.
 
 Called eagerly (a prefill; any caller without CUDA graphs), a call of these paths costs its
-host time, which at M <= 512 is longer than its kernels: fp4select's argument checks and
+host time, which below about M = 2048 is longer than its kernels: fp4select's argument checks and
 decisions (split, grid, tile, PDL) and Triton's JIT binding every argument of every launch to
 find the compiled kernel again (docs/hopper.md, 'Eager launches'). A *plan* holds what a call's
 metadata decides; a ``Launch`` holds one kernel at one grid and one set of compile-time
