@@ -55,14 +55,13 @@ def linear_nvfp4(
     from fp4select.quantize import fp4_quantize
 
     k = x.shape[-1]
-    n = weight.shape[0]
     if weight.shape[-1] * 2 != k:
         raise ValueError(f"x has K={k} but the weight holds K={weight.shape[-1] * 2}")
-    x2 = x.reshape(-1, k)
-    a, a_sf = fp4_quantize(x2, input_scale_inv)
+    flat = x.dim() == 2  # the engines' call: (tokens, K), no reshape either way (eager host time)
+    a, a_sf = fp4_quantize(x if flat else x.reshape(-1, k), input_scale_inv)
     alpha = alpha.reshape(1) if alpha.dim() == 0 else alpha
     out = best_mm_fp4(a, weight.T, a_sf, weight_scale.T, alpha, out_dtype or x.dtype)
-    return out.reshape(*x.shape[:-1], n)
+    return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear_op() -> Any:
