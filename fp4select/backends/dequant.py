@@ -119,7 +119,7 @@ def _decoder(
         )  # fmt: skip
 
         def decode_words(data: torch.Tensor, scales: torch.Tensor, ws: torch.Tensor) -> None:
-            view = _words(data if data.dtype == torch.uint8 else data.view(torch.uint8))
+            view = _words(_bytes(data))
             if view is None:  # an offset the plan's key did not tell apart: the byte kernel
                 _decoder(rows, kh, False, use_nvfp4, layout)(data, scales, ws)
                 return
@@ -131,14 +131,18 @@ def _decoder(
     )
 
     def decode_bytes(data: torch.Tensor, scales: torch.Tensor, ws: torch.Tensor) -> None:
-        raw = data if data.dtype == torch.uint8 else data.view(torch.uint8)
+        raw = _bytes(data)
         by_bytes(raw, scales, ws.view(torch.int32), rows, kh, raw.stride(0), cp)
 
     return decode_bytes
 
 
+def _bytes(data: torch.Tensor) -> torch.Tensor:
+    return data if data.dtype == torch.uint8 else data.view(torch.uint8)
+
+
 def _word_view_possible(data: torch.Tensor) -> bool:
-    return _words(data if data.dtype == torch.uint8 else data.view(torch.uint8)) is not None
+    return _words(_bytes(data)) is not None
 
 
 def _decode_into(

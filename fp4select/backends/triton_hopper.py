@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -134,7 +134,8 @@ def _checked_words(
     )
     if not use_nvfp4:
         raise ValueError(f"{name} takes NVFP4 only (use_nvfp4=True)")
-    return c, hopper_args.words(a, dtype), hopper_args.words(b.T, dtype)
+    views = hopper_args.operand_words(args, dtype)
+    return (c, None, None) if views is None else (c, views[0], views[1])
 
 
 # From this compute capability the GPU converts e4m3 itself (``cvt``), and Triton lets a kernel
@@ -265,7 +266,7 @@ def fast_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
 
 def _a_planes(
     a8x4: bool, steps: int, bkw: int, m: int, mp: int, kh: int, cp: int, pdl: bool
-) -> Any:
+) -> Callable[[tuple[Any, ...], torch.Tensor, torch.device], torch.Tensor]:
     """a decoded into the float16 workspace the main loops read: (steps * 8 * bkw, mp), K-major,
     zeros past M and K. Per call, from the caching allocator (a graph capture takes it from the
     graph's pool): a function of the call's arguments."""
@@ -349,8 +350,8 @@ def _planes_plan(
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
         x = planes(args, a32, out.device)
         main(
-            x, w32, sw32, shifts, alpha_ptr, out, out if parts is None else parts, m, n, kw, mp, w_stride, out.stride(0),
-            out.stride(1), cp, per_split, alpha_value, last,
+            x, w32, sw32, shifts, alpha_ptr, out, out if parts is None else parts,
+            m, n, kw, mp, w_stride, out.stride(0), out.stride(1), cp, per_split, alpha_value, last,
         )  # fmt: skip
         if reduce is not None:
             reduce(parts, alpha_ptr, out, m, n, out.stride(0), out.stride(1), alpha_value, split)
@@ -409,7 +410,8 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     # 4 warps: the first consumer; the second (and the loader warp) partitions of their own
     main = Launch(
         ws.mma_ws, (tiles, split),
-        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP, OWN_LOADS=not cfg.loader_warp,
+        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP,
+        OWN_LOADS=not cfg.loader_warp,
         **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
     )  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None else None
