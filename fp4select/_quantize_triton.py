@@ -240,9 +240,9 @@ def quantize(
     m, k = x.shape
     rp, cp = -(-m // 128) * 128, -(-k // 64) * 4
     out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
-    sf = torch.empty((rp, cp), dtype=torch.uint8, device=x.device)
+    sf = torch.empty((rp, cp), dtype=torch.float8_e4m3fn, device=x.device)
     if m == 0:  # nothing to write, and a grid of no programs is not a launch
-        return out, sf.view(torch.float8_e4m3fn)
+        return out, sf
     # Everything Triton specializes the kernel on, and everything the grid depends on.
     cuda = x.device.type == "cuda"
     key = (
@@ -262,5 +262,8 @@ def quantize(
                 _launches.clear()
             _launches[key] = kept
     launch, block_m = kept
-    launch(x, gs, out, sf, m, k, x.stride(0), x.stride(1), cp, -(-m // block_m))
-    return out, sf.view(torch.float8_e4m3fn)
+    # The kernel stores scale bytes: the JIT compiles it for a byte view; a direct launch reads
+    # only the pointer (hopper_launch's rules), so the scales go as they are returned.
+    sf_bytes = sf if launch.direct else sf.view(torch.uint8)
+    launch(x, gs, out, sf_bytes, m, k, x.stride(0), x.stride(1), cp, -(-m // block_m))
+    return out, sf

@@ -212,3 +212,121 @@ def test_a_launch_that_compiles_nothing_stays_on_the_jit():
     launch("a", 1)
     launch("b", 2)
     assert [entry[0] for entry in fn.log] == ["jit", "jit"]
+
+
+class CudaLauncher:
+    """Stands for Triton 3.6's launcher object (the raw form reads its class name and fields):
+    ``launch`` logs its arguments, or refuses them as another launcher would."""
+
+    def __init__(self, log: list, refuse: bool, scratch: int) -> None:
+        self.log, self.refuse = log, refuse
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def launch(self, *args):
+        if self.refuse:
+            raise TypeError("function takes at least 20 arguments")
+        self.log.append(("raw", args))
+
+
+class _RawJit(_Jit):
+    """A JIT function whose compiled kernels carry a 3.6-style launcher."""
+
+    def __init__(self, refuse_raw: bool = False, scratch: int = 0) -> None:
+        super().__init__()
+        self.refuse_raw, self.scratch = refuse_raw, scratch
+
+    def __getitem__(self, grid: tuple):
+        def run(*args, **options):
+            self.log.append(("jit", grid, args, options))
+            kernel = CompiledKernel(self.log, False)
+            kernel.run = CudaLauncher(self.log, self.refuse_raw, self.scratch)
+            kernel.function, kernel.packed_metadata = 77, (4, 1, 0)
+            return kernel
+
+        return run
+
+
+@pytest.fixture
+def triton36(monkeypatch):
+    """Triton 3.6's launcher format, no launch hooks, a CUDA device 0 whose stream is 5."""
+    from triton import knobs
+    from triton.backends.nvidia import driver
+
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 5, raising=False)
+    return knobs.runtime
+
+
+def test_with_triton_36s_launcher_a_launch_calls_it_as_triton_does(triton36):
+    fn = _RawJit()
+    launch = hopper_launch.Launch(fn, (4, 2), BLOCK=64, num_warps=4)
+    launch("a", 7)
+    assert not launch.direct
+    launch("b", 8)
+    assert launch.direct
+    launch("c", 9)
+    leading = (4, 2, 1, 5, 77, False, True, None, None, (4, 1, 0), None, None, None)
+    assert fn.log[1:] == [
+        ("raw", (*leading, "b", 8, 64, False)),
+        ("raw", (*leading, "c", 9, 64, False)),
+    ]
+
+
+def test_a_launcher_refusing_the_raw_form_is_called_through_the_compiled_kernel(triton36):
+    fn = _RawJit(refuse_raw=True)
+    launch = hopper_launch.Launch(fn, (3,), BLOCK=16)
+    for x in "abc":
+        launch(x, 1)
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "direct"]
+    assert launch.direct
+
+
+@pytest.mark.parametrize("why", ["scratch", "another format", "enter hook", "exit hook"])
+def test_the_raw_form_gives_way_to_the_compiled_kernels_launch(triton36, monkeypatch, why):
+    """Where the launcher needs scratch, parses other arguments, or a profiler hooks launches,
+    Triton's own path launches (the hooks are read at each launch)."""
+    from triton.backends.nvidia import driver
+
+    fn = _RawJit(scratch=64 if why == "scratch" else 0)
+    if why == "another format":
+        monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKpOOOOOO")
+    launch = hopper_launch.Launch(fn, (3,), BLOCK=16)
+    launch("a", 1)
+    if why.endswith("hook"):
+        monkeypatch.setattr(triton36, f"launch_{why.split()[0]}_hook", print)
+    launch("b", 2)
+    launch("c", 3)
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "direct"]
+
+
+def test_all_direct_waits_for_every_launch_of_a_plan(triton36):
+    first, second = (hopper_launch.Launch(_RawJit(), (1,), BLOCK=8) for _ in range(2))
+    for call in range(2):
+        first("x", call)
+    assert hopper_launch.all_direct((first, None)) and not hopper_launch.all_direct((first, second))
+    second("x", 0)
+    second("x", 1)
+    assert hopper_launch.all_direct((first, second, None))
+
+
+@pytest.mark.parametrize("a_sf_layout", ["128x4", "8x4"])
+def test_unviewed_operands_point_where_their_word_views_do(a_sf_layout):
+    """A plan whose launches are direct passes the call's tensors for the views the kernels
+    were compiled for: the same data pointers, the weight's scales given either way round."""
+    from fp4select.backends import hopper_args
+
+    args = list(_args(m=5, n=48, k=256, a_sf_layout=a_sf_layout))
+    for scales in (args[3], args[3].T.contiguous().T):
+        args[3] = scales
+        views = hopper_args.operand_words(tuple(args), torch.int32, with_scales=True)
+        plain = hopper_args.operand_words(tuple(args), torch.int32, with_scales=True, direct=True)
+        assert views is not None and views[1].dtype == torch.int32
+        assert [t.data_ptr() for t in plain] == [t.data_ptr() for t in views]
+    wide = hopper_args.operand_words(tuple(args), torch.int64)
+    assert [
+        t.data_ptr() for t in hopper_args.operand_words(tuple(args), torch.int64, direct=True)
+    ] == [t.data_ptr() for t in wide]

@@ -51,6 +51,26 @@ def _problem(n: int, k: int, m: int, alpha: str) -> Problem:
 
 
 @pytest.fixture
+def wrapped_launches(monkeypatch):
+    """How many launches went through the Python wrapper of Triton's compiled launcher
+    (``CudaLauncher.__call__``), which the raw form skips; None where this Triton's launcher
+    is not the one the raw form was written against."""
+    from triton.backends.nvidia import driver
+
+    if getattr(driver, "_BASE_ARGS_FORMAT", None) != hopper_launch._RAW_LAUNCH_FORMAT:
+        return None
+    count = [0]
+    call = driver.CudaLauncher.__call__
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(driver.CudaLauncher, "__call__", counted)
+    return count
+
+
+@pytest.fixture
 def jit_runs(monkeypatch):
     """The names of the kernels launched through Triton's JIT (``JITFunction.run``)."""
     from triton.runtime.jit import JITFunction
@@ -67,16 +87,24 @@ def jit_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1].__name__}-M{c[5]}-{c[6]}")
-def test_a_planned_runner_gives_the_checked_runners_bits_and_skips_the_jit(case, jit_runs):
+def test_a_planned_runner_gives_the_checked_runners_bits_and_skips_the_jit(
+    case, jit_runs, wrapped_launches
+):
+    """Call 1 plans and compiles, call 2 takes the direct launches with word views, calls 3
+    and 4 the direct launches with the call's own tensors: each must read its own."""
     checked, planned, cfg, n, k, m, alpha = case
     hopper_launch.clear_plans()
     problem = _problem(n, k, m, alpha)
     kw = {} if cfg is None else {"cfg": cfg}
-    for seed in (1, 2, 3):  # the first call plans; the others must read their own tensors
+    for seed in (1, 2, 3, 4):
         inputs, args = _args(problem, m, seed, alpha)
         jit_runs.clear()
+        if wrapped_launches is not None:
+            wrapped_launches[0] = 0
         got = planned(*args, **kw)
         fast_launches = list(jit_runs)
+        if wrapped_launches is not None and seed > 1:
+            assert wrapped_launches[0] == 0, "Triton 3.6's launcher called through its wrapper"
         want = checked(*args, **kw)
         torch.cuda.synchronize()
         assert torch.equal(got, want), (seed, case)
@@ -145,7 +173,7 @@ def test_the_quantizer_launches_a_repeated_shape_from_its_compiled_kernel(jit_ru
 
     _quantize_triton._launches.clear()
     gs = torch.tensor([0.7], device="cuda")
-    for seed in (1, 2, 3):
+    for seed in (1, 2, 3, 4):  # the JIT, then direct with a byte view, then with the scales
         torch.manual_seed(seed)
         x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
         jit_runs.clear()

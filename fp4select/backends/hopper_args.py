@@ -31,10 +31,16 @@ def words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def operand_words(
-    args: tuple[Any, ...], dtype: torch.dtype, with_scales: bool = False
+    args: tuple[Any, ...], dtype: torch.dtype, with_scales: bool = False, direct: bool = False
 ) -> tuple[torch.Tensor, ...] | None:
     """a and the weight of mm_fp4's ``args`` as words of ``dtype`` (and with ``with_scales``
-    the weight's scales as int32 words), or None where one cannot be viewed so."""
+    the weight's scales as int32 words), or None where one cannot be viewed so.
+
+    ``direct``: the plan's kernels launch from their compiled launchers, which read only the
+    data pointers, the same in the views as in the tensors; so the tensors themselves, without
+    the views' host time (``hopper_launch``'s rules)."""
+    if direct:
+        return (args[0], args[1], args[3]) if with_scales else (args[0], args[1])
     a, w = words(args[0], dtype), words(args[1].T, dtype)
     if a is None or w is None:
         return None

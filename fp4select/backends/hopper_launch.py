@@ -7,7 +7,8 @@ decisions (split, grid, tile, PDL) and Triton's JIT binding every argument of ev
 find the compiled kernel again (docs/hopper.md, 'Eager launches'). A *plan* holds what a call's
 metadata decides; a ``Launch`` holds one kernel at one grid and one set of compile-time
 arguments, launched through the JIT the first time and then straight through the compiled
-kernel's own launcher (``CompiledKernel[grid](*args)``), as Triton's ahead-of-time users do.
+kernel's own launcher (``CompiledKernel[grid](*args)``), as Triton's ahead-of-time users do,
+or with Triton 3.6's launcher, by calling it as that does.
 
 Design rules:
 
@@ -26,9 +27,13 @@ Design rules:
   warm path's fast runners (``planned``) plan once per key. Both run the same plan code.
 * Where a launch does not return a compiled kernel (Triton's interpreter), or Triton calls
   hooks before its launches, every launch goes through the JIT as before; so does a launch
-  whose first direct call raised an argument error (``TypeError``, ``IndexError``,
-  ``AttributeError``: a Triton whose launcher takes its arguments otherwise), which Python
-  raises before the kernel is enqueued.
+  whose direct forms each raised an argument error on their first call (``TypeError``,
+  ``IndexError``, ``AttributeError``: a Triton whose launcher takes its arguments otherwise),
+  which Python raises before the kernel is enqueued.
+* Once every launch of a plan is direct, the plan passes the call's own tensors where the
+  kernels were compiled for word views of them: a compiled launcher reads a tensor's data
+  pointer only, and the key fixes its alignment, shape and strides (``all_direct``). The
+  first calls, through the JIT, pass the views Triton specializes on.
 """
 
 from __future__ import annotations
@@ -54,52 +59,107 @@ class Launch:
     """One kernel at one grid with fixed compile-time arguments (``options``); called with the
     kernel's leading run-time arguments, the same ones every call up to their values."""
 
-    __slots__ = ("_compiled", "_fn", "_grid", "_jit_only", "_options", "_proven")
+    __slots__ = ("_fn", "_forms", "_grid", "_options", "_tried", "direct")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], **options: Any) -> None:
         self._fn, self._grid, self._options = fn, grid, options
-        self._compiled: Callable[..., Any] | None = None
-        self._proven = False  # a direct launch has gone through
-        self._jit_only = False  # this Triton's launcher refused the direct form
+        self._forms: list[Callable[..., Any]] = []  # direct forms not yet refused, fastest first
+        self._tried = False  # the JIT has launched once (and _forms was filled from it)
+        # A direct form has gone through: every later call takes it, and the kernels read only
+        # the pointers of tensor arguments, so a plan may pass its call's tensors unviewed.
+        self.direct = False
 
     def __call__(self, *args: Any) -> None:
-        if self._compiled is not None:
-            if self._proven:
-                self._compiled(*args)
-                return
-            try:  # the first direct launch: an argument error means another Triton's launcher
-                self._compiled(*args)
-            except (TypeError, IndexError, AttributeError):  # raised before anything launched
-                self._compiled, self._jit_only = None, True
+        if self.direct:
+            self._forms[0](*args)
+            return
+        while self._forms:  # a first direct launch: an argument error is another Triton's
+            try:  # launcher, raised before anything was enqueued; the next form is tried
+                self._forms[0](*args)
+            except (TypeError, IndexError, AttributeError):
+                del self._forms[0]
             else:
-                self._proven = True
+                self.direct = True
                 return
         kernel = self._fn[self._grid](*args, **self._options)
-        if not self._jit_only:
-            self._compiled = _direct(kernel, self._fn, self._grid, len(args), self._options)
+        if not self._tried:
+            self._tried = True
+            self._forms = _direct_forms(kernel, self._fn, self._grid, len(args), self._options)
 
 
-def _direct(
+def all_direct(launches: tuple[Launch | None, ...]) -> bool:
+    """Whether every launch of a plan takes its direct form (None: a launch the plan skips)."""
+    return all(launch is None or launch.direct for launch in launches)
+
+
+# Triton 3.6's compiled launcher (``CudaLauncher.launch``) parses these leading arguments:
+# grid x, y, z, stream, function, cooperative, PDL, two scratch buffers, the kernel's packed
+# metadata, launch metadata and the two launch hooks; then every parameter of the kernel.
+_RAW_LAUNCH_FORMAT = "iiiKKppOOOOOO"
+
+
+def _direct_forms(
     kernel: Any, fn: Any, grid: tuple[int, ...], leading: int, options: dict[str, Any]
-) -> Callable[..., Any] | None:
-    """The compiled kernel's own launcher, taking the leading arguments; None to stay on the JIT.
+) -> list[Callable[..., Any]]:
+    """The compiled kernel's launch forms taking the leading arguments, fastest first; none to
+    stay on the JIT.
 
-    The launcher takes every parameter in order, compile-time ones included (it skips them),
-    so the rest are appended from ``options`` or the parameter's default."""
+    Both take every parameter in order, compile-time ones included (the launcher skips them),
+    so the rest are appended from ``options`` or the parameter's default. The first calls the
+    launcher as ``CompiledKernel.run`` does, without the Python around it (the stream and
+    device lookups, the hooks' metadata, the scratch buffers, none of which these kernels
+    use): about half of a launch's host time on the H200's host (docs/hopper.md, 'Eager
+    launches'). It is made only for the launcher whose arguments it was written against."""
     if type(kernel).__name__ != "CompiledKernel" or getattr(fn, "pre_run_hooks", None):
-        return None
+        return []
     try:
         names = list(fn.arg_names)
         defaults = {p.name: p.default for p in fn.params}
         tail = tuple(options[n] if n in options else defaults[n] for n in names[leading:])
-        run = kernel[(*grid, 1, 1)[:3]]  # its launcher reads all three dimensions
+        dims = (*grid, 1, 1)[:3]
+        run = kernel[dims]  # its launcher reads all three dimensions
     except Exception:  # another Triton's internals: the JIT path is always right
-        return None
+        return []
 
     def launch(*args: Any) -> None:
         run(*args, *tail)
 
-    return launch
+    raw = _raw_form(kernel, dims, tail, run)
+    return [launch] if raw is None else [raw, launch]
+
+
+def _raw_form(
+    kernel: Any, dims: tuple[int, ...], tail: tuple[Any, ...], run: Callable[..., Any]
+) -> Callable[..., Any] | None:
+    try:
+        from triton import knobs
+        from triton.backends.nvidia import driver as nvidia
+
+        launcher = kernel.run
+        if (
+            getattr(nvidia, "_BASE_ARGS_FORMAT", None) != _RAW_LAUNCH_FORMAT
+            or type(launcher).__name__ != "CudaLauncher"
+            or launcher.global_scratch_size
+            or launcher.profile_scratch_size
+        ):
+            return None
+        enqueue, hooks = launcher.launch, knobs.runtime
+        fixed = (
+            kernel.function, bool(launcher.launch_cooperative_grid), bool(launcher.launch_pdl),
+            None, None, kernel.packed_metadata, None, None, None,
+        )  # fmt: skip
+        stream_of, device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device()
+    except Exception:
+        return None
+    x, y, z = dims
+
+    def raw(*args: Any) -> None:
+        if hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
+            enqueue(x, y, z, stream_of(device), *fixed, *args, *tail)
+        else:  # a profiler's hooks: Triton's own path calls them
+            run(*args, *tail)
+
+    return raw
 
 
 def call_key(args: tuple[Any, ...]) -> Hashable | None:
@@ -112,7 +172,7 @@ def call_key(args: tuple[Any, ...]) -> Hashable | None:
             + ((alpha,) if isinstance(alpha, torch.Tensor) else ())
             + ((out,) if out is not None else ())
         )
-        meta = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors)
+        meta = tuple([(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors])
         device = torch.cuda.current_device() if a.device.type == "cuda" else -1
     except (AttributeError, TypeError, RuntimeError):
         return None

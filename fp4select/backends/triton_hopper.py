@@ -236,7 +236,8 @@ def _gemv_plan(args: tuple[Any, ...], cfg: GemvConfig | None) -> Plan:
     )  # fmt: skip
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
-        views = hopper_args.operand_words(args, torch.int64)
+        direct = main.direct and (decode is None or decode.direct)
+        views = hopper_args.operand_words(args, torch.int64, direct=direct)
         if views is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         (a_words, w_words), x_stride = views, a_stride
@@ -265,11 +266,11 @@ def fast_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
 
 
 def _a_planes(
-    a8x4: bool, steps: int, bkw: int, m: int, mp: int, kh: int, cp: int, pdl: bool
-) -> Callable[[tuple[Any, ...], torch.Tensor, torch.device], torch.Tensor]:
+    a8x4: bool, steps: int, bkw: int, m: int, mp: int, kh: int, cp: int, pdl: bool, a_stride: int
+) -> tuple[Launch, Callable[[tuple[Any, ...], torch.Tensor, torch.device], torch.Tensor]]:
     """a decoded into the float16 workspace the main loops read: (steps * 8 * bkw, mp), K-major,
     zeros past M and K. Per call, from the caching allocator (a graph capture takes it from the
-    graph's pool): a function of the call's arguments."""
+    graph's pool): a function of the call's arguments, beside its launch."""
     k = kernels()
     decode = Launch(
         k.decode_planes, (k.cdiv(mp, 32), steps),
@@ -278,10 +279,10 @@ def _a_planes(
 
     def planes(args: tuple[Any, ...], a32: torch.Tensor, device: torch.device) -> torch.Tensor:
         x = torch.empty((steps * bkw * 8, mp), dtype=torch.float16, device=device)
-        decode(a32, args[2], x, m, mp, kh // 4, a32.stride(0), cp)
+        decode(a32, args[2], x, m, mp, kh // 4, a_stride, cp)
         return x
 
-    return planes
+    return decode, planes
 
 
 def _partials(c: triton_fp4.Checked, split: int) -> torch.Tensor | None:
@@ -329,7 +330,7 @@ def _planes_plan(
     per_split = k.cdiv(k.cdiv(kw, bkw), split)
     steps = per_split * split  # what the programs read, past K included (zeros)
     mp = k.cdiv(m, cfg.block_t) * cfg.block_t
-    planes = _a_planes(args[8], steps, bkw, m, mp, c.kh, cp, pdl)
+    decode, planes = _a_planes(args[8], steps, bkw, m, mp, c.kh, cp, pdl, a32.stride(0))
     tiles = k.cdiv(n, cfg.block_n) * k.cdiv(m, cfg.block_t)
     counts = triton_fp4._counts(c.out.device, tiles) if parts is not None and cfg.sum_last else None
     hw = _e4m3_in_hardware(c.out.device) if hw_e4m3 is None else hw_e4m3
@@ -341,9 +342,11 @@ def _planes_plan(
     )  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None and counts is None else None
     w_stride, last = w32.stride(0), shifts if counts is None else counts
+    launches = (decode, main, reduce)
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
-        views = hopper_args.operand_words(args, torch.int32, with_scales=True)
+        direct = hopper_launch.all_direct(launches)
+        views = hopper_args.operand_words(args, torch.int32, with_scales=True, direct=direct)
         if views is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         a32, w32, sw32 = views
@@ -403,7 +406,7 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     # As in hopper-mma, a's decode and the split-K reduction take PDL when asked; so does the
     # Gluon main loop, waiting for the decode (docs/hopper_kernels.md, 'PDL for `hopper-ws`').
     pdl = _pdl(args, c.out.device)
-    planes = _a_planes(args[8], steps, bkw, m, mp, c.kh, cp, pdl)
+    decode, planes = _a_planes(args[8], steps, bkw, m, mp, c.kh, cp, pdl, a32.stride(0))
     xw = cfg.mma_tokens
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_shape, w_strides = list(w32.shape), list(w32.stride())
@@ -416,12 +419,16 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     )  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None else None
     alpha_stride = ws.ALPHA_STRIDE[c.alpha_kind]
+    launches = (decode, main, reduce)
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
-        views = hopper_args.operand_words(args, torch.int32, with_scales=True)
+        direct = hopper_launch.all_direct(launches)
+        views = hopper_args.operand_words(args, torch.int32, with_scales=True, direct=direct)
         if views is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         a32, w32, sw32 = views
+        if direct:  # the weight's descriptor checks its base's word size: the view, still
+            w32 = hopper_args.words(args[1].T, torch.int32)
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
         x = planes(args, a32, out.device)
         w_desc = TensorDescriptor(w32, w_shape, w_strides, [bn, bkw], w_layout)
