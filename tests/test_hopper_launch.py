@@ -249,19 +249,24 @@ class _RawJit(_Jit):
 
 @pytest.fixture
 def triton36(monkeypatch):
-    """Triton 3.6's launcher format, no launch hooks, a CUDA device 0 whose stream is 5."""
+    """Triton 3.6's launcher format, its empty chains of launch hooks, a CUDA device 0 whose
+    stream is 5."""
     from triton import knobs
     from triton.backends.nvidia import driver
 
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
-    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
-    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", knobs.HookChain(reversed=True))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 5, raising=False)
     return knobs.runtime
 
 
-def test_with_triton_36s_launcher_a_launch_calls_it_as_triton_does(triton36):
+@pytest.mark.parametrize("hooks", ["empty chains", "none"])
+def test_with_triton_36s_launcher_a_launch_calls_it_as_triton_does(triton36, monkeypatch, hooks):
+    if hooks == "none":  # as a Triton whose hooks are plain attributes leaves them
+        monkeypatch.setattr(triton36, "launch_enter_hook", None)
+        monkeypatch.setattr(triton36, "launch_exit_hook", None)
     fn = _RawJit()
     launch = hopper_launch.Launch(fn, (4, 2), BLOCK=64, num_warps=4)
     launch("a", 7)
@@ -285,7 +290,9 @@ def test_a_launcher_refusing_the_raw_form_is_called_through_the_compiled_kernel(
     assert launch.direct
 
 
-@pytest.mark.parametrize("why", ["scratch", "another format", "enter hook", "exit hook"])
+@pytest.mark.parametrize(
+    "why", ["scratch", "another format", "enter hook", "exit hook", "enter chained", "exit chained"]
+)
 def test_the_raw_form_gives_way_to_the_compiled_kernels_launch(triton36, monkeypatch, why):
     """Where the launcher needs scratch, parses other arguments, or a profiler hooks launches,
     Triton's own path launches (the hooks are read at each launch)."""
@@ -296,8 +303,10 @@ def test_the_raw_form_gives_way_to_the_compiled_kernels_launch(triton36, monkeyp
         monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKpOOOOOO")
     launch = hopper_launch.Launch(fn, (3,), BLOCK=16)
     launch("a", 1)
-    if why.endswith("hook"):
+    if why.endswith("hook"):  # set as a function
         monkeypatch.setattr(triton36, f"launch_{why.split()[0]}_hook", print)
+    elif why.endswith("chained"):  # added to Triton's chain, as its profiler does
+        getattr(triton36, f"launch_{why.split()[0]}_hook").add(print)
     launch("b", 2)
     launch("c", 3)
     assert [entry[0] for entry in fn.log] == ["jit", "direct", "direct"]

@@ -154,12 +154,17 @@ def _raw_form(
     x, y, z = dims
 
     def raw(*args: Any) -> None:
-        if hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
+        if _silent(hooks.launch_enter_hook) and _silent(hooks.launch_exit_hook):
             enqueue(x, y, z, stream_of(device), *fixed, *args, *tail)
         else:  # a profiler's hooks: Triton's own path calls them
             run(*args, *tail)
 
     return raw
+
+
+def _silent(hook: Any) -> bool:
+    """No launch hook: None, or Triton's chain of hooks (``knobs.HookChain``) holding none."""
+    return hook is None or not getattr(hook, "calls", True)
 
 
 def call_key(args: tuple[Any, ...]) -> Hashable | None:
