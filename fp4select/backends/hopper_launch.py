@@ -59,20 +59,27 @@ class Launch:
     """One kernel at one grid with fixed compile-time arguments (``options``); called with the
     kernel's leading run-time arguments, the same ones every call up to their values."""
 
-    __slots__ = ("_fn", "_forms", "_grid", "_options", "_tried", "direct")
+    __slots__ = ("_fn", "_forms", "_grid", "_kernel", "_options", "direct")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], **options: Any) -> None:
         self._fn, self._grid, self._options = fn, grid, options
-        self._forms: list[Callable[..., Any]] = []  # direct forms not yet refused, fastest first
-        self._tried = False  # the JIT has launched once (and _forms was filled from it)
+        self._kernel: Any = None  # what the JIT's first launch returned, until a second call
+        # The direct forms not yet refused, fastest first; None until a second call (a checked
+        # runner's launches run once: they never pay for making them).
+        self._forms: list[Callable[..., Any]] | None = None
         # A direct form has gone through: every later call takes it, and the kernels read only
         # the pointers of tensor arguments, so a plan may pass its call's tensors unviewed.
         self.direct = False
 
     def __call__(self, *args: Any) -> None:
         if self.direct:
-            self._forms[0](*args)
+            self._forms[0](*args)  # type: ignore[index]
             return
+        if self._forms is None and self._kernel is not None:
+            self._forms = _direct_forms(
+                self._kernel, self._fn, self._grid, len(args), self._options
+            )
+            self._kernel = None
         while self._forms:  # a first direct launch: an argument error is another Triton's
             try:  # launcher, raised before anything was enqueued; the next form is tried
                 self._forms[0](*args)
@@ -82,9 +89,8 @@ class Launch:
                 self.direct = True
                 return
         kernel = self._fn[self._grid](*args, **self._options)
-        if not self._tried:
-            self._tried = True
-            self._forms = _direct_forms(kernel, self._fn, self._grid, len(args), self._options)
+        if self._forms is None:
+            self._kernel = kernel
 
 
 def all_direct(launches: tuple[Launch | None, ...]) -> bool:

@@ -410,6 +410,7 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     xw = cfg.mma_tokens
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_shape, w_strides = list(w32.shape), list(w32.stride())
+    x_shape = [steps * bkw * 8, mp]  # the planes' workspace (_a_planes), row-major
     # 4 warps: the first consumer; the second (and the loader warp) partitions of their own
     main = Launch(
         ws.mma_ws, (tiles, split),
@@ -427,12 +428,14 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         if views is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         a32, w32, sw32 = views
-        if direct:  # the weight's descriptor checks its base's word size: the view, still
-            w32 = hopper_args.words(args[1].T, torch.int32)
+        # The weight's descriptor checks its base's word size: the view, still.
+        w_base = hopper_args.words(args[1].T, torch.int32) if direct else w32
+        if w_base is None:
+            return _fallback(args)
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
         x = planes(args, a32, out.device)
-        w_desc = TensorDescriptor(w32, w_shape, w_strides, [bn, bkw], w_layout)
-        x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [8 * bkw, xw], x_layout)
+        w_desc = TensorDescriptor(w_base, w_shape, w_strides, [bn, bkw], w_layout)
+        x_desc = TensorDescriptor(x, x_shape, [mp, 1], [8 * bkw, xw], x_layout)
         if parts is None:  # scaled by alpha and stored in out
             dst, s0, s1, a_stride = out, out.stride(0), out.stride(1), alpha_stride
         else:  # float32 partial sums, (split, M, N), as reduce_split reads them
