@@ -30,6 +30,8 @@ Design rules:
   whose direct forms each raised an argument error on their first call (``TypeError``,
   ``IndexError``, ``AttributeError``: a Triton whose launcher takes its arguments otherwise),
   which Python raises before the kernel is enqueued.
+* The raw form (``_raw_form``) steps aside for Triton's own path while a profiler's launch
+  hook is set, read at every launch.
 * Once every launch of a plan is direct, the plan passes the call's own tensors where the
   kernels were compiled for word views of them: a compiled launcher reads a tensor's data
   pointer only, and the key fixes its alignment, shape and strides (``all_direct``). The
@@ -111,11 +113,8 @@ def _direct_forms(
     stay on the JIT.
 
     Both take every parameter in order, compile-time ones included (the launcher skips them),
-    so the rest are appended from ``options`` or the parameter's default. The first calls the
-    launcher as ``CompiledKernel.run`` does, without the Python around it (the stream and
-    device lookups, the hooks' metadata, the scratch buffers, none of which these kernels
-    use): about half of a launch's host time on the H200's host (docs/hopper.md, 'Eager
-    launches'). It is made only for the launcher whose arguments it was written against."""
+    so the rest are appended from ``options`` or the parameter's default. The first, where
+    there is one, is ``_raw_form``."""
     if type(kernel).__name__ != "CompiledKernel" or getattr(fn, "pre_run_hooks", None):
         return []
     try:
@@ -137,6 +136,11 @@ def _direct_forms(
 def _raw_form(
     kernel: Any, dims: tuple[int, ...], tail: tuple[Any, ...], run: Callable[..., Any]
 ) -> Callable[..., Any] | None:
+    """The compiled launcher called as ``CompiledKernel.run`` calls it, without the Python
+    around it (the device and stream lookups, the hooks' metadata, the scratch buffers, none
+    of which these kernels use), which took about as much host time as the launch itself on the
+    H200's host (docs/hopper.md, 'Eager launches'); None where the launcher is not the one
+    whose arguments it was written against (Triton 3.6's), or needs scratch."""
     try:
         from triton import knobs
         from triton.backends.nvidia import driver as nvidia
