@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from fp4select.backends._triton_kernels import gdc_launch_dependents, pdl_start
-from fp4select.backends.hopper_launch import MAX_PLANS, Launch
+from fp4select.backends.hopper_launch import MAX_PLANS, Launch, metadata_key
 
 if TYPE_CHECKING:
     from fp4select.quantize import QuantConfig
@@ -245,10 +245,7 @@ def quantize(
         return out, sf
     # Everything Triton specializes the kernel on, and everything the grid depends on.
     cuda = x.device.type == "cuda"
-    key = (
-        m, k, x.stride(), x.dtype, x.device, x.data_ptr() & 15, gs.data_ptr() & 15, cfg, pdl,
-        torch.cuda.current_device() if cuda else -1,
-    )  # fmt: skip
+    key = (metadata_key(x, gs), cfg, pdl, torch.cuda.current_device() if cuda else -1)
     kept = _launches.get(key)
     if kept is None:
         block_m, programs_m, programs_c = grid(m, cp, cfg)

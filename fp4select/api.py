@@ -36,7 +36,7 @@ from fp4select import native_key, tensor_guard
 from fp4select import record as _record
 from fp4select import settings as settings_mod
 from fp4select.arguments import check_arguments
-from fp4select.backends import flashinfer_tactics
+from fp4select.backends import flashinfer_tactics, hopper_launch
 from fp4select.keys import Problem, environment_for, resolve_device
 from fp4select.records import Decision, TimingOptions
 from fp4select.selector import Selector
@@ -80,6 +80,7 @@ def selector() -> Selector:
                 _always_check = made.settings.check == "always"
                 _selector = made
                 _native_key = native_key.for_settings(made.settings)
+                hopper_launch.use_native_key(_native_key)
     return _selector
 
 
@@ -118,6 +119,7 @@ def configure(
         _always_check = chosen.check == "always"
         _forget_all()
         _native_key = native_key.for_settings(chosen)
+        hopper_launch.use_native_key(_native_key)
     return _selector
 
 

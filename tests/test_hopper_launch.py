@@ -31,7 +31,23 @@ def _args(m: int = 4, n: int = 64, k: int = 128, seed: int = 1, **problem: str) 
     return validate.make_inputs(p, m, "cpu", seed=seed, with_reference=False).args(p)
 
 
-def test_calls_that_differ_only_in_values_share_a_key():
+@pytest.fixture(
+    params=["python", pytest.param("native", marks=[pytest.mark.slow, pytest.mark.subprocess])]
+)
+def key_form(request):
+    """Plans keyed in Python, or by the warm path's C++ key (as ``configure`` hands it down)."""
+    from fp4select import native_key
+
+    key = None
+    if request.param == "native":
+        key = native_key.load(request.getfixturevalue("native_dir"))
+        assert key is not None
+    hopper_launch.use_native_key(key)
+    yield request.param
+    hopper_launch.use_native_key(None)
+
+
+def test_calls_that_differ_only_in_values_share_a_key(key_form):
     assert hopper_launch.call_key(_args(seed=1)) == hopper_launch.call_key(_args(seed=2))
 
 
@@ -48,7 +64,7 @@ def test_calls_that_differ_only_in_values_share_a_key():
         "8x4 scales",
     ],
 )
-def test_a_key_tells_apart_what_a_plan_depends_on(change):
+def test_a_key_tells_apart_what_a_plan_depends_on(change, key_form):
     base = _args(m=4, alpha_kind="scalar")
     args = list(base)
     if change == "m":
@@ -72,7 +88,19 @@ def test_a_key_tells_apart_what_a_plan_depends_on(change):
     assert hopper_launch.call_key(tuple(args)) != hopper_launch.call_key(base)
 
 
-def test_a_call_that_is_not_tensors_has_no_key():
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_settings_hand_the_c_key_to_the_plans(native_dir, cache_dir):
+    import fp4select
+
+    fp4select.configure(cache_dir=cache_dir, native="auto", native_dir=native_dir)
+    assert hopper_launch._native is not None
+    assert isinstance(hopper_launch.call_key(_args())[0][0], int)  # the C++ key's interned int
+    fp4select.configure(cache_dir=cache_dir, native="off")
+    assert hopper_launch._native is None
+
+
+def test_a_call_that_is_not_tensors_has_no_key(key_form):
     args = list(_args())
     args[0] = [[0]]
     assert hopper_launch.call_key(tuple(args)) is None
@@ -339,3 +367,4 @@ def test_unviewed_operands_point_where_their_word_views_do(a_sf_layout):
     assert [
         t.data_ptr() for t in hopper_args.operand_words(tuple(args), torch.int64, direct=True)
     ] == [t.data_ptr() for t in wide]
+

@@ -13,7 +13,8 @@ or with Triton 3.6's launcher, by calling it as that does.
 Design rules:
 
 * A plan depends only on what ``call_key`` reads: every tensor's shape, strides, dtype and
-  device, its data pointer's remainder mod 16, the flags and alpha's kind, the current device.
+  device, its data pointer's remainder mod 16, the flags and alpha's kind, the current device
+  (the tensors' metadata in one call of the warm path's C++ key where it is loaded).
   Those fix every integer a kernel receives and every property Triton specializes a kernel on
   (pointers' and integers' divisibility by 16, integers equal to 1, dtypes), so the compiled
   kernel of the first launch is the kernel the JIT would pick again. Data pointers and a Python
@@ -177,22 +178,41 @@ def _silent(hook: Any) -> bool:
     return hook is None or not getattr(hook, "calls", True)
 
 
+# The warm path's C++ key (``fp4select.native_key``) where the settings load one (``api`` sets
+# it with them): it reads every tensor's metadata in one call, a few times faster than Python.
+_native: Callable[..., int | None] | None = None
+
+
+def use_native_key(key: Callable[..., int | None] | None) -> None:
+    """Key plans with ``key`` (the loaded C++ key), or in Python (None)."""
+    global _native
+    _native = key
+
+
+def metadata_key(*tensors: torch.Tensor | None) -> Hashable:
+    """What a plan reads of ``tensors`` (each a tensor or None): every one's shape, strides,
+    dtype and device (the C++ key reads its type, dispatch keys and requires_grad too), and
+    its data pointer's remainder mod 16. Raises what reading a non-tensor raises."""
+    exact = None if _native is None else _native(*tensors)
+    aligned = tuple([-1 if t is None else t.data_ptr() & 15 for t in tensors])
+    if exact is not None:
+        return exact, aligned
+    meta = tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    return meta, aligned
+
+
 def call_key(args: tuple[Any, ...]) -> Hashable | None:
     """What a plan for mm_fp4's positional ``args`` depends on (the module rules), or None for
     a call that is not all tensors where tensors are expected (planned every time)."""
     a, b, a_descale, b_descale, alpha, out_dtype, out = args[:7]
     try:
-        tensors = (
-            (a, b, a_descale, b_descale)
-            + ((alpha,) if isinstance(alpha, torch.Tensor) else ())
-            + ((out,) if out is not None else ())
-        )
-        meta = tuple([(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors])
-        device = torch.cuda.current_device() if a.device.type == "cuda" else -1
+        held = alpha if isinstance(alpha, torch.Tensor) else None
+        meta = metadata_key(a, b, a_descale, b_descale, held, out)
+        device = torch.cuda.current_device() if a.is_cuda else -1
     except (AttributeError, TypeError, RuntimeError):
         return None
     kind = alpha if alpha is None else type(alpha)
-    return (meta, kind, out is None, out_dtype, *args[7:11], device)
+    return (meta, kind, out_dtype, *args[7:11], device)
 
 
 def planned(kind: str, plan_for: PlanFor, args: tuple[Any, ...], cfg: Any) -> torch.Tensor:
