@@ -368,3 +368,15 @@ def test_unviewed_operands_point_where_their_word_views_do(a_sf_layout):
         t.data_ptr() for t in hopper_args.operand_words(tuple(args), torch.int64, direct=True)
     ] == [t.data_ptr() for t in wide]
 
+
+def test_an_unchecked_descriptor_is_the_checked_one():
+    """hopper-ws' direct launches describe their tiles without the constructor's checks: the
+    same fields, the padding's default included, as the checked descriptor of the same tile."""
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    w_layout, x_layout = triton_hopper._ws_tile_layouts(128, 16, 128)
+    words = torch.zeros((512, 64), dtype=torch.int32)
+    planes = torch.zeros((128, 128), dtype=torch.float16)
+    for base, block, layout in ((words, [128, 16], w_layout), (planes, [128, 128], x_layout)):
+        shape, strides = list(base.shape), list(base.stride())
+        checked = gluon.TensorDescriptor(base, shape, strides, block, layout)
+        assert triton_hopper._unchecked(base, shape, strides, block, layout) == checked

@@ -428,14 +428,11 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         if views is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         a32, w32, sw32 = views
-        # The weight's descriptor checks its base's word size: the view, still.
-        w_base = hopper_args.words(args[1].T, torch.int32) if direct else w32
-        if w_base is None:
-            return _fallback(args)
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
         x = planes(args, a32, out.device)
-        w_desc = TensorDescriptor(w_base, w_shape, w_strides, [bn, bkw], w_layout)
-        x_desc = TensorDescriptor(x, x_shape, [mp, 1], [8 * bkw, xw], x_layout)
+        describe = _unchecked if direct else TensorDescriptor
+        w_desc = describe(w32, w_shape, w_strides, [bn, bkw], w_layout)
+        x_desc = describe(x, x_shape, [mp, 1], [8 * bkw, xw], x_layout)
         if parts is None:  # scaled by alpha and stored in out
             dst, s0, s1, a_stride = out, out.stride(0), out.stride(1), alpha_stride
         else:  # float32 partial sums, (split, M, N), as reduce_split reads them
@@ -449,6 +446,21 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         return out
 
     return run
+
+
+def _unchecked(
+    base: Any, shape: list[int], strides: list[int], block: list[int], layout: Any
+) -> Any:
+    """A Gluon TensorDescriptor made without its constructor's checks, for a direct launch: the
+    launcher reads only its base's data pointer, shape, strides and padding, and the plan's
+    first calls built the checked descriptors of the same geometry (the key fixes it) from
+    the word views, which the base need not be then (the views and the checks cost a direct
+    call about what one of its launches does)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    made = object.__new__(TensorDescriptor)
+    made.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block, layout=layout)
+    return made
 
 
 def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
