@@ -1,6 +1,6 @@
 """``hopper-*``: NVFP4 kernels for GPUs without FP4 tensor cores that decode whole words.
 
-Why one file of ~560 lines: each path's plan (what a call launches: its checks, split, grid
+Why one file of ~580 lines: each path's plan (what a call launches: its checks, split, grid
 and kernels; ``hopper_launch``) sits beside the path's registration, because a module of
 plans between ``triton_fp4`` and the registry would put every importer of the backends a
 level deeper than issue 17's bound of ten allows; the call's views and the splits' arithmetic
@@ -285,6 +285,27 @@ def _a_planes(
     return decode, planes
 
 
+def _planes_call(
+    args: tuple[Any, ...],
+    launches: tuple[Launch | None, ...],
+    planes: Callable[[tuple[Any, ...], torch.Tensor, torch.device], torch.Tensor],
+    m: int,
+    n: int,
+) -> (
+    tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor] | None
+):
+    """What both tensor-core plans read per call: whether every launch is direct, the weight
+    and its scales as words (the call's own tensors once direct), out, alpha's tensor and
+    number, and a decoded into its planes; None where a view fails."""
+    direct = hopper_launch.all_direct(launches)
+    views = hopper_args.operand_words(args, torch.int32, with_scales=True, direct=direct)
+    if views is None:
+        return None
+    a32, w32, sw32 = views
+    out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
+    return direct, w32, sw32, out, alpha_ptr, alpha_value, planes(args, a32, out.device)
+
+
 def _partials(c: triton_fp4.Checked, split: int) -> torch.Tensor | None:
     """The float32 workspace a K split writes its partial sums to ((split, M, N)), or None:
     no split, or none can be made here (inside a graph capture): the caller runs unsplit."""
@@ -345,13 +366,10 @@ def _planes_plan(
     launches = (decode, main, reduce)
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
-        direct = hopper_launch.all_direct(launches)
-        views = hopper_args.operand_words(args, torch.int32, with_scales=True, direct=direct)
-        if views is None:  # an offset the plan's key does not tell apart
+        call = _planes_call(args, launches, planes, m, n)
+        if call is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
-        a32, w32, sw32 = views
-        out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
-        x = planes(args, a32, out.device)
+        _, w32, sw32, out, alpha_ptr, alpha_value, x = call
         main(
             x, w32, sw32, shifts, alpha_ptr, out, out if parts is None else parts,
             m, n, kw, mp, w_stride, out.stride(0), out.stride(1), cp, per_split, alpha_value, last,
@@ -423,13 +441,10 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     launches = (decode, main, reduce)
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
-        direct = hopper_launch.all_direct(launches)
-        views = hopper_args.operand_words(args, torch.int32, with_scales=True, direct=direct)
-        if views is None:  # an offset the plan's key does not tell apart
+        call = _planes_call(args, launches, planes, m, n)
+        if call is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
-        a32, w32, sw32 = views
-        out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
-        x = planes(args, a32, out.device)
+        direct, w32, sw32, out, alpha_ptr, alpha_value, x = call
         describe = _unchecked if direct else TensorDescriptor
         w_desc = describe(w32, w_shape, w_strides, [bn, bkw], w_layout)
         x_desc = describe(x, x_shape, [mp, 1], [8 * bkw, xw], x_layout)
