@@ -70,6 +70,15 @@ def _problem_options(p: argparse.ArgumentParser, format_help: str) -> None:
     )
 
 
+def _vs_bf16_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--vs-bf16",
+        action="store_true",
+        help=f"{what} beside the same product with a bfloat16 weight (float16 for float16 "
+        "output), side by side in one run, and print the ratio",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp4select", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"fp4select {__version__}")
@@ -135,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quiet", action="store_true", help="no progress bar and no line per key; only the table"
     )
+    _vs_bf16_option(p, "afterwards, time each key's FP4 GEMM as served")
     _problem_options(p, "FP4 format of --shape keys (default nvfp4; --model brings its own)")
     p.set_defaults(format=None)  # --model brings its own format; nvfp4 otherwise
     p = command("show", cmd_show, "list stored decisions")
@@ -148,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=positive_int, required=True, help="input features (K)")
     p.add_argument("--m", type=positive_int, required=True, help="tokens in the batch (M)")
     p.add_argument("--tune", action="store_true", help="tune now if there is no decision")
+    _vs_bf16_option(p, "also time the FP4 GEMM as served")
     _problem_options(p, "FP4 format: nvfp4 (16-value blocks) or mxfp4 (32-value blocks)")
     p = command(
         "blacklist", cmd_blacklist, "list (or clear) backends blacklisted in this environment"

@@ -86,6 +86,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
     except DeviceError as exc:
         return failed(f"fp4select warm: {exc}", 2)
     if args.dry_run:
+        if args.vs_bf16:
+            return failed("fp4select warm: --vs-bf16 times the keys tuned; --dry-run tunes none", 2)
         print_plan(plan, args.json)
         return 0
     problems = plan["problems"]
@@ -138,6 +140,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
     native = native_built.result()
     builder.shutdown()
     wall = time.perf_counter() - started
+    if args.vs_bf16:
+        compare_with_bf16(problems, results, device, sel.timing, quiet)
     failures = sum(1 for r in results if r["winner"] is None)
     # Warming at deploy time is for the processes that come after: a decision kept only in this
     # process's memory (an unwritable cache) is lost when it ends, so that is a failure too.
@@ -164,13 +168,17 @@ def cmd_warm(args: argparse.Namespace) -> int:
         rows = [
             [r["problem"], r["winner"] or "NONE", r["source"], r.get("seconds", "-")]
             + ([r.get("device") or "-"] if devices else [])
+            + (versus_cells(r.get("vs_bf16")) if args.vs_bf16 else [])
             for r in results
         ]
         header = ["problem", "winner", "source", "tuning s"] + (["device"] if devices else [])
+        header += VERSUS_HEADER if args.vs_bf16 else []
         print(table(rows, header))
         print(
             f"{len(results)} keys in {wall:.1f} s" + (f" on {len(devices)} GPUs" if devices else "")
         )
+        if args.vs_bf16:
+            print(VERSUS_NOTE)
         if exported is not None:
             print(f"exported {exported} entries to {args.export}")
         for r in results:
@@ -183,6 +191,68 @@ def cmd_warm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if failures or lost else 0
+
+
+VERSUS_HEADER = ["M timed", "FP4 us", "dense us", "FP4/dense"]
+VERSUS_NOTE = (
+    "dense: the same product with the weight in the output dtype (bfloat16, or float16), "
+    "timed beside the FP4 GEMM as served at the bucket's largest M; FP4/dense below 1: FP4 "
+    "is faster"
+)
+
+
+def served_vs_dense(problem: Problem, device: torch.device, options: Any = None) -> dict[str, Any]:
+    """``problem``'s stored decision, served by ``best_mm_fp4``, beside a dense weight
+    (``fp4select.versus``); with no stored decision nothing is timed (nor tuned)."""
+    from fp4select import versus
+    from fp4select.api import best_mm_fp4, selector
+
+    sel = selector()
+    decision = sel.lookup(problem, device)
+    head = {
+        "problem": problem.describe(),
+        "m": problem.timing_m(),
+        "dense_dtype": problem.out_dtype,
+    }
+    if decision is None or decision.winner is None:
+        return head | {"served": None, "why": "no decision stored for this key"}
+    timed = versus.compare(problem, device, best_mm_fp4, options or sel.timing)
+    return head | {"served": decision.winner} | timed
+
+
+def compare_with_bf16(
+    problems: list[Problem],
+    results: list[dict[str, Any]],
+    device: torch.device,
+    options: Any,
+    quiet: bool,
+) -> None:
+    """Each tuned key's served GEMM beside a bfloat16 weight (``fp4select.versus``), into its
+    result row as ``vs_bf16``."""
+    rows = {r["problem"]: r for r in results}
+    bar = progress_bar(len(problems), "fp4select warm --vs-bf16", "key", off=quiet)
+    try:
+        for problem in problems:
+            row = rows.get(problem.describe())
+            if row is not None and row["winner"] is not None:
+                row["vs_bf16"] = served_vs_dense(problem, device, options)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def versus_cells(comparison: Mapping[str, Any] | None) -> list[str]:
+    """The table cells of one ``versus.compare`` result (dashes where nothing was timed)."""
+    if not comparison or comparison.get("ratio") is None:
+        return ["-"] * len(VERSUS_HEADER)
+    return [
+        str(comparison["m"]),
+        f"{comparison['fp4']['median_us']:.1f}",
+        f"{comparison['dense']['median_us']:.1f}",
+        f"{comparison['ratio']:.2f}x",
+    ]
 
 
 def why_none(decision: Any) -> str:
@@ -208,7 +278,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         b_layout=args.b_layout,
         alpha_kind=args.alpha,
     )
-    record = explain(problem=problem, device=parse_device(args.device), tune=args.tune)
+    device = parse_device(args.device)
+    record = explain(problem=problem, device=device, tune=args.tune)
+    if args.vs_bf16 and record.get("winner") is not None:
+        record["vs_bf16"] = served_vs_dense(problem, device)
     if args.json:
         print_json(record)
         return 0 if record.get("winner") else 1
@@ -239,7 +312,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print("* sampled again: its first samples ran far slower than its own calls (a stall)")
     if record.get("method"):
         print(f"timing:  {record['method']}")
+    if "vs_bf16" in record:
+        print(versus_line(record["vs_bf16"]))
     return 0 if record.get("winner") else 1
+
+
+def versus_line(comparison: Mapping[str, Any]) -> str:
+    if comparison.get("ratio") is None:
+        return f"vs {comparison['dense_dtype']}: not timed ({comparison.get('why', '?')})"
+    cells = dict(zip(VERSUS_HEADER, versus_cells(comparison)))
+    return (
+        f"vs {comparison['dense_dtype']}: at M={cells['M timed']} the FP4 GEMM as served "
+        f"({comparison['served']}) took {cells['FP4 us']} us, the same product with a "
+        f"{comparison['dense_dtype']} weight {cells['dense us']} us: {cells['FP4/dense']} "
+        f"({comparison['method']}, side by side)"
+    )
 
 
 def tactic_summary(verdict: Mapping[str, Any]) -> tuple[str, str]:
