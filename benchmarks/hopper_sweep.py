@@ -77,6 +77,7 @@ FAMILY_HELP = {
     "wsw": "hopper-ws at WSW: one wgmma over the whole 128-token tile",
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
+    "mid": "from M = 513 (above 2048 too): hopper-ws at every tile of its M <= 512 tactics",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -489,6 +490,11 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out["occ " + " ".join(map(str, dataclasses.astuple(c)))] = functools.partial(
                     triton_hopper.run_mma, cfg=c
                 )
+    if m > 512 and "mid" in families:  # tiles that may fill the SMs' waves better than
+        # 128 x 256 between the powers of two (fp4select warm --vs-bf16 on Llama-3.1-8B's shapes)
+        for c in hopper_configs.candidates("ws", 512):
+            name = "mid " + " ".join(map(str, dataclasses.astuple(c)))
+            out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
