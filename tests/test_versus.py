@@ -145,3 +145,24 @@ def test_on_a_gpu_both_sides_are_graph_replays_with_cold_l2(inprocess):
     for side in ("fp4", "dense"):
         assert result[side]["method"].startswith("cuda-graph"), result
         assert 0 < result[side]["p10_us"] <= result[side]["median_us"] <= result[side]["p90_us"]
+
+
+def test_a_comparison_that_fails_is_reported_and_the_rest_go_on(cache_dir, monkeypatch, capsys):
+    """Out of memory for the dense weight, say: the key stays served, its row says why."""
+    real = versus.compare
+
+    def compare(problem, *args):
+        if problem.m_bucket == 2:
+            raise RuntimeError("CUDA out of memory (planted)")
+        return real(problem, *args)
+
+    monkeypatch.setattr(versus, "compare", compare)
+    args = ["warm", "--device", "cpu", "--shape", "64,128", "--max-m", "2", "--quiet", "--vs-bf16"]
+    assert main([*args, "--json"]) == 0
+    rows = {r["vs_bf16"]["m"]: r["vs_bf16"] for r in json.loads(capsys.readouterr().out)["results"]}
+    assert rows[1]["ratio"] > 0
+    assert rows[2]["served"] == "emulation" and "ratio" not in rows[2]
+    assert rows[2]["why"] == "not timed: RuntimeError: CUDA out of memory (planted)"
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "--vs-bf16 for N=64 K=128 M=2..2" in out and "planted" in out

@@ -184,6 +184,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
         for r in results:
             if r["winner"] is None and r.get("why_none"):
                 print(f"NONE for {r['problem']}: {r['why_none']}")
+            elif "why" in r.get("vs_bf16", {}):
+                print(f"--vs-bf16 for {r['problem']}: {r['vs_bf16']['why']}")
     if lost:
         print(
             f"warm failed: {lost} of {len(results)} decisions could not be written to the cache "
@@ -216,8 +218,13 @@ def served_vs_dense(problem: Problem, device: torch.device, options: Any = None)
     }
     if decision is None or decision.winner is None:
         return head | {"served": None, "why": "no decision stored for this key"}
-    timed = versus.compare(problem, device, best_mm_fp4, options or sel.timing)
-    return head | {"served": decision.winner} | timed
+    head["served"] = decision.winner
+    try:
+        return head | versus.compare(problem, device, best_mm_fp4, options or sel.timing)
+    except (RuntimeError, ValueError, MemoryError) as exc:  # a report: the key stays served
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # an out-of-memory error leaves nothing queued
+        return head | {"why": f"not timed: {type(exc).__name__}: {exc}"[:300]}
 
 
 def compare_with_bf16(
