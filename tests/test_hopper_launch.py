@@ -340,6 +340,119 @@ def test_the_raw_form_gives_way_to_the_compiled_kernels_launch(triton36, monkeyp
     assert [entry[0] for entry in fn.log] == ["jit", "direct", "direct"]
 
 
+def _wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton 3.6's wrapper of a launcher whose kernel takes host tensor descriptors, as
+    ``triton.backends.nvidia.driver`` writes it (the raw form reads its closure)."""
+    from triton.backends.nvidia import driver
+
+    def inner(*args):
+        final_args = list(args[: driver._BASE_ARGS_FORMAT_LEN])
+        d = 0
+        for i, arg in enumerate(args[driver._BASE_ARGS_FORMAT_LEN :]):
+            if i in tensordesc_indices:
+                final_args.extend(driver.make_tensordesc_arg(arg, tensordesc_meta[d]))
+                d += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+
+
+@dataclasses.dataclass
+class _Desc:
+    base: torch.Tensor
+    shape: list
+    strides: list
+    padding: str = "zero"
+
+
+@pytest.fixture
+def encodings(triton36, monkeypatch):
+    """Triton 3.6's descriptor encoding, logged: one entry per ``cuTensorMapEncodeTiled``."""
+    from triton.backends.nvidia import driver
+
+    log: list = []
+
+    def encode(desc, meta):
+        log.append((desc.base.data_ptr(), tuple(desc.shape), meta))
+        return [f"map{len(log)}", *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode, raising=False)
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    return log
+
+
+class _DescJit(_RawJit):
+    """A JIT function of parameters (w_desc, x_desc, n, BLOCK, FLAG) whose 3.6-style launcher
+    is wrapped to take the two descriptors (metadata ``metas``)."""
+
+    def __init__(self, metas: list) -> None:
+        super().__init__()
+        self.arg_names = ["w_desc", "x_desc", "n", "BLOCK", "FLAG"]
+        self.params = [_Param("w_desc"), _Param("x_desc"), *self.params[1:]]
+        self.metas = metas
+
+    def __getitem__(self, grid: tuple):
+        run = super().__getitem__(grid)
+
+        def wrapped(*args, **options):
+            kernel = run(*args, **options)
+            raw = kernel.run.launch
+            kernel.run.launch = _wrap_handle_tensordesc(raw, {0, 1}, self.metas)
+            return kernel
+
+        return wrapped
+
+
+def test_tma_descriptors_are_encoded_once_per_distinct_fields(encodings):
+    fn = _DescJit([{"swizzle": 128}, {"swizzle": 64}])
+    launch = hopper_launch.Launch(fn, (2,), BLOCK=32)
+    w, x, x2 = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    for call, xs in enumerate([x, x, x, x2, x]):  # new descriptor objects every call
+        launch(_Desc(w, [8, 8], [8, 1]), _Desc(xs, [4, 16], [16, 1]), call)
+    assert launch.direct
+    # the JIT's call encodes nothing here; calls 2-5 encode w and x once, then x2 once
+    assert encodings == [
+        (w.data_ptr(), (8, 8), {"swizzle": 128}),
+        (x.data_ptr(), (4, 16), {"swizzle": 64}),
+        (x2.data_ptr(), (4, 16), {"swizzle": 64}),
+    ]
+    leading = (2, 1, 1, 5, 77, False, True, None, None, (4, 1, 0), None, None, None)
+    raw = [entry[1] for entry in fn.log if entry[0] == "raw"]
+    assert raw[0] == (*leading, "map1", 8, 8, 8, 1, "map2", 4, 16, 16, 1, 1, 32, False)
+    assert raw[2] == (*leading, "map1", 8, 8, 8, 1, "map3", 4, 16, 16, 1, 3, 32, False)
+    assert raw[3] == (*leading, "map1", 8, 8, 8, 1, "map2", 4, 16, 16, 1, 4, 32, False)
+    # other fields are another encoding: a new shape, stride or padding
+    launch(_Desc(w, [8, 4], [8, 1]), _Desc(x, [4, 16], [16, 1], "nan"), 5)
+    assert len(encodings) == 5
+
+
+def test_the_kept_encodings_start_again_when_full(encodings, monkeypatch):
+    monkeypatch.setattr(hopper_launch, "MAX_DESCRIPTORS", 3)
+    fn = _DescJit([{}, {}])
+    launch = hopper_launch.Launch(fn, (2,), BLOCK=32)
+    w, xs = torch.zeros(8), [torch.zeros(8) for _ in range(3)]
+    for call, x in enumerate([xs[0], xs[0], xs[1], xs[2], xs[0]]):
+        launch(_Desc(w, [8], [1]), _Desc(x, [8], [1]), call)
+    # call 3 found three kept (w, xs[0], xs[1]) and started again with xs[2]; call 4 then
+    # encodes w and xs[0] again
+    assert [e[0] for e in encodings] == [
+        w.data_ptr(), xs[0].data_ptr(), xs[1].data_ptr(), xs[2].data_ptr(), w.data_ptr(),
+        xs[0].data_ptr(),
+    ]  # fmt: skip
+
+
+def test_descriptors_without_metadata_are_encoded_by_triton_at_every_launch(encodings):
+    """Those hold the tensor itself (Triton's own decomposition): nothing is kept."""
+    fn = _DescJit([None, None])
+    launch = hopper_launch.Launch(fn, (2,), BLOCK=32)
+    w = torch.zeros(8)
+    for call in range(4):
+        launch(_Desc(w, [8], [1]), _Desc(w, [8], [1]), call)
+    assert len(encodings) == 6  # calls 2-4, two descriptors each
+
+
 def test_all_direct_waits_for_every_launch_of_a_plan(triton36):
     first, second = (hopper_launch.Launch(_RawJit(), (1,), BLOCK=8) for _ in range(2))
     for call in range(2):

@@ -205,3 +205,50 @@ def test_a_kept_plan_keeps_no_tensor_of_its_calls(planned):
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
     hopper_launch.clear_plans()
+
+
+@pytest.fixture
+def encodings(monkeypatch):
+    """The base pointer of every TMA descriptor Triton 3.6 encodes (``make_tensordesc_arg``);
+    skipped where the launcher is not the one the raw form was written against."""
+    from triton.backends.nvidia import driver
+
+    if getattr(driver, "_BASE_ARGS_FORMAT", None) != hopper_launch._RAW_LAUNCH_FORMAT:
+        pytest.skip("not Triton 3.6's launcher: descriptors are Triton's own business")
+    log: list[int] = []
+    encode = driver.make_tensordesc_arg
+
+    def logged(desc, meta):
+        log.append(desc.base.data_ptr())
+        return encode(desc, meta)
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", logged)
+    return log
+
+
+@pytest.mark.parametrize(
+    "planned, m", [(triton_hopper.fast_ws, 256), (dequant.fast_hopper, 600)], ids=["ws", "dequant"]
+)
+def test_a_plans_tma_descriptors_are_encoded_once_for_the_same_tensors(planned, m, encodings):
+    """The same weight on every call: encoded by the first direct launch, then reused, with
+    the checked runner's bits (hopper-dequant's descriptors are on its kept workspaces, so
+    from the third call nothing is encoded at all)."""
+    hopper_launch.clear_plans()
+    problem = _problem(4096, 4096, m, "scalar")
+    inputs, args = _args(problem, m, 1, "scalar")
+    want = CHECKED[planned](*args)
+    per_call = []
+    for _ in range(4):
+        before = len(encodings)
+        got = planned(*args)
+        per_call.append(encodings[before:])
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        assert validate.check(got, inputs, problem.torch_out_dtype).ok
+    weight = args[1].data_ptr()
+    later = [p for call in per_call[1:] for p in call]
+    if planned is triton_hopper.fast_ws:
+        assert later.count(weight) == 1, per_call  # the first direct launch's encoding
+    else:
+        assert per_call[2:] == [[], []], per_call
+    hopper_launch.clear_plans()

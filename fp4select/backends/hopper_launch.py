@@ -33,6 +33,10 @@ Design rules:
   which Python raises before the kernel is enqueued.
 * The raw form (``_raw_form``) steps aside for Triton's own path while a profiler's launch
   hook is set, read at every launch.
+* The raw form of a kernel taking host TMA descriptors (``hopper-ws``, ``hopper-dequant``)
+  encodes each descriptor once per distinct base pointer, shape, strides and padding and
+  reuses the encoding (``_described``): it is a function of those and the kernel's fixed
+  metadata, and holds no tensor.
 * Once every launch of a plan is direct, the plan passes the call's own tensors where the
   kernels were compiled for word views of them: a compiled launcher reads a tensor's data
   pointer only, and the key fixes its alignment, shape and strides (``all_direct``). The
@@ -154,7 +158,7 @@ def _raw_form(
             or launcher.profile_scratch_size
         ):
             return None
-        enqueue, hooks = launcher.launch, knobs.runtime
+        enqueue, hooks = _described(launcher.launch, nvidia), knobs.runtime
         fixed = (
             kernel.function, bool(launcher.launch_cooperative_grid), bool(launcher.launch_pdl),
             None, None, kernel.packed_metadata, None, None, None,
@@ -171,6 +175,60 @@ def _raw_form(
             run(*args, *tail)
 
     return raw
+
+
+# TMA descriptors kept per launch (``_described``); past this many the table starts again (one
+# per weight a plan serves, one or two per workspace: a model's layers of one shape).
+MAX_DESCRIPTORS = 1024
+
+
+def _described(launch: Callable[..., Any], nvidia: Any) -> Callable[..., Any]:
+    """``launch`` (Triton 3.6's compiled launcher) with the kernel's TMA descriptors encoded once
+    per distinct (base pointer, shape, strides, padding) instead of at every launch.
+
+    For a kernel taking host tensor descriptors, Triton 3.6 wraps the launcher in ``inner``,
+    which encodes each descriptor (``make_tensordesc_arg``: a ``cuTensorMapEncodeTiled``) on
+    every call. The encoding is a function of those fields and the kernel's fixed metadata
+    only, and the launcher copies it into the kernel's parameters at launch, so one encoding
+    serves every call with the same fields, whichever tensor object carries them. Descriptors
+    without metadata hold the tensor itself: those launchers stay as they are, as does any
+    ``launch`` that is not that wrapper.
+    """
+    code, cells = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None or cells is None or code.co_name != "inner":
+        return launch
+    try:
+        env = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells)))
+        compiled, indices, metas = (
+            env["launcher"], sorted(env["tensordesc_indices"]), list(env["tensordesc_meta"])
+        )  # fmt: skip
+        encode, base = nvidia.make_tensordesc_arg, nvidia._BASE_ARGS_FORMAT_LEN
+    except (KeyError, TypeError, AttributeError):
+        return launch
+    if not callable(compiled) or len(metas) != len(indices) or any(m is None for m in metas):
+        return launch
+    encoded: dict[tuple[Any, ...], list[Any]] = {}
+
+    def expand(j: int, desc: Any) -> list[Any]:
+        key = (j, desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+        parts = encoded.get(key)
+        if parts is None:
+            if len(encoded) >= MAX_DESCRIPTORS:
+                encoded.clear()
+            parts = encoded[key] = encode(desc, metas[j])
+        return parts
+
+    def cached(*args: Any) -> Any:
+        final = list(args[:base])
+        at = base
+        for j, index in enumerate(indices):
+            final += args[at : base + index]
+            final += expand(j, args[base + index])
+            at = base + index + 1
+        final += args[at:]
+        return compiled(*final)
+
+    return cached
 
 
 def _silent(hook: Any) -> bool:
