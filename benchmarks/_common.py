@@ -53,9 +53,9 @@ def dumps(record: dict[str, Any]) -> str:
     return "{\n" + body + "\n}\n"
 
 
-def write(name: str, device: torch.device, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}_{device.type}.json"
+def write(name: str, device: torch.device, payload: dict[str, Any], out: Path = RESULTS) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}_{device.type}.json"
     record = {
         "benchmark": name,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

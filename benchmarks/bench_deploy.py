@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, dumps, machine, table
+from _common import RESULTS, table, write
 from bench_cold import PRESETS, compiled_kernels, kernel_signatures
 
 
-def warm(
+def run_warm(
     shapes: list[tuple[int, int]], max_m: int, env: dict[str, str], extra: tuple[str, ...] = ()
-) -> dict:
+) -> tuple[dict, float]:
     """One ``fp4select warm --json`` in a fresh process: its report and the process's wall."""
     command = [sys.executable, "-m", "fp4select", "warm", "--json", "--quiet", "--max-m"]
     command += [str(max_m), *extra]
@@ -44,8 +44,17 @@ def warm(
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(f"warm failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    report = json.loads(done.stdout)
+        raise SystemExit(
+            f"warm {' '.join(extra)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    return json.loads(done.stdout), wall
+
+
+def warm(
+    shapes: list[tuple[int, int]], max_m: int, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> dict:
+    """``run_warm``'s report summed up: its walls, keys, C++ key, compile-ahead, winners."""
+    report, wall = run_warm(shapes, max_m, env, extra)
     winners: dict[str, int] = {}
     for row in report["results"]:
         winners[row["winner"]] = winners.get(row["winner"], 0) + 1
@@ -103,20 +112,9 @@ def main() -> None:
     print(f"JIT share of the cold run, at most: {jit_share:.0%}")
     print(f"winners: {json.dumps(runs['cold']['winners'], sort_keys=True)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    record = {
-        "benchmark": f"deploy_{args.preset}",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(device),
-        "preset": args.preset,
-        "shapes": shapes,
-        "max_m": args.max_m,
-        "runs": runs,
-        "jit_share_at_most": jit_share,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"deploy_{args.preset}_{device.type}.json"
-    path.write_text(dumps(record))
-    print(f"wrote {path}")
+    payload = {"preset": args.preset, "shapes": shapes, "max_m": args.max_m, "runs": runs}
+    payload["jit_share_at_most"] = jit_share
+    print(f"wrote {write(f'deploy_{args.preset}', device, payload, args.out)}")
 
 
 if __name__ == "__main__":

@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, dumps, machine, table
+from _common import RESULTS, table, write
 from bench_cold import PRESETS
+from bench_deploy import run_warm
 
 
 def record_ratios(path: Path) -> dict[tuple[int, int, int], float]:
@@ -43,23 +41,13 @@ def main() -> None:
     parser.add_argument("--max-m", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    shapes = PRESETS[args.preset]
-    command = [sys.executable, "-m", "fp4select", "warm", "--json", "--quiet", "--vs-bf16"]
-    command += ["--max-m", str(args.max_m)]
-    for n, k in shapes:
-        command += ["--shape", f"{n},{k}"]
     with tempfile.TemporaryDirectory() as scratch:
         env = {
             **os.environ,
             "FP4SELECT_CACHE_DIR": str(Path(scratch) / "decisions"),
             "TRITON_CACHE_DIR": str(Path(scratch) / "triton"),
         }
-        start = time.perf_counter()
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"warm --vs-bf16 failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    report = json.loads(done.stdout)
+        report, wall = run_warm(PRESETS[args.preset], args.max_m, env, ("--vs-bf16",))
     record = record_ratios(RESULTS / "gpu_h200.json")
     rows, points = [], []
     for row in report["results"]:
@@ -90,19 +78,8 @@ def main() -> None:
     print(table(rows, ["N x K", "M", "served", "FP4 us", "bf16 us", "FP4/bf16", "record"]))
     print(f"{len(points)} keys compared; warm --vs-bf16 took {wall:.1f} s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out = {
-        "benchmark": f"vs_bf16_{args.preset}",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(device),
-        "preset": args.preset,
-        "max_m": args.max_m,
-        "process_s": wall,
-        "points": points,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"vs_bf16_{args.preset}_{device.type}.json"
-    path.write_text(dumps(out))
-    print(f"wrote {path}")
+    payload = {"preset": args.preset, "max_m": args.max_m, "process_s": wall, "points": points}
+    print(f"wrote {write(f'vs_bf16_{args.preset}', device, payload, args.out)}")
 
 
 if __name__ == "__main__":
