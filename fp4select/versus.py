@@ -92,7 +92,10 @@ def compare(
         FP4: [functools.partial(fp4_gemm, **s.kwargs(problem), **invariant) for s in fp4_inputs],
         DENSE: [functools.partial(torch.nn.functional.linear, x, w) for x, w in dense],
     }
-    timings, method = timing.time_interleaved(calls, device, options)
+    try:
+        timings, method = timing.time_interleaved(calls, device, options)
+    finally:
+        validate.clear_cache()  # its weight, as after a probe (it may hold a GPU gigabyte)
     fp4, dense_t = timings[FP4], timings[DENSE]
     return {
         "m": m,
