@@ -166,3 +166,29 @@ def test_a_comparison_that_fails_is_reported_and_the_rest_go_on(cache_dir, monke
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "--vs-bf16 for N=64 K=128 M=2..2" in out and "planted" in out
+
+
+def test_the_summary_gives_each_shape_the_m_up_to_which_fp4_was_faster():
+    from fp4select.cli.tune import versus_summary
+    from fp4select.keys import m_bucket
+
+    def key(n, m):
+        return Problem(n=n, k=128, m_bucket=m_bucket(m))
+
+    ratios = {
+        64: {1: 0.5, 2: 0.8, 4: 1.2, 8: 0.9, 16: 1.5},  # faster to M = 2; not again from 4 on
+        128: {1: 0.4, 2: 0.6},  # faster at every M timed
+        256: {1: 1.1, 2: 2.0},  # never
+    }
+    problems = [
+        key(n, m) for n in (64, 128, 256, 512) for m in (1, 2, 4, 8, 16) if n == 64 or m <= 2
+    ]
+    results = [
+        {"problem": p.describe(), "vs_bf16": {"ratio": ratios.get(p.n, {}).get(p.timing_m())}}
+        for p in problems
+    ]
+    assert versus_summary(problems, results) == [
+        "N=64 K=128 nvfp4: FP4 faster up to M = 2; from M = 4 0.90-1.50x the dense time",
+        "N=128 K=128 nvfp4: FP4 faster up to M = 2",
+        "N=256 K=128 nvfp4: FP4 from M = 1 1.10-2.00x the dense time",
+    ]  # N = 512: nothing timed, no line

@@ -179,6 +179,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
         )
         if args.vs_bf16:
             print(VERSUS_NOTE)
+            for line in versus_summary(problems, results):
+                print(line)
         if exported is not None:
             print(f"exported {exported} entries to {args.export}")
         for r in results:
@@ -248,6 +250,32 @@ def compare_with_bf16(
     finally:
         if bar is not None:
             bar.close()
+
+
+def versus_summary(problems: list[Problem], results: list[dict[str, Any]]) -> list[str]:
+    """One line per weight shape (and format): up to which M the FP4 GEMM beat the dense one,
+    from the smallest M on, and the ratios above it."""
+    rows = {r["problem"]: r.get("vs_bf16") or {} for r in results}
+    shapes: dict[tuple[Any, ...], list[tuple[int, float]]] = {}
+    for p in problems:
+        ratio = rows.get(p.describe(), {}).get("ratio")
+        if ratio is not None:
+            shape = (p.n, p.k, p.format, p.out_dtype, p.a_sf_layout, p.b_layout, p.alpha_kind)
+            shapes.setdefault(shape, []).append((p.timing_m(), ratio))
+    lines = []
+    for (n, k, fmt, *_), points in shapes.items():
+        points.sort()
+        faster = 0
+        while faster < len(points) and points[faster][1] < 1:
+            faster += 1
+        rest = [r for _, r in points[faster:]]
+        line = f"N={n} K={k} {fmt}: FP4 "
+        if faster:
+            line += f"faster up to M = {points[faster - 1][0]}" + ("; " if rest else "")
+        if rest:
+            line += f"from M = {points[faster][0]} {min(rest):.2f}-{max(rest):.2f}x the dense time"
+        lines.append(line)
+    return lines
 
 
 def versus_cells(comparison: Mapping[str, Any] | None) -> list[str]:
