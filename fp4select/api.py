@@ -347,6 +347,7 @@ def explain(
     problem: Problem | None = None,
     device: torch.device | str | None = None,
     tune: bool = True,
+    vs_bf16: bool = False,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """The decision record for a call (same arguments as best_mm_fp4) or for a Problem.
@@ -354,6 +355,8 @@ def explain(
     Says which backends were considered, each one's verdict and reason, the timings, the
     winner and its margin, and where the decision came from: ``source`` is how this call was
     served (memory, disk, tuned), ``origin`` how the decision first entered this process.
+    ``vs_bf16``: where there is a winner, also ``vs_bf16``, the call as served timed beside the
+    same product with a dense weight (``fp4select.versus``; ``fp4select warm --vs-bf16``).
     """
     if problem is None:
         problem = check_arguments(*args, **kwargs)
@@ -374,4 +377,23 @@ def explain(
     record = decision.to_json() | {"tactic_fallbacks": fallbacks}
     record["source"] = source  # how this call was served
     record["origin"] = decision.source  # how the decision entered this process
+    if vs_bf16 and decision.winner is not None:
+        record["vs_bf16"] = _served_vs_dense(problem, device, decision.winner, sel.timing)
     return record
+
+
+def _served_vs_dense(
+    problem: Problem, device: torch.device, winner: str, options: TimingOptions
+) -> dict[str, Any]:
+    """``explain``'s ``vs_bf16``: a failure to compare (out of memory for the dense weight, say)
+    is the comparison's result, not the caller's error: the decision stands."""
+    from fp4select import versus
+
+    head = {"problem": problem.describe(), "m": problem.timing_m(), "served": winner}
+    try:
+        return head | versus.compare(problem, device, best_mm_fp4, options)
+    except (RuntimeError, ValueError, MemoryError) as exc:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # an out-of-memory error leaves nothing queued
+        why = f"not timed: {type(exc).__name__}: {exc}"[:300]
+        return head | {"dense_dtype": problem.out_dtype, "why": why}

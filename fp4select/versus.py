@@ -3,16 +3,16 @@
 Why this exists: on GPUs without FP4 tensor cores (Hopper and older) fp4select's own kernels
 serve, and whether they beat a bfloat16 weight depends on the GPU, the shape and the batch
 (docs/hopper.md). A deployment should be able to see that for its own layers before it
-serves, not only in our benchmarks. ``fp4select warm --vs-bf16`` and ``fp4select explain
---vs-bf16`` report it.
+serves, not only in our benchmarks. ``fp4select warm --vs-bf16``, ``fp4select explain
+--vs-bf16`` and ``fp4select.explain(..., vs_bf16=True)`` report it.
 
 Design rules:
 
-* The FP4 side is the call as a caller makes it: the command line hands in
-  :func:`fp4select.best_mm_fp4`, which dispatches to the stored decision (its host path
-  included), never a backend's runner picked here; and it compares only keys with a stored
-  decision, since comparing would otherwise tune behind the caller's back. (Handed in, not
-  imported: this module sits below the API in the import graph.)
+* The FP4 side is the call as a caller makes it: :func:`fp4select.explain` (``vs_bf16``)
+  hands in :func:`fp4select.best_mm_fp4`, which dispatches to the stored decision (its host
+  path included), never a backend's runner picked here, and only for a key with a decision,
+  since comparing would otherwise tune behind the caller's back. (Handed in, not imported:
+  this module sits below the API in the import graph.)
 * The dense side is ``torch.nn.functional.linear`` (cuBLAS on a GPU, as a dense checkpoint's
   layer runs) with both operands in the key's output dtype: bfloat16, or float16 where the
   key's output is float16.

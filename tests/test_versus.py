@@ -12,7 +12,6 @@ import torch
 import fp4select
 from fp4select import versus
 from fp4select.cli import main
-from fp4select.cli.tune import served_vs_dense
 from fp4select.keys import Problem
 from fp4select.validate import make_inputs
 
@@ -20,9 +19,8 @@ PROBLEM = Problem(n=64, k=128, m_bucket=4)
 
 
 def test_nothing_is_timed_or_tuned_without_a_stored_decision(inprocess):
-    result = served_vs_dense(PROBLEM, torch.device("cpu"))
-    assert result["served"] is None and "ratio" not in result
-    assert "no decision" in result["why"]
+    record = fp4select.explain(problem=PROBLEM, device="cpu", tune=False, vs_bf16=True)
+    assert record["winner"] is None and "vs_bf16" not in record
     assert inprocess.lookup(PROBLEM, torch.device("cpu")) is None  # still untuned
 
 
@@ -44,7 +42,7 @@ def test_the_served_gemm_and_the_dense_one_timed_side_by_side(inprocess, monkeyp
     monkeypatch.setattr(fp4select.api, "best_mm_fp4", mm)
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
     tunings = fp4select.stats()["tunings"]
-    result = served_vs_dense(problem, torch.device("cpu"))
+    result = fp4select.explain(problem=problem, device="cpu", tune=False, vs_bf16=True)["vs_bf16"]
     assert result["served"] == decision.winner
     assert result["m"] == problem.timing_m() == 4
     assert result["dense_dtype"] == out_dtype
@@ -139,7 +137,7 @@ def test_on_a_gpu_both_sides_are_graph_replays_with_cold_l2(inprocess):
     device = torch.device("cuda")
     problem = Problem(n=4096, k=4096, m_bucket=16)
     decision = inprocess.decide(problem, device)
-    result = served_vs_dense(problem, device)
+    result = fp4select.explain(problem=problem, device=device, vs_bf16=True)["vs_bf16"]
     assert result["served"] == decision.winner is not None
     assert result["method"] == "cuda-graph+cold-l2"
     for side in ("fp4", "dense"):

@@ -141,7 +141,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     builder.shutdown()
     wall = time.perf_counter() - started
     if args.vs_bf16:
-        compare_with_bf16(problems, results, device, sel.timing, quiet)
+        compare_with_bf16(problems, results, device, quiet)
     failures = sum(1 for r in results if r["winner"] is None)
     # Warming at deploy time is for the processes that come after: a decision kept only in this
     # process's memory (an unwritable cache) is lost when it ends, so that is a failure too.
@@ -205,46 +205,21 @@ VERSUS_NOTE = (
 )
 
 
-def served_vs_dense(problem: Problem, device: torch.device, options: Any = None) -> dict[str, Any]:
-    """``problem``'s stored decision, served by ``best_mm_fp4``, beside a dense weight
-    (``fp4select.versus``); with no stored decision nothing is timed (nor tuned)."""
-    from fp4select import versus
-    from fp4select.api import best_mm_fp4, selector
-
-    sel = selector()
-    decision = sel.lookup(problem, device)
-    head = {
-        "problem": problem.describe(),
-        "m": problem.timing_m(),
-        "dense_dtype": problem.out_dtype,
-    }
-    if decision is None or decision.winner is None:
-        return head | {"served": None, "why": "no decision stored for this key"}
-    head["served"] = decision.winner
-    try:
-        return head | versus.compare(problem, device, best_mm_fp4, options or sel.timing)
-    except (RuntimeError, ValueError, MemoryError) as exc:  # a report: the key stays served
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # an out-of-memory error leaves nothing queued
-        return head | {"why": f"not timed: {type(exc).__name__}: {exc}"[:300]}
-
-
 def compare_with_bf16(
-    problems: list[Problem],
-    results: list[dict[str, Any]],
-    device: torch.device,
-    options: Any,
-    quiet: bool,
+    problems: list[Problem], results: list[dict[str, Any]], device: torch.device, quiet: bool
 ) -> None:
-    """Each tuned key's served GEMM beside a bfloat16 weight (``fp4select.versus``), into its
-    result row as ``vs_bf16``."""
+    """Each tuned key's served GEMM beside a bfloat16 weight (``explain``'s ``vs_bf16``), into
+    its result row as ``vs_bf16``; nothing is tuned here."""
+    from fp4select.api import explain
+
     rows = {r["problem"]: r for r in results}
     bar = progress_bar(len(problems), "fp4select warm --vs-bf16", "key", off=quiet)
     try:
         for problem in problems:
             row = rows.get(problem.describe())
             if row is not None and row["winner"] is not None:
-                row["vs_bf16"] = served_vs_dense(problem, device, options)
+                record = explain(problem=problem, device=device, tune=False, vs_bf16=True)
+                row["vs_bf16"] = record.get("vs_bf16", {"why": "no decision stored for this key"})
             if bar is not None:
                 bar.update(1)
     finally:
@@ -313,10 +288,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         b_layout=args.b_layout,
         alpha_kind=args.alpha,
     )
-    device = parse_device(args.device)
-    record = explain(problem=problem, device=device, tune=args.tune)
-    if args.vs_bf16 and record.get("winner") is not None:
-        record["vs_bf16"] = served_vs_dense(problem, device)
+    record = explain(
+        problem=problem, device=parse_device(args.device), tune=args.tune, vs_bf16=args.vs_bf16
+    )
     if args.json:
         print_json(record)
         return 0 if record.get("winner") else 1
