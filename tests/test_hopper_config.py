@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -72,11 +73,50 @@ def test_hopper_ws_loads_from_its_second_consumer_only_with_128_rows_or_more(bad
         hc.WsConfig(**dict(block_n=128, block_t=128, stages=3, split=0, mma_tokens=128) | bad)
 
 
-@pytest.mark.parametrize("split", [-1, -2])  # -1 was stream-K's, removed
-def test_hopper_ws_refuses_a_negative_k_split(split):
-    assert hc.WsConfig(128, 256, 3, 0, 256, 0).split == 0
+def test_hopper_ws_takes_stream_k_with_both_consumers_on_every_step_only():
+    assert hc.WsConfig(128, 256, 3, -1, 256, 0).split == -1
+    assert hc.WsConfig(256, 128, 3, -1, 128, 0).split == -1
+    with pytest.raises(ValueError, match="or -1 \\(stream-K\\) with block_n >= 128, got"):
+        hc.WsConfig(64, 128, 5, -1, 128)  # 64 rows: the consumers take alternate steps
     with pytest.raises(ValueError, match="split must be >= 0"):
-        hc.WsConfig(128, 256, 3, split, 256, 0)
+        hc.WsConfig(128, 256, 3, -2, 256, 0)
+
+
+@pytest.mark.parametrize("units", [1, 7, 8, 9, 132 * 8, 132 * 8 + 1, 672, 4032, 917504])
+@pytest.mark.parametrize("programs", [1, 78, 132])
+def test_stream_runs_cover_every_unit_once_in_order_and_evenly(units, programs):
+    cut = hc.stream_runs(units, programs)
+    assert len(cut) == programs
+    assert cut[0][0] == 0 and cut[-1][1] == units
+    assert all(end == nxt for (_, end), (nxt, _) in itertools.pairwise(cut))
+    sizes = [end - first for first, end in cut]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the longer runs first, as ``owner`` reads them
+
+
+@pytest.mark.parametrize(
+    "tiles,steps,split,want",
+    [
+        (128, 64, 1, None),  # 8192 x 8192, M = 512, 128 x 256: 97% of the SMs busy unsplit
+        (64, 64, 2, None),  # split in two as ws_split splits it: 97%
+        (72, 56, 1, (132, 0)),  # 4608 x 7168, M = 512: 55%, every tile in runs
+        (96, 448, 1, (132, 0)),  # 4096 x 14336, M = 768: 73%
+        (10, 17, 2, (21, 0)),  # 520 x 2080, M = 300: 21 programs of at least 8 steps
+        (144, 56, 1, (132, 1)),  # 4608 x 7168, M = 1024: a whole tile each, 12 in runs
+        (448, 16, 1, (132, 3)),  # 3.4 waves: three whole tiles a program, 52 tiles in runs
+        (528, 32, 1, None),  # four whole waves
+        (0, 56, 1, None),
+    ],
+)
+def test_stream_k_cuts_only_the_last_wave_and_only_where_the_tiles_leave_sms_idle(
+    tiles, steps, split, want
+):
+    assert hc.stream_plan(tiles, steps, 132, split) == want
+    if want is not None:
+        programs, whole = want
+        left = tiles - whole * programs  # the tiles cut into runs: less than a wave's worth
+        assert left > 0 and (whole == 0 or left < programs)
+        assert whole or tiles * steps // programs >= hc.STREAM_MIN_UNITS
 
 
 def test_word_views_refuse_rows_that_are_not_aligned():

@@ -160,6 +160,47 @@ def test_consumers_taking_alternate_steps_read_each_step_at_a_large_shape(cfg):
             assert res.ok, (cfg, m, res.reason)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        hopper_configs.WsConfig(128, 256, 3, -1, 256, 0),
+        hopper_configs.WsConfig(128, 128, 3, -1, 128),  # with the loader warp
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    "n,k,m",
+    [
+        (4608, 7168, 1024),  # 128 x 256: 144 tiles, a whole one each, 12 in runs
+        (4608, 7168, 512),  # 128 x 256: 72 tiles, all in runs
+        (17024, 2048, 256),  # 133 tiles of 128 x 256 and 16 steps: most programs' runs empty
+        (520, 2080, 300),  # a last step past K, M past a tile, 21 programs
+        (8192, 8192, 64),  # the tiles fill the SMs: nothing cut, run as ws_split splits them
+    ],
+)
+@pytest.mark.parametrize("layout,alpha,out_dtype", COMBOS[:2])
+def test_hopper_ws_over_runs_of_k_steps(cfg, n, k, m, layout, alpha, out_dtype):
+    """Stream-K: whole tiles first, the last wave's tiles in runs, shared tiles through the
+    fixup, into a NaN-poisoned ``out``; twice, same bits; and captured in a graph."""
+    problem = Problem(
+        n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype
+    )
+    inputs = validate.make_inputs(problem, m, "cuda", seed=m + n)
+    out = torch.full((m, n), float("nan"), dtype=problem.torch_out_dtype, device="cuda")
+    got = triton_hopper.run_ws(*inputs.args(problem, out), cfg=cfg)
+    res = validate.check(got, inputs, problem.torch_out_dtype)
+    assert got is out and res.ok, (cfg, m, n, k, layout, alpha, out_dtype, res.reason)
+    assert torch.equal(triton_hopper.run_ws(*inputs.args(problem), cfg=cfg), got)
+    again = torch.empty_like(out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_hopper.fast_ws(*inputs.args(problem, again), cfg=cfg)
+    again.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, got)
+
+
 def test_hopper_ws_hands_a_python_number_alpha_to_the_mma_kernel():
     m = 200
     problem = Problem(n=520, k=2080, m_bucket=m_bucket(m))

@@ -549,3 +549,71 @@ def test_hopper_ws_under_pdl_waits_for_as_decode_before_anything_reads_it(cfg):
     assert min(a_tiles) > waits[0]
     assert min(words) < waits[0]  # the weight asked for while the decode runs
     assert "griddepcontrol" not in _compile_ws(cfg, 2).asm["ptx"]
+
+
+def _compile_ws_stream(cfg, alpha: int):
+    """``hopper-ws``'s stream-K kernel (``_hopper_ws_stream``) as ``_ws_stream`` launches
+    ``cfg``, with alpha of kind ``alpha``; its fixup compiled too."""
+    gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    from fp4select.backends import _hopper_ws, _hopper_ws_stream
+
+    _skip_without_sm90_toolchain()
+    bn, words, xw = cfg.block_n, _hopper_ws.STEP_WORDS, cfg.mma_tokens
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, words], gl.int32)
+    x_layout = gl.NVMMASharedLayout.get_default_for([8 * words, xw], gl.float16)
+    signature = {
+        "w_desc": f"tensordesc<i32[{bn}, {words}],{w_layout!r}>",
+        "x_desc": f"tensordesc<fp16[{8 * words}, {xw}],{x_layout!r}>",
+        "sw_ptr": "*i32", "alpha_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+        "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
+        "stride_on": "i32", "alpha_stride": "i32", "S": "i32", "whole": "i32", "q": "i32",
+        "r": "i32",
+    } | dict.fromkeys(("BN", "BT", "BKW", "STAGES", "GROUP", "OWN_LOADS"), "constexpr")  # fmt: skip
+    constexprs = {"BN": bn, "BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
+    constexprs["OWN_LOADS"] = not cfg.loader_warp
+    if _hopper_ws.ALPHA_STRIDE[alpha] == 1:  # Triton specializes an int argument of 1
+        signature["alpha_stride"] = "constexpr"
+        constexprs["alpha_stride"] = 1
+    source = gluon_runtime.GluonASTSource(
+        fn=_hopper_ws_stream.mma_ws_stream, signature=signature, constexprs=constexprs
+    )
+    target = backends_compiler.GPUTarget("cuda", 90, 32)
+    fixup = gluon_runtime.GluonASTSource(
+        fn=_hopper_ws_stream.stream_fixup,
+        signature={
+            "part_ptr": "*fp32", "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
+            "N": "i32", "stride_om": "i32", "stride_on": "i32", "alpha_stride": "i32",
+            "S": "i32", "first_tile": "i32", "q": "i32", "r": "i32", "BN": "constexpr",
+            "BT": "constexpr", "CT": "constexpr", "GROUP": "constexpr",
+        },
+        constexprs={"BN": bn, "BT": cfg.block_t, "CT": _hopper_ws_stream.FIXUP_COLUMNS, "GROUP": 8},
+    )  # fmt: skip
+    triton.compile(fixup, target=target, options={"num_warps": 4})
+    options = {"num_warps": 4, "maxnreg": _hopper_ws.launch_regs(cfg.loader_warp)}
+    return triton.compile(source, target=target, options=options)
+
+
+STREAM_TILES = (
+    hopper_configs.WsConfig(128, 256, 3, -1, 256, 0),
+    hopper_configs.WsConfig(128, 128, 3, -1, 128),  # with the loader warp
+)
+
+
+@pytest.mark.parametrize("cfg", STREAM_TILES, ids=str)
+@pytest.mark.parametrize("alpha", [0, 3])
+def test_hopper_ws_over_runs_of_k_steps_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
+    """Stream-K's consumers run ``mma_ws``'s step in loops over their whole tiles and their
+    run's tiles: each step's wgmma waited for, nothing spilled inside the steps' loops (the
+    256-token tile spills around them, as ``mma_ws``'s does); its fixup compiles too."""
+    tool = _hazard_tool()
+    sass = tool._sass(_compile_ws_stream(cfg, alpha))
+    loops = tool.mma_loops(sass)
+    assert len(loops) == 4  # two a consumer partition: its whole tiles' steps, its run's
+    for loop in loops:
+        assert not [line for line in loop if re.search(r"\b(STL|LDL)\b", line)]
+        wgmma = [line for line in loop if "HGMMA" in line]
+        assert len(wgmma) == 8 * cfg.block_t // cfg.mma_tokens * cfg.block_n // 128
+        waits = [line for line in loop if line.startswith("WARPGROUP.DEPBAR")]
+        assert waits and all(line.endswith("gsb0, 0x0") for line in waits), waits
+        assert tool.hazards(loop) == []

@@ -54,7 +54,9 @@ class MmaConfig:
 class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
     the two take alternate steps), tokens (64, 128 or 256), TMA stages, the K split (1: none;
-    0: choose from the SM count), the tokens one wgmma takes (64: a 128-token tile is
+    0: choose from the SM count; -1: as 0, but where the tiles leave SMs idle, the last wave's
+    tiles cut into equal runs of K steps, stream-K: ``stream_plan``; 128 rows or more), the
+    tokens one wgmma takes (64: a 128-token tile is
     multiplied in two halves; or block_t: one wgmma over the whole tile), whether a warp
     of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
     a thread where 12 warps leave 168; 128 rows or more)."""
@@ -71,8 +73,11 @@ class WsConfig:
             raise ValueError(f"mma_tokens must be 64 or block_t, got {self.mma_tokens}")
         if self.loader_warp not in (0, 1) or (not self.loader_warp and self.block_n < 128):
             raise ValueError(f"loader_warp must be 1, or 0 with block_n >= 128, got {self}")
-        if self.split < 0:
-            raise ValueError(f"split must be >= 0 (1: none, 0: from the SM count), got {self}")
+        if self.split < -1 or (self.split == -1 and self.block_n < 128):
+            raise ValueError(
+                "split must be >= 0 (1: none, 0: from the SM count), or -1 (stream-K) with "
+                f"block_n >= 128, got {self}"
+            )
 
 
 @dataclass(frozen=True)
@@ -287,3 +292,33 @@ def ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
     split = cfg.split if cfg.split > 0 else max(1, min(16, steps // 8, sms // max(tiles, 1)))
     per = math.ceil(steps / split)
     return math.ceil(steps / per)  # no program without a step
+
+
+# Stream-K (``WsConfig.split = -1``, ``_hopper_ws_stream``): K steps a program's run takes at
+# least, and the share of the SMs' waves the tiles (split as ``ws_split`` splits them) must keep
+# busy for nothing to be cut. On the H200 tiles filling 97% of the SMs ran 1.36x slower cut
+# into runs, and 72 tiles on 132 SMs 0.76x (docs/hopper_kernels.md, 'Stream-K').
+STREAM_MIN_UNITS = 8
+STREAM_WAVE_FILL = 0.9
+
+
+def stream_runs(units: int, programs: int) -> list[tuple[int, int]]:
+    """Each program's units ``[first, end)``, in order: the first ``units % programs`` take one
+    more. The kernel and its fixup compute the same runs (``_hopper_ws_stream._first``)."""
+    q, r = divmod(units, programs)
+    return [(p * q + min(p, r), (p + 1) * q + min(p + 1, r)) for p in range(programs)]
+
+
+def stream_plan(tiles: int, steps: int, sms: int, split: int) -> tuple[int, int] | None:
+    """(programs, whole tiles each takes first), or None where the tiles, K split in ``split``,
+    keep ``STREAM_WAVE_FILL`` of the SMs' waves busy (then the runs' partial sums cost more than
+    the idle SMs). From a whole wave of tiles on, one program an SM takes ``tiles // sms``
+    whole tiles (p, p + sms, ...) and only the last, partial wave's tiles are cut into runs,
+    so that few tiles are shared; below a wave every tile is cut, into runs of at least
+    ``STREAM_MIN_UNITS`` steps."""
+    busy = tiles * split
+    if sms < 1 or busy < 1 or busy / (-(-busy // sms) * sms) >= STREAM_WAVE_FILL:
+        return None
+    if tiles >= sms:
+        return sms, tiles // sms
+    return max(1, min(sms, tiles * steps // STREAM_MIN_UNITS)), 0

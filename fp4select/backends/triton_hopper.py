@@ -1,6 +1,6 @@
 """``hopper-*``: NVFP4 kernels for GPUs without FP4 tensor cores that decode whole words.
 
-Why one file of ~580 lines: each path's plan (what a call launches: its checks, split, grid
+Why one file of ~630 lines: each path's plan (what a call launches: its checks, split, grid
 and kernels; ``hopper_launch``) sits beside the path's registration, because a module of
 plans between ``triton_fp4`` and the registry would put every importer of the backends a
 level deeper than issue 17's bound of ten allows; the call's views and the splits' arithmetic
@@ -20,7 +20,9 @@ or 8x4 scales; b: the ``.T`` view of a row-major ``(N, K/2)`` weight with 128x4 
   of the weight exists in memory.
 * ``hopper-ws`` (SM90 only, buckets M = 33-2048): the same product warp-specialized in Gluon
   (``_hopper_ws``): two consumer warpgroups decode and multiply in turn, fed by TMA, with
-  split-K (``hopper_configs.ws_split``) where its tiles alone leave SMs idle.
+  split-K (``hopper_configs.ws_split``) where its tiles alone leave SMs idle; or, with
+  ``WsConfig.split = -1`` (an experiment in no tactic table), its last wave of tiles cut into
+  equal runs of K steps (``_hopper_ws_stream``, ``hopper_configs.stream_plan``).
 * The configuration of each is a tactic (``hopper_tactics``), timed per shape when probed.
 
 Design rules:
@@ -416,8 +418,10 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     bkw, bn, bt = ws.STEP_WORDS, cfg.block_n, cfg.block_t
     steps = k.cdiv(kw, bkw)
     tiles = k.cdiv(n, bn) * k.cdiv(m, bt)
-    split = hopper_configs.ws_split(tiles, steps, cfg, triton_fp4._sms(c.out.device))
-    parts = _partials(c, split)
+    sms = triton_fp4._sms(c.out.device)
+    split = hopper_configs.ws_split(tiles, steps, cfg, sms)
+    stream = _ws_stream(c, cfg, tiles, steps, sms, split) if cfg.split == -1 else None
+    parts = None if stream else _partials(c, split)
     split = 1 if parts is None else split
     per_split = k.cdiv(steps, split)
     mp = k.cdiv(m, bt) * bt
@@ -435,10 +439,10 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP,
         OWN_LOADS=not cfg.loader_warp,
         **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
-    )  # fmt: skip
+    ) if stream is None else stream[0]  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None else None
     alpha_stride = ws.ALPHA_STRIDE[c.alpha_kind]
-    launches = (decode, main, reduce)
+    launches = (decode, main, reduce) if stream is None else (decode, *stream[:2])
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
         call = _planes_call(args, launches, planes, m, n)
@@ -448,6 +452,9 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         describe = _unchecked if direct else TensorDescriptor
         w_desc = describe(w32, w_shape, w_strides, [bn, bkw], w_layout)
         x_desc = describe(x, x_shape, [mp, 1], [8 * bkw, xw], x_layout)
+        if stream is not None:  # whole tiles, then runs of K steps (``_ws_stream``)
+            stream[2](w_desc, x_desc, sw32, alpha_ptr, out, alpha_stride)
+            return out
         if parts is None:  # scaled by alpha and stored in out
             dst, s0, s1, a_stride = out, out.stride(0), out.stride(1), alpha_stride
         else:  # float32 partial sums, (split, M, N), as reduce_split reads them
@@ -461,6 +468,48 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         return out
 
     return run
+
+
+def _ws_stream(
+    c: triton_fp4.Checked, cfg: WsConfig, tiles: int, steps: int, sms: int, split: int
+) -> tuple[Launch, Launch, Callable[..., None]] | None:
+    """``WsConfig.split = -1``'s launches (``_hopper_ws_stream``: the main kernel, then the fixup
+    of the tiles the runs share) and the call that makes them with a call's descriptors and
+    tensors; None where ``stream_plan`` cuts nothing or no workspace can be made (inside a graph
+    capture, if none was made before): the tiles then run K split in ``split``."""
+    planned = hopper_configs.stream_plan(tiles, steps, sms, split)
+    if planned is None:
+        return None
+    programs, whole = planned
+    parts = triton_fp4._workspace(c.out.device, cfg.block_n * cfg.block_t, 2, programs)
+    if parts is None:
+        return None
+    from fp4select.backends import _hopper_ws_stream as stream
+
+    first_tile = whole * programs
+    q, r = divmod((tiles - first_tile) * steps, programs)
+    group = ws_kernels().TILE_GROUP
+    main = Launch(
+        stream.mma_ws_stream, (programs,),
+        BN=cfg.block_n, BT=cfg.block_t, BKW=ws_kernels().STEP_WORDS, STAGES=cfg.stages,
+        GROUP=group, OWN_LOADS=not cfg.loader_warp, num_warps=4,
+        maxnreg=ws_kernels().launch_regs(cfg.loader_warp),
+    )  # fmt: skip
+    fixup = Launch(
+        stream.stream_fixup, (tiles - first_tile, cfg.block_t // stream.FIXUP_COLUMNS),
+        BN=cfg.block_n, BT=cfg.block_t, CT=stream.FIXUP_COLUMNS, GROUP=group, num_warps=4,
+    )  # fmt: skip
+    m, n, kw, cp = c.m, c.n, c.kh // 4, c.cp
+
+    def run(w_desc: Any, x_desc: Any, sw32: Any, alpha_ptr: Any, out: Any, a_stride: int) -> None:
+        s0, s1 = out.stride(0), out.stride(1)
+        main(
+            w_desc, x_desc, sw32, alpha_ptr, out, parts, m, n, kw, cp, s0, s1, a_stride,
+            steps, whole, q, r,
+        )  # fmt: skip
+        fixup(parts, alpha_ptr, out, m, n, s0, s1, a_stride, steps, first_tile, q, r)
+
+    return main, fixup, run
 
 
 def _unchecked(

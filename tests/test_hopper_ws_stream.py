@@ -1,0 +1,140 @@
+"""``hopper-ws``'s last wave in runs of K steps (stream-K): the kernels' index arithmetic on the CPU.
+
+Gluon kernels do not run in Triton's interpreter, so the functions that cut the units
+(``_first``, ``owner``, ``_unit``) run here from their own source, with ``gl``'s
+``where``/``minimum``/``maximum`` taken by numpy, and the loops of ``_loader``, ``_consumer``
+and ``stream_fixup`` are walked with their bounds as written there: every (tile, step) must be
+loaded in the order the consumers take it, summed once, and every tile stored once. The GPU
+checks the kernels against the exact reference (``tests/test_hopper_kernels_gpu.py::
+test_hopper_ws_over_runs_of_k_steps``), and their compile for sm90 is read in
+``tests/test_hopper_layout.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+
+from fp4select.backends import _hopper_ws_stream as stream
+from fp4select.backends import hopper_configs
+
+
+class _NumpyGl:
+    where = staticmethod(np.where)
+    minimum = staticmethod(np.minimum)
+    maximum = staticmethod(np.maximum)
+
+
+def _plain(jitted):
+    """A jitted function's own Python, with ``gl`` taken by numpy."""
+    fn = jitted.fn
+    scope = dict(fn.__globals__, gl=_NumpyGl)
+    return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
+
+
+first, owner, unit = _plain(stream._first), _plain(stream.owner), _plain(stream._unit)
+
+
+def _walk(tiles: int, steps: int, sms: int, split: int):
+    """What each program loads and sums, and what the fixup adds, as the kernels' loops do."""
+    programs, whole = hopper_configs.stream_plan(tiles, steps, sms, split)
+    S, P = steps, programs
+    first_tile = whole * P
+    q, r = divmod((tiles - first_tile) * S, P)
+    base = whole * P * S
+    stored: dict[int, list] = {}  # tile -> who stored it
+    slots: dict[tuple[int, int], tuple[int, int, int]] = {}  # (program, slot) -> (tile, k0, k1)
+    for p in range(P):
+        u0, u1 = base + int(first(p, q, r)), base + int(first(p + 1, q, r))
+        assert (u0 - base, u1 - base) == hopper_configs.stream_runs((tiles - first_tile) * S, P)[p]
+        loads = [tuple(map(int, unit(g, p, P, whole, u0, S))) for g in range(whole * S + u1 - u0)]
+        taken = []  # (tile, step) in the consumers' order: stage g % STAGES is g-th unit's
+        for n in range(whole):
+            t = p + n * P
+            taken += [(t, i) for i in range(S)]
+            stored.setdefault(t, []).append(("whole", p))
+        t_end = int(np.where(u1 > u0, (u1 - 1) // S + 1, u0 // S))
+        for t in range(u0 // S, t_end):
+            k0, k1 = max(u0 - t * S, 0), min(u1 - t * S, S)
+            assert 0 <= k0 < k1 <= S
+            taken += [(t, i) for i in range(k0, k1)]
+            if k1 - k0 == S:
+                stored.setdefault(t, []).append(("run", p))
+            else:
+                slot = int(t * S > u0)
+                assert (p, slot) not in slots  # at most a first and a last partial tile
+                slots[p, slot] = (t, k0, k1)
+        assert taken == loads
+    for t in range(tiles - first_tile):
+        p_first, p_last = int(owner(t * S, q, r)), int(owner(t * S + S - 1, q, r))
+        if p_first == p_last:
+            continue
+        covered = []
+        for p in range(p_first, p_last + 1):
+            slot = int(t * S > int(first(p, q, r)))
+            tile, k0, k1 = slots[p, slot]
+            assert tile == first_tile + t
+            covered += range(k0, k1)
+        assert sorted(covered) == list(range(S))  # each step's sums added once
+        stored.setdefault(first_tile + t, []).append(("fixup", t))
+    assert sorted(stored) == list(range(tiles))
+    assert all(len(who) == 1 for who in stored.values()), stored
+    return programs, whole, len(slots)
+
+
+@pytest.mark.parametrize(
+    "tiles,steps,split",
+    [
+        (72, 56, 1),  # below a wave: every tile in runs
+        (96, 448, 1),
+        (10, 17, 2),  # few units: programs of 8 or more
+        (144, 56, 1),  # a whole tile each, 12 in runs
+        (133, 16, 1),  # one tile in runs over 132 programs: most runs empty (q = 0)
+        (133, 200, 1),
+        (448, 16, 1),  # three whole tiles each
+        (300, 7, 1),  # runs shorter than a tile's steps, tiles shared by many
+        (1, 9, 1),
+    ],
+)
+def test_every_step_is_loaded_in_order_summed_once_and_every_tile_stored_once(tiles, steps, split):
+    programs, whole, partials = _walk(tiles, steps, 132, split)
+    assert programs >= 1 and (whole == 0 or programs == 132)
+    assert partials <= 2 * programs  # two slots a program: its run's first and last tile
+
+
+def test_the_walk_can_fail(monkeypatch):
+    """The checks above can fail: a loader taking a run's units in another order than the
+    consumers, or a fixup that skips a tile's last sharer."""
+    real_unit, real_owner = unit, owner
+
+    def swapped(g, p, P, whole, u0, S):  # a run's first two units loaded the other way round
+        g = g + 1 if g == whole * S else g - 1 if g == whole * S + 1 else g
+        return real_unit(g, p, P, whole, u0, S)
+
+    monkeypatch.setitem(globals(), "unit", swapped)
+    with pytest.raises(AssertionError):
+        _walk(72, 56, 132, 1)
+    monkeypatch.setitem(globals(), "unit", real_unit)
+    _walk(72, 56, 132, 1)
+    monkeypatch.setitem(globals(), "owner", lambda u, q, r: real_owner(u, q, r) - (u % 56 == 55))
+    with pytest.raises(AssertionError):
+        _walk(72, 56, 132, 1)
+
+
+@pytest.mark.parametrize("sms", [1, 7, 78, 132])
+def test_owner_inverts_the_runs(sms):
+    for units in (1, 7, 8, 100, 672, 4032):
+        programs = min(sms, units)
+        q, r = divmod(units, programs)
+        runs = hopper_configs.stream_runs(units, programs)
+        for p, (lo, hi) in enumerate(runs):
+            assert int(first(p, q, r)) == lo
+            assert all(int(owner(u, q, r)) == p for u in range(lo, hi))
+        assert list(itertools.chain.from_iterable(range(lo, hi) for lo, hi in runs)) == list(
+            range(units)
+        )
