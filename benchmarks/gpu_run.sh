@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|final]
+#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|final]
 #   (default: all)
 #
 #   tests  the tests marked gpu but the kernel matrix, then the warm path's, the guard's, the
@@ -34,6 +34,10 @@
 #   wins   fp4select warm of the record's 16 shapes to M = 8192 at default settings, then
 #          tactic_wins.py over its decisions (which tactics a table could drop: each costs
 #          deploying a compile; the decisions come back as decisions_wins.tgz); not part of all
+#   stream hopper-ws's last wave of tiles cut into runs of K steps (WsConfig.split = -1, an
+#          experiment): its tests in the kernel matrix first (20), then hopper_sweep.py
+#          --families stream,tactics on Llama-3.1-8B's four layers and two others at M = 512-3584,
+#          the buckets between the powers of two among them; not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -44,8 +48,8 @@
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|final)" >&2
+  tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -131,6 +135,14 @@ print(json.dumps({'shapes': [[n, k] for _, n, k in SHAPES]}))" > "$decisions.sha
       > "$OUT/warm_wins.json"
     step "tactic_wins.py" python3 benchmarks/tactic_wins.py "$decisions" --out "$OUT"
     tar -C "$decisions" -czf "$OUT/decisions_wins.tgz" .
+  fi
+  if [ "$MODE" = stream ]; then
+    step "stream-K's tests" timeout 200 python3 -m pytest "${XDIST[@]}" -m gpu -p no:cacheprovider \
+      -q -rs tests/test_hopper_kernels_gpu.py -k runs_of_k
+    step "hopper_sweep.py stream" timeout 370 python3 benchmarks/hopper_sweep.py \
+      --families stream,tactics --name hopper_sweep_stream3 --out "$OUT" --time-limit-s 330 \
+      --shapes 4096x4096,6144x4096,28672x4096,4096x14336,4608x7168,8192x8192 \
+      --ms 768,1024,1280,1536,1792,2560,3072,512,2048
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)

@@ -78,6 +78,8 @@ FAMILY_HELP = {
     "dq": "hopper-dequant at each GEMM tile in DQ, in place of its own choice",
     "pre": "hopper-gemv at PRE with a decoded once per call by a kernel of its own",
     "mid": "from M = 513 (above 2048 too): hopper-ws at every tile of its M <= 512 tactics",
+    "stream": "from M = 256: hopper-ws's 128 x 256 and 128 x 128 tiles with the last wave cut "
+    "into runs of K steps (split -1), and split as today",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -100,7 +102,8 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   e9917bd  "gemvb": the GEMV tactics with the kernel before its scale tiles took the weight's
 #            register layout; "hw": with the GPU's e4m3 conversion (since the product's)
 #   15e63df  "wss": hopper-ws tiles of 16-32 tokens
-#   5a144e9 "ws4"; 223faa6 "stream", "even"; b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
+#   5a144e9 "ws4"; 223faa6 "even" (and "stream" in its first form: all tiles in runs below
+#   two waves); b21f449 "split"; d1cc168 "pfa"; 16a57e7 "gluon";
 #   c39225c "chunk"; 0f021bd "ss", "ov"; ed53485 "stages" (the mma's, not today's);
 #   25e0248 "overlap"; 1cc5dc7 "mreg": the mma tactics to M = 32 with registers capped;
 #   32bb1d3 "order": the ws tactics with their consumers issuing in turn (the 64-row ones since);
@@ -404,6 +407,13 @@ def run_gemv_floor(*args, cfg: triton_hopper.GemvConfig, with_a: bool) -> torch.
     return out
 
 
+# hopper-ws's tiles that family "stream" times in runs (WsConfig.split = -1) and split as today.
+STREAM = (
+    hopper_configs.WsConfig(128, 256, 3, 0, 256, 0),
+    hopper_configs.WsConfig(128, 128, 3, 0, 128),
+)
+
+
 def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functools.partial]:
     """What ``point`` checks and times at M = m: each name (its family first) to a call that
     takes mm_fp4's arguments. One block per family, each with the M it runs at."""
@@ -495,6 +505,15 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         for c in hopper_configs.candidates("ws", 512):
             name = "mid " + " ".join(map(str, dataclasses.astuple(c)))
             out[name] = functools.partial(triton_hopper.run_ws, cfg=c)
+    if m >= 256 and "stream" in families:  # the tiles' last wave in runs (stream-K), beside
+        # the same tiles split as today, where the waves leave SMs idle between the powers of two
+        for c in STREAM:
+            for split in (-1, 0):
+                cfg = dataclasses.replace(c, split=split)
+                name = ("stream " if split < 0 else "ws ") + " ".join(
+                    map(str, dataclasses.astuple(cfg))
+                )
+                out[name] = functools.partial(triton_hopper.run_ws, cfg=cfg)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
