@@ -361,14 +361,17 @@ def declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _caps(cfg: TileConfig) -> Capabilities:
+def caps(max_m: int | None = None, min_m: int | None = None) -> Capabilities:
+    """What ``check_call`` accepts, declared: the capabilities of every backend that reads its
+    call through it (these and ``dequant``'s), bounded in M by ``max_m`` and ``min_m``."""
     return Capabilities(
         formats=ALL_FORMATS,
         a_sf_layouts=frozenset({"128x4", "8x4"}),
         b_layouts=frozenset({"plain"}),
         out_dtypes=frozenset(OUT_DTYPES),
         alpha_kinds=frozenset(ALPHA_KINDS),
-        max_m=cfg.max_m,
+        max_m=max_m,
+        min_m=min_m,
         devices=frozenset({"cuda"}),
     )
 
@@ -378,7 +381,7 @@ BACKENDS: tuple[Backend, ...] = tuple(
         name=cfg.name,
         make_checked_runner=_MAKERS[cfg.name],
         why_unavailable=why_unavailable,
-        caps=_caps(cfg),
+        caps=caps(cfg.max_m),
         preference=cfg.preference,
         family=FAMILY,
         description=f"Triton fused FP4 GEMM, {cfg.description}",
