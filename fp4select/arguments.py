@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fp4select import formats
 from fp4select.keys import B_LAYOUTS, INVARIANT_BUCKET, OUT_DTYPES, Problem, m_bucket
 
 _FP4_DTYPES = tuple(
@@ -103,10 +104,7 @@ def check_arguments(
         )
     if not isinstance(block_size, int) or isinstance(block_size, bool):
         raise TypeError(f"block_size must be an int, got {block_size!r}")
-    expected_block = 16 if use_nvfp4 else 32
-    if block_size != expected_block:
-        fmt = "nvfp4" if use_nvfp4 else "mxfp4"
-        raise ValueError(f"block_size must be {expected_block} for {fmt}, got {block_size}")
+    formats.check_block_size(block_size, use_nvfp4)
     if k % block_size:
         raise ValueError(f"K={k} (2 * a.shape[1]) must be a multiple of block_size={block_size}")
     if b_layout == "trtllm" and n % 128:

@@ -500,6 +500,22 @@ def dequantize(
     return (values * decode_scales(sf, use_nvfp4).to(dtype).unsqueeze(-1)).reshape(rows, k)
 
 
+def check_block_size(block_size: int, use_nvfp4: bool) -> None:
+    """``mm_fp4``'s block size: the format's (16 for NVFP4, 32 for MXFP4), or a ValueError."""
+    expected = NVFP4_BLOCK if use_nvfp4 else MXFP4_BLOCK
+    if block_size != expected:
+        fmt = "nvfp4" if use_nvfp4 else "mxfp4"
+        raise ValueError(f"block_size must be {expected} for {fmt}, got {block_size}")
+
+
+def check_out(out: torch.Tensor, m: int, n: int, out_dtype: torch.dtype) -> None:
+    """A given ``out`` must be the ``(M, N)`` result in ``out_dtype``, or a ValueError."""
+    if tuple(out.shape) != (m, n) or out.dtype != out_dtype:
+        raise ValueError(
+            f"out must be a ({m}, {n}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}"
+        )
+
+
 def reference_mm_fp4(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -524,12 +540,7 @@ def reference_mm_fp4(
     """
     if b_layout not in ("plain", "trtllm"):
         raise ValueError(f"b_layout must be 'plain' or 'trtllm', got {b_layout!r}")
-    expected_block = NVFP4_BLOCK if use_nvfp4 else MXFP4_BLOCK
-    if block_size != expected_block:
-        raise ValueError(
-            f"block_size must be {expected_block} for {'nvfp4' if use_nvfp4 else 'mxfp4'}, "
-            f"got {block_size}"
-        )
+    check_block_size(block_size, use_nvfp4)
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     m, k_half = a.shape
@@ -578,8 +589,5 @@ def reference_mm_fp4(
     result = result.to(out_dtype)
     if out is None:
         return result
-    if tuple(out.shape) != (m, n) or out.dtype != out_dtype:
-        raise ValueError(
-            f"out must be a ({m}, {n}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}"
-        )
+    check_out(out, m, n, out_dtype)
     return out.copy_(result)

@@ -43,10 +43,10 @@ import torch
 
 from fp4select import formats
 from fp4select.backends import hopper_args, hopper_launch, triton_fp4
-from fp4select.backends.base import ALL_FORMATS, Backend, Capabilities, cuda_from
+from fp4select.backends.base import Backend, cuda_from
 from fp4select.backends.hopper_configs import GemmTile, dequant_tile
 from fp4select.backends.hopper_launch import Launch
-from fp4select.keys import ALPHA_KINDS, OUT_DTYPES, Problem
+from fp4select.keys import Problem
 
 MIN_CC = 90
 MIN_M = 512
@@ -250,14 +250,7 @@ TORCH_DEQUANT = Backend(
     checked_runner=run_torch,
     why_unavailable=why_torch_unavailable,
     declines=torch_declines,
-    caps=Capabilities(
-        formats=ALL_FORMATS,
-        a_sf_layouts=frozenset({"128x4", "8x4"}),
-        b_layouts=frozenset({"plain"}),
-        out_dtypes=frozenset(OUT_DTYPES),
-        alpha_kinds=frozenset(ALPHA_KINDS),
-        devices=frozenset({"cuda"}),
-    ),
+    caps=triton_fp4.caps(),
     preference=300,
     family="native",  # a Triton decode kernel: unproven code runs in the sandbox
     description="decode a and b to bfloat16 workspaces, cuBLAS GEMM, alpha",
@@ -345,15 +338,7 @@ HOPPER_DEQUANT = Backend(
     checked_runner=run_hopper,
     make_fast_runner=fast_hopper_runner,
     why_unavailable=why_hopper_unavailable,
-    caps=Capabilities(
-        formats=ALL_FORMATS,
-        a_sf_layouts=frozenset({"128x4", "8x4"}),
-        b_layouts=frozenset({"plain"}),
-        out_dtypes=frozenset(OUT_DTYPES),
-        alpha_kinds=frozenset(ALPHA_KINDS),
-        devices=frozenset({"cuda"}),
-        min_m=MIN_M,
-    ),
+    caps=triton_fp4.caps(min_m=MIN_M),
     preference=290,
     family="native",  # Triton kernels: unproven code runs in the sandbox
     description="decode a and b to bfloat16 workspaces, persistent TMA GEMM with alpha in it",

@@ -141,8 +141,7 @@ def _run(
     """mm_fp4's positional order (without backend)."""
     if use_8x4_sf_layout:
         raise ValueError("use_8x4_sf_layout=True: cuBLASLt takes 128x4 (SWIZZLE_32_4_4) only")
-    if block_size != (16 if use_nvfp4 else 32):
-        raise ValueError(f"block_size must be {16 if use_nvfp4 else 32}, got {block_size}")
+    formats.check_block_size(block_size, use_nvfp4)
     m = a.shape[0]
     post: torch.Tensor | float | None = None
     if isinstance(alpha, (int, float)):
@@ -160,10 +159,7 @@ def _run(
         result.mul_(post.reshape(()) if isinstance(post, torch.Tensor) else post)
     if out is None:
         return result
-    if tuple(out.shape) != (m, b.shape[1]) or out.dtype != out_dtype:
-        raise ValueError(
-            f"out must be a ({m}, {b.shape[1]}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}"
-        )
+    formats.check_out(out, m, b.shape[1], out_dtype)
     return out.copy_(result)
 
 

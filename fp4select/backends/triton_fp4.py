@@ -210,8 +210,7 @@ def check_call(
     n = b.shape[1]
     if b.shape[0] != kh:
         raise ValueError(f"b must be (K/2, N) with K/2 = a.shape[1] = {kh}, got {tuple(b.shape)}")
-    if block_size != (16 if use_nvfp4 else 32):
-        raise ValueError(f"block_size must be {16 if use_nvfp4 else 32}, got {block_size}")
+    formats.check_block_size(block_size, use_nvfp4)
     if (2 * kh) % block_size:
         raise ValueError(f"K={2 * kh} must be a multiple of block_size={block_size}")
     if a.stride(1) != 1 or b.stride(0) != 1:
@@ -235,10 +234,8 @@ def check_call(
         )
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype:
-        raise ValueError(
-            f"out must be a ({m}, {n}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}"
-        )
+    else:
+        formats.check_out(out, m, n, out_dtype)
     alpha_value = 1.0
     alpha_ptr = out
     if alpha is None:
@@ -364,14 +361,17 @@ def declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _caps(cfg: TileConfig) -> Capabilities:
+def caps(max_m: int | None = None, min_m: int | None = None) -> Capabilities:
+    """What ``check_call`` accepts, declared: the capabilities of every backend that reads its
+    call through it (these and ``dequant``'s), bounded in M by ``max_m`` and ``min_m``."""
     return Capabilities(
         formats=ALL_FORMATS,
         a_sf_layouts=frozenset({"128x4", "8x4"}),
         b_layouts=frozenset({"plain"}),
         out_dtypes=frozenset(OUT_DTYPES),
         alpha_kinds=frozenset(ALPHA_KINDS),
-        max_m=cfg.max_m,
+        max_m=max_m,
+        min_m=min_m,
         devices=frozenset({"cuda"}),
     )
 
@@ -381,7 +381,7 @@ BACKENDS: tuple[Backend, ...] = tuple(
         name=cfg.name,
         make_checked_runner=_MAKERS[cfg.name],
         why_unavailable=why_unavailable,
-        caps=_caps(cfg),
+        caps=caps(cfg.max_m),
         preference=cfg.preference,
         family=FAMILY,
         description=f"Triton fused FP4 GEMM, {cfg.description}",
