@@ -12,8 +12,10 @@ test_hopper_ws_over_runs_of_k_steps``), and their compile for sm90 is read in
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import types
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -138,3 +140,57 @@ def test_owner_inverts_the_runs(sms):
         assert list(itertools.chain.from_iterable(range(lo, hi) for lo, hi in runs)) == list(
             range(units)
         )
+
+
+class _Recorded:
+    """A ``hopper_launch.Launch`` that records its kernel, grid, options and arguments instead
+    of launching (no GPU here): the plan's host side runs as it would on one."""
+
+    calls: ClassVar[list] = []
+
+    def __init__(self, fn, grid, **options):
+        self.fn, self.grid, self.options, self.direct = fn, grid, options, False
+
+    def __call__(self, *args):
+        self.calls.append((self.fn, self.grid, self.options, args))
+
+
+@pytest.mark.parametrize(
+    "n,k,m,kernel,grid",
+    [
+        (4608, 7168, 1024, "mma_ws_stream", (132,)),  # 144 tiles: a whole one each, 12 in runs
+        (4608, 7168, 512, "mma_ws_stream", (132,)),  # 72 tiles, all in runs
+        (8192, 8192, 512, "mma_ws", (128, 1)),  # 128 tiles fill the SMs: nothing cut
+    ],
+)
+def test_the_plan_launches_each_kernel_with_every_parameter_it_declares(
+    monkeypatch, n, k, m, kernel, grid
+):
+    """``_ws_plan`` for ``split = -1`` on the CPU, its launches recorded: the stream kernel and
+    its fixup where ``stream_plan`` cuts (the runs' sizes as the plan says), ``mma_ws`` where
+    it does not, and every launch passing each of its kernel's parameters exactly once."""
+    from fp4select import validate
+    from fp4select.backends import triton_fp4, triton_hopper
+    from fp4select.keys import Problem, m_bucket
+
+    monkeypatch.setattr(triton_hopper, "Launch", _Recorded)
+    monkeypatch.setattr(triton_fp4, "_sms", lambda device: 132)
+    monkeypatch.setattr(_Recorded, "calls", [])
+    problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+    inputs = validate.make_inputs(problem, m, "cpu", seed=1, with_reference=False)
+    cfg = hopper_configs.WsConfig(128, 256, 3, -1, 256, 0)
+    triton_hopper.run_ws(*inputs.args(problem), cfg=cfg)
+    launched = {fn.fn.__name__: (g, options, args) for fn, g, options, args in _Recorded.calls}
+    assert "decode_planes" in launched and launched[kernel][0] == grid
+    for fn, _, options, args in _Recorded.calls:
+        params = inspect.signature(fn.fn).parameters
+        given = list(params)[: len(args)] + [o for o in options if o in params]
+        required = [p for p, v in params.items() if v.default is inspect.Parameter.empty]
+        assert len(given) == len(set(given)) and set(required) <= set(given), fn.fn.__name__
+    if kernel == "mma_ws_stream":
+        tiles, steps = -(-n // 128) * -(-m // 256), k // 2 // 4 // 16
+        programs, whole = hopper_configs.stream_plan(tiles, steps, 132, 1)
+        args = launched["mma_ws_stream"][2]
+        assert args[-4:] == (steps, whole, *divmod((tiles - whole * programs) * steps, programs))
+        assert launched["stream_fixup"][0] == (tiles - whole * programs, 256 // 16)
+        assert "mma_ws" not in launched and "reduce_split" not in launched

@@ -433,16 +433,19 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_shape, w_strides = list(w32.shape), list(w32.stride())
     x_shape = [steps * bkw * 8, mp]  # the planes' workspace (_a_planes), row-major
-    # 4 warps: the first consumer; the second (and the loader warp) partitions of their own
-    main = Launch(
-        ws.mma_ws, (tiles, split),
-        BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP,
-        OWN_LOADS=not cfg.loader_warp,
-        **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
-    ) if stream is None else stream[0]  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None else None
     alpha_stride = ws.ALPHA_STRIDE[c.alpha_kind]
-    launches = (decode, main, reduce) if stream is None else (decode, *stream[:2])
+    if stream is None:
+        # 4 warps: the first consumer; the second (and the loader warp) partitions of their own
+        main = Launch(
+            ws.mma_ws, (tiles, split),
+            BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP,
+            OWN_LOADS=not cfg.loader_warp,
+            **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
+        )  # fmt: skip
+        launches = (decode, main, reduce)
+    else:
+        launches = (decode, *stream[0])
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
         call = _planes_call(args, launches, planes, m, n)
@@ -453,7 +456,7 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         w_desc = describe(w32, w_shape, w_strides, [bn, bkw], w_layout)
         x_desc = describe(x, x_shape, [mp, 1], [8 * bkw, xw], x_layout)
         if stream is not None:  # whole tiles, then runs of K steps (``_ws_stream``)
-            stream[2](w_desc, x_desc, sw32, alpha_ptr, out, alpha_stride)
+            stream[1](w_desc, x_desc, sw32, alpha_ptr, out, alpha_stride)
             return out
         if parts is None:  # scaled by alpha and stored in out
             dst, s0, s1, a_stride = out, out.stride(0), out.stride(1), alpha_stride
@@ -472,7 +475,7 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
 
 def _ws_stream(
     c: triton_fp4.Checked, cfg: WsConfig, tiles: int, steps: int, sms: int, split: int
-) -> tuple[Launch, Launch, Callable[..., None]] | None:
+) -> tuple[tuple[Launch, Launch], Callable[..., None]] | None:
     """``WsConfig.split = -1``'s launches (``_hopper_ws_stream``: the main kernel, then the fixup
     of the tiles the runs share) and the call that makes them with a call's descriptors and
     tensors; None where ``stream_plan`` cuts nothing or no workspace can be made (inside a graph
@@ -508,7 +511,7 @@ def _ws_stream(
         )  # fmt: skip
         fixup(parts, alpha_ptr, out, m, n, s0, s1, a_stride, steps, first_tile, q, r)
 
-    return main, fixup, run
+    return (main, fixup), run
 
 
 def _unchecked(
