@@ -407,11 +407,10 @@ def run_gemv_floor(*args, cfg: triton_hopper.GemvConfig, with_a: bool) -> torch.
     return out
 
 
-# hopper-ws's tiles that family "stream" times in runs (WsConfig.split = -1) and split as today
-# (both without the loader warp, as stream-K runs: the 128 x 128 tactic has one).
+# hopper-ws's tiles that family "stream" times in runs (WsConfig.split = -1) and split as today.
 STREAM = (
     hopper_configs.WsConfig(128, 256, 3, 0, 256, 0),
-    hopper_configs.WsConfig(128, 128, 3, 0, 128, 0),
+    hopper_configs.WsConfig(128, 128, 3, 0, 128),
 )
 
 

@@ -73,13 +73,11 @@ def test_hopper_ws_loads_from_its_second_consumer_only_with_128_rows_or_more(bad
         hc.WsConfig(**dict(block_n=128, block_t=128, stages=3, split=0, mma_tokens=128) | bad)
 
 
-def test_hopper_ws_takes_stream_k_without_the_loader_warp_only():
+def test_hopper_ws_takes_stream_k_with_both_consumers_on_every_step_only():
     assert hc.WsConfig(128, 256, 3, -1, 256, 0).split == -1
     assert hc.WsConfig(256, 128, 3, -1, 128, 0).split == -1
-    with pytest.raises(ValueError, match="or -1 \\(stream-K\\) with loader_warp 0, got"):
-        hc.WsConfig(128, 128, 3, -1, 128)  # the loader warp
-    with pytest.raises(ValueError, match="loader_warp must be 1, or 0 with block_n >= 128"):
-        hc.WsConfig(64, 128, 5, -1, 128, 0)  # 64 rows: the consumers take alternate steps
+    with pytest.raises(ValueError, match="or -1 \\(stream-K\\) with block_n >= 128, got"):
+        hc.WsConfig(64, 128, 5, -1, 128)  # 64 rows: the consumers take alternate steps
     with pytest.raises(ValueError, match="split must be >= 0"):
         hc.WsConfig(128, 256, 3, -2, 256, 0)
 

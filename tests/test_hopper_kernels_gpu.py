@@ -164,7 +164,7 @@ def test_consumers_taking_alternate_steps_read_each_step_at_a_large_shape(cfg):
     "cfg",
     [
         hopper_configs.WsConfig(128, 256, 3, -1, 256, 0),
-        hopper_configs.WsConfig(128, 128, 3, -1, 128, 0),
+        hopper_configs.WsConfig(128, 128, 3, -1, 128),  # with the loader warp
     ],
     ids=str,
 )

@@ -569,8 +569,9 @@ def _compile_ws_stream(cfg, alpha: int):
         "M": "i32", "N": "i32", "KW": "i32", "cp": "i32", "stride_om": "i32",
         "stride_on": "i32", "alpha_stride": "i32", "S": "i32", "whole": "i32", "q": "i32",
         "r": "i32",
-    } | dict.fromkeys(("BN", "BT", "BKW", "STAGES", "GROUP"), "constexpr")  # fmt: skip
+    } | dict.fromkeys(("BN", "BT", "BKW", "STAGES", "GROUP", "OWN_LOADS"), "constexpr")  # fmt: skip
     constexprs = {"BN": bn, "BT": cfg.block_t, "BKW": words, "STAGES": cfg.stages, "GROUP": 8}
+    constexprs["OWN_LOADS"] = not cfg.loader_warp
     if _hopper_ws.ALPHA_STRIDE[alpha] == 1:  # Triton specializes an int argument of 1
         signature["alpha_stride"] = "constexpr"
         constexprs["alpha_stride"] = 1
@@ -589,13 +590,13 @@ def _compile_ws_stream(cfg, alpha: int):
         constexprs={"BN": bn, "BT": cfg.block_t, "CT": _hopper_ws_stream.FIXUP_COLUMNS, "GROUP": 8},
     )  # fmt: skip
     triton.compile(fixup, target=target, options={"num_warps": 4})
-    options = {"num_warps": 4, "maxnreg": _hopper_ws.launch_regs(0)}
+    options = {"num_warps": 4, "maxnreg": _hopper_ws.launch_regs(cfg.loader_warp)}
     return triton.compile(source, target=target, options=options)
 
 
 STREAM_TILES = (
     hopper_configs.WsConfig(128, 256, 3, -1, 256, 0),
-    hopper_configs.WsConfig(128, 128, 3, -1, 128, 0),
+    hopper_configs.WsConfig(128, 128, 3, -1, 128),  # with the loader warp
 )
 
 

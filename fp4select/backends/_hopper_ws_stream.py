@@ -22,17 +22,18 @@ Design rules:
   g % STAGES, ready barrier g % STAGES and phase g // STAGES, as ``mma_ws``'s j-th step: both
   consumers take every step (128 rows or more, one ready barrier a stage), so the parity waits
   hold as there.
-* No loader warp (``WsConfig.loader_warp = 0``, as the 128 x 256 tile it is for): the
-  prologue fills the first stages and the second consumer the rest, as ``mma_ws`` with
-  ``OWN_LOADS``, so one form of the kernel, one compile a tile.
 * The tile order is ``_hopper_ws.tile_at``'s, so a tile's rows and tokens are the same in the
   kernel and the fixup.
 * Not launched under PDL: the kernel starts when a's decode has ended, so nothing here waits
   for it (a few microseconds of overlap are small beside the idle wave this removes).
 * An experiment in no tactic table until timed on a GPU (``hopper_sweep.py --families
-  stream``). Its first form (all tiles in runs from below two waves, a fixup program a tile;
+  stream``). Its first form (all tiles in runs below two waves, a fixup program a tile;
   commit 223faa6) beat every other candidate at 2 of 18 H200 points at M = 256-2048, where
   the tiles mostly filled the SMs; the buckets between the powers of two were not timed then.
+  There its 128 x 128 tile with the loader warp took 0.78x its split form's time where 72
+  tiles filled 55% of the SMs (4608 x 7168, M = 512), while 128 x 256 without the loader warp
+  was slower than its split form wherever it cut (128 KB slots, and one fixup program a
+  tile): so both forms stay, and the sweep times both.
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ def _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, g, M, N, GROU
     BT: gl.constexpr = x_bufs.type.shape[2] * (x_bufs.type.shape[0] // STAGES)
     off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
     _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, i - g, g, BKW)
+
+
+@gluon.jit
+def _loader(
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, p, P, whole, u0, u1, S, M, N,
+    GROUP: gl.constexpr,
+):  # fmt: skip
+    for g in range(whole * S + u1 - u0):
+        t, i = _unit(g, p, P, whole, u0, S)
+        _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, g, M, N, GROUP)
 
 
 @gluon.jit
@@ -189,10 +200,10 @@ def mma_ws_stream(
     whole,  # whole tiles a program takes first: p, p + P, ...
     q, r,  # divmod(the units of the tiles after those, programs)
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr,
+    GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False,
 ):  # fmt: skip
-    """``mma_ws``'s tiles with ``OWN_LOADS``: program p's whole tiles, then its run of (tile,
-    step) units; num_warps=4."""
+    """``mma_ws``'s tiles: program p's whole tiles, then its run of (tile, step) units;
+    num_warps=4."""
     XW: gl.constexpr = x_desc.block_type.shape[1]
     HALVES: gl.constexpr = BT // XW
     p = gl.program_id(0)
@@ -209,30 +220,54 @@ def mma_ws_stream(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers read every stage
     fence_async_shared()
-    # The stages filled here, then by the second consumer as it gives each back (no loader
-    # warp: 8 warps, so a thread may hold the 255 registers a 256-token tile needs).
-    for j in gl.static_range(STAGES):
-        if j < whole * S + u1 - u0:
-            t, i = _unit(j, p, P, whole, u0, S)
-            _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, j, M, N, GROUP)
-    gl.warp_specialize(
-        [
-            (
-                _consumer,
-                (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P, whole,
-                 u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc, 0,
-                 False, GROUP),
-            ),
-            (
-                _consumer,
-                (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P, whole,
-                 u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride, w_desc, x_desc, 1,
-                 True, GROUP),
-            ),
-        ],
-        [4],
-        [WORKER_REGS],
-    )  # fmt: skip
+    # The arguments written out in place: in a tuple variable a constexpr loses being one.
+    if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
+        for j in gl.static_range(STAGES):
+            if j < whole * S + u1 - u0:
+                t, i = _unit(j, p, P, whole, u0, S)
+                _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, j, M, N, GROUP)
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 0, False, GROUP),
+                ),
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 1, True, GROUP),
+                ),
+            ],
+            [4],
+            [WORKER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 0, False, GROUP),
+                ),
+                (
+                    _consumer,
+                    (w_bufs, x_bufs, ready, empty, sw_ptr, alpha_ptr, out_ptr, part_ptr, p, P,
+                     whole, u0, u1, S, M, N, KW, cp, stride_om, stride_on, alpha_stride,
+                     w_desc, x_desc, 1, False, GROUP),
+                ),
+                (
+                    _loader,
+                    (w_desc, x_desc, w_bufs, x_bufs, ready, empty, p, P, whole, u0, u1, S, M,
+                     N, GROUP),
+                ),
+            ],
+            [4, 1],
+            [232, 40],
+        )  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["M", "S", "first_tile", "q", "r"])

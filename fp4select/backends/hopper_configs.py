@@ -55,8 +55,8 @@ class WsConfig:
     """``hopper-ws``'s tile: weight rows (128 or 256: each consumer warpgroup takes half; 64:
     the two take alternate steps), tokens (64, 128 or 256), TMA stages, the K split (1: none;
     0: choose from the SM count; -1: as 0, but where the tiles leave SMs idle, the last wave's
-    tiles cut into equal runs of K steps, stream-K: ``stream_plan``; without the loader warp),
-    the tokens one wgmma takes (64: a 128-token tile is
+    tiles cut into equal runs of K steps, stream-K: ``stream_plan``; 128 rows or more), the
+    tokens one wgmma takes (64: a 128-token tile is
     multiplied in two halves; or block_t: one wgmma over the whole tile), whether a warp
     of its own loads the stages (1) or the second consumer does (0: 8 warps, so 255 registers
     a thread where 12 warps leave 168; 128 rows or more)."""
@@ -73,10 +73,10 @@ class WsConfig:
             raise ValueError(f"mma_tokens must be 64 or block_t, got {self.mma_tokens}")
         if self.loader_warp not in (0, 1) or (not self.loader_warp and self.block_n < 128):
             raise ValueError(f"loader_warp must be 1, or 0 with block_n >= 128, got {self}")
-        if self.split < -1 or (self.split == -1 and self.loader_warp):
+        if self.split < -1 or (self.split == -1 and self.block_n < 128):
             raise ValueError(
                 "split must be >= 0 (1: none, 0: from the SM count), or -1 (stream-K) with "
-                f"loader_warp 0, got {self}"
+                f"block_n >= 128, got {self}"
             )
 
 

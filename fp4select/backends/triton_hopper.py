@@ -495,7 +495,8 @@ def _ws_stream(
     main = Launch(
         stream.mma_ws_stream, (programs,),
         BN=cfg.block_n, BT=cfg.block_t, BKW=ws_kernels().STEP_WORDS, STAGES=cfg.stages,
-        GROUP=group, num_warps=4, maxnreg=ws_kernels().launch_regs(0),
+        GROUP=group, OWN_LOADS=not cfg.loader_warp, num_warps=4,
+        maxnreg=ws_kernels().launch_regs(cfg.loader_warp),
     )  # fmt: skip
     fixup = Launch(
         stream.stream_fixup, (tiles - first_tile, cfg.block_t // stream.FIXUP_COLUMNS),
