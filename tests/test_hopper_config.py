@@ -102,6 +102,7 @@ def test_stream_runs_cover_every_unit_once_in_order_and_evenly(units, programs):
         (72, 56, 1, (132, 0)),  # 4608 x 7168, M = 512: 55%, every tile in runs
         (96, 448, 1, (132, 0)),  # 4096 x 14336, M = 768: 73%
         (10, 17, 2, (21, 0)),  # 520 x 2080, M = 300: 21 programs of at least 8 steps
+        (36, 16, 2, None),  # 2304 x 4096, M = 512: 72 runs of 8 steps fill no more than 72 tiles
         (144, 56, 1, (132, 1)),  # 4608 x 7168, M = 1024: a whole tile each, 12 in runs
         (448, 16, 1, (132, 3)),  # 3.4 waves: three whole tiles a program, 52 tiles in runs
         (528, 32, 1, None),  # four whole waves

@@ -100,7 +100,7 @@ def _walk(tiles: int, steps: int, sms: int, split: int):
         (133, 200, 1),
         (448, 16, 1),  # three whole tiles each
         (300, 7, 1),  # runs shorter than a tile's steps, tiles shared by many
-        (1, 9, 1),
+        (1, 64, 1),  # one tile over 8 programs
     ],
 )
 def test_every_step_is_loaded_in_order_summed_once_and_every_tile_stored_once(tiles, steps, split):
