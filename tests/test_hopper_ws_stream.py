@@ -31,21 +31,30 @@ class _NumpyGl:
     minimum = staticmethod(np.minimum)
     maximum = staticmethod(np.maximum)
 
+    @staticmethod
+    def cdiv(a, b):
+        return -(-a // b)
 
-def _plain(jitted):
-    """A jitted function's own Python, with ``gl`` taken by numpy."""
+
+def _plain(jitted, **helpers):
+    """A jitted function's own Python, with ``gl`` taken by numpy (and jitted helpers it
+    calls by their plain forms)."""
     fn = jitted.fn
-    scope = dict(fn.__globals__, gl=_NumpyGl)
+    scope = dict(fn.__globals__, gl=_NumpyGl, **helpers)
     return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
 
 
 first, owner, unit = _plain(stream._first), _plain(stream.owner), _plain(stream._unit)
+tile_at = _plain(stream.tile_at)
+advance = _plain(stream._advance, tile_at=tile_at)
+BN, BT, GROUP, STAGES = 128, 256, 8, 3
 
 
 def _walk(tiles: int, steps: int, sms: int, split: int):
     """What each program loads and sums, and what the fixup adds, as the kernels' loops do."""
     programs, whole = hopper_configs.stream_plan(tiles, steps, sms, split)
     S, P = steps, programs
+    M, N = 256 * 3, BN * -(-tiles // 3)  # tiles of BN x BT: three a column of weight tiles
     first_tile = whole * P
     q, r = divmod((tiles - first_tile) * S, P)
     base = whole * P * S
@@ -54,7 +63,22 @@ def _walk(tiles: int, steps: int, sms: int, split: int):
     for p in range(P):
         u0, u1 = base + int(first(p, q, r)), base + int(first(p + 1, q, r))
         assert (u0 - base, u1 - base) == hopper_configs.stream_runs((tiles - first_tile) * S, P)[p]
-        loads = [tuple(map(int, unit(g, p, P, whole, u0, S))) for g in range(whole * S + u1 - u0)]
+        total = whole * S + u1 - u0
+        loads = [tuple(map(int, unit(g, p, P, whole, u0, S))) for g in range(total)]
+        # the loading consumer's cursor (``_advance``) from unit STAGES on, as the kernel keeps
+        # it: the same units, and each tile's first row and token
+        if total > STAGES:
+            cursor = (*unit(STAGES, p, P, whole, u0, S),)
+            cursor = (*cursor, *tile_at(cursor[0], M, N, BN, BT, GROUP))
+        for g in range(STAGES, total):
+            t, i, off_n, off_t = map(int, cursor)
+            assert (t, i) == loads[g] and (off_n, off_t) == tuple(
+                map(int, tile_at(t, M, N, BN, BT, GROUP))
+            )
+            if g + 1 < total:
+                cursor = advance(
+                    *cursor, g, P, whole * S, u0 // S, u0 % S, S, M, N, BN, BT, GROUP
+                )  # fmt: skip
         taken = []  # (tile, step) in the consumers' order: stage g % STAGES is g-th unit's
         for n in range(whole):
             t = p + n * P
@@ -111,7 +135,8 @@ def test_every_step_is_loaded_in_order_summed_once_and_every_tile_stored_once(ti
 
 def test_the_walk_can_fail(monkeypatch):
     """The checks above can fail: a loader taking a run's units in another order than the
-    consumers, or a fixup that skips a tile's last sharer."""
+    consumers, a fixup that skips a tile's last sharer, a loading consumer's cursor that
+    steps to the wrong whole tile."""
     real_unit, real_owner = unit, owner
 
     def swapped(g, p, P, whole, u0, S):  # a run's first two units loaded the other way round
@@ -126,6 +151,16 @@ def test_the_walk_can_fail(monkeypatch):
     monkeypatch.setitem(globals(), "owner", lambda u, q, r: real_owner(u, q, r) - (u % 56 == 55))
     with pytest.raises(AssertionError):
         _walk(72, 56, 132, 1)
+    monkeypatch.setitem(globals(), "owner", real_owner)
+    real_advance = advance
+
+    def whole_tiles_in_a_row(t, i, off_n, off_t, g, P, *rest):  # forgets the stride P
+        return real_advance(t, i, off_n, off_t, g, 1, *rest)
+
+    _walk(144, 56, 132, 1)
+    monkeypatch.setitem(globals(), "advance", whole_tiles_in_a_row)
+    with pytest.raises(AssertionError):
+        _walk(300, 7, 132, 1)  # two whole tiles a program
 
 
 @pytest.mark.parametrize("sms", [1, 7, 78, 132])

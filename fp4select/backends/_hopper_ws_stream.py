@@ -78,6 +78,27 @@ def _unit(g, p, P, whole, u0, S):
 
 
 @gluon.jit
+def _advance(
+    t, i, off_n, off_t, g, P, whole_units, rt, ri, S, M, N, BN: gl.constexpr, BT: gl.constexpr,
+    GROUP: gl.constexpr,
+):  # fmt: skip
+    """The loading consumer's cursor from unit g to unit g + 1: (tile, step, the tile's first
+    weight row and token) of the next step, the next whole tile (P on), the run's first unit
+    (rt, ri) or the run's next tile. ``_unit`` divides by S and P and ``tile_at`` by the tile
+    counts: at every step that took the loading consumer's loop from about 300 sm90
+    instructions (``mma_ws``'s) to 450, and its decode is what the step waits on; here
+    ``tile_at`` runs once a tile."""
+    i += 1
+    run_starts = g + 1 == whole_units
+    tile_ends = i == S
+    t = gl.where(run_starts, rt, gl.where(tile_ends, t + gl.where(g + 1 < whole_units, P, 1), t))
+    i = gl.where(run_starts, ri, gl.where(tile_ends, 0, i))
+    if run_starts | tile_ends:
+        off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
+    return t, i, off_n, off_t
+
+
+@gluon.jit
 def _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, g, M, N, GROUP: gl.constexpr):
     """Step i of tile t into stage g % STAGES: ``_load_step`` of that tile."""
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -113,12 +134,13 @@ def _store_part(acc0, acc1, part_ptr, ROW0: gl.constexpr, BN: gl.constexpr, HALV
 
 @gluon.jit
 def _tile_sums(
-    w_bufs, x_bufs, ready, empty, sw_ptr, off_n, k0, k1, g, p, P, whole, u0, u1, S, M, N, KW,
-    cp, w_desc, x_desc, ROW0: gl.constexpr, LOADS: gl.constexpr, GROUP: gl.constexpr,
+    w_bufs, x_bufs, ready, empty, sw_ptr, off_n, k0, k1, g, cursor, P, whole, rt, ri, total, S,
+    M, N, KW, cp, w_desc, x_desc, ROW0: gl.constexpr, LOADS: gl.constexpr, GROUP: gl.constexpr,
 ):  # fmt: skip
     """Steps k0 .. k1 - 1 of the tile at weight row off_n, this consumer's rows, as
-    ``_hopper_ws._consumer`` takes them; the program's g-th unit first. Returns the sums and
-    the units taken so far."""
+    ``_hopper_ws._consumer`` takes them; the program's g-th unit first. With ``LOADS`` each
+    step then loads unit g + STAGES, at ``cursor`` (``_advance``). Returns the sums, the units
+    taken so far and the cursor."""
     BN: gl.constexpr = w_bufs.type.shape[1]
     BKW: gl.constexpr = w_bufs.type.shape[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
@@ -132,7 +154,8 @@ def _tile_sums(
     acc0 = gl.zeros((ROWS, XW), gl.float32, mma)
     acc1 = gl.zeros((ROWS, XW), gl.float32, mma)
     sw = _scale_words(sw_ptr, row_part, kw, k0, KW, BKW)
-    total = whole * S + u1 - u0
+    BT: gl.constexpr = XW * (x_bufs.type.shape[0] // STAGES)
+    ct, ci, cn, ctok = cursor
     for i in range(k0, k1):
         s = g % STAGES
         mbarrier.wait(ready.index(s), (g // STAGES) & 1)
@@ -141,12 +164,14 @@ def _tile_sums(
         acc0, acc1 = mma_step(a, x_bufs, empty, s, acc0, acc1, ready, 0, 0, False)
         if LOADS:  # noqa: SIM102 (a constexpr: the branch compiles away)
             if g + STAGES < total:
-                t2, i2 = _unit(g + STAGES, p, P, whole, u0, S)
-                _load_unit(
-                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, t2, i2, g + STAGES, M, N, GROUP
-                )  # fmt: skip
+                j = g + STAGES
+                _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, cn, ctok, ci - j, j, BKW)
+                if j + 1 < total:  # past the last unit a tile's row and token are not made
+                    ct, ci, cn, ctok = _advance(
+                        ct, ci, cn, ctok, j, P, whole * S, rt, ri, S, M, N, BN, BT, GROUP
+                    )
         g += 1
-    return acc0, acc1, g
+    return acc0, acc1, g, (ct, ci, cn, ctok)
 
 
 @gluon.jit
@@ -164,11 +189,16 @@ def _consumer(
     BT: gl.constexpr = x_bufs.type.shape[2] * HALVES
     ROW0: gl.constexpr = BN // 2 * ROLE
     g = 0  # the program's units so far: stage g % STAGES
+    total = whole * S + u1 - u0
+    rt, ri = u0 // S, u0 % S  # the run's first unit
+    ct, ci = _unit(STAGES, p, P, whole, u0, S)  # the first unit the loading consumer loads
+    cn, ctok = tile_at(ct, M, N, BN, BT, GROUP)  # (a tile past the last when it loads nothing)
+    cursor = (ct, ci, cn, ctok)
     for n in range(whole):
         off_n, off_t = tile_at(p + n * P, M, N, BN, BT, GROUP)
-        acc0, acc1, g = _tile_sums(
-            w_bufs, x_bufs, ready, empty, sw_ptr, off_n, 0, S, g, p, P, whole, u0, u1, S, M,
-            N, KW, cp, w_desc, x_desc, ROW0, LOADS, GROUP,
+        acc0, acc1, g, cursor = _tile_sums(
+            w_bufs, x_bufs, ready, empty, sw_ptr, off_n, 0, S, g, cursor, P, whole, rt, ri,
+            total, S, M, N, KW, cp, w_desc, x_desc, ROW0, LOADS, GROUP,
         )  # fmt: skip
         _store(acc0, acc1, alpha_ptr, out_ptr, off_n + ROW0, off_t, M, N, stride_om,
                stride_on, alpha_stride, HALVES)  # fmt: skip
@@ -178,9 +208,9 @@ def _consumer(
         off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
         k0 = gl.maximum(u0 - t * S, 0)
         k1 = gl.minimum(u1 - t * S, S)
-        acc0, acc1, g = _tile_sums(
-            w_bufs, x_bufs, ready, empty, sw_ptr, off_n, k0, k1, g, p, P, whole, u0, u1, S, M,
-            N, KW, cp, w_desc, x_desc, ROW0, LOADS, GROUP,
+        acc0, acc1, g, cursor = _tile_sums(
+            w_bufs, x_bufs, ready, empty, sw_ptr, off_n, k0, k1, g, cursor, P, whole, rt, ri,
+            total, S, M, N, KW, cp, w_desc, x_desc, ROW0, LOADS, GROUP,
         )  # fmt: skip
         if k1 - k0 == S:
             _store(acc0, acc1, alpha_ptr, out_ptr, off_n + ROW0, off_t, M, N, stride_om,
