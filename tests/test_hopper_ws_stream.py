@@ -67,18 +67,21 @@ def _walk(tiles: int, steps: int, sms: int, split: int):
         loads = [tuple(map(int, unit(g, p, P, whole, u0, S))) for g in range(total)]
         # the loading consumer's cursor (``_advance``) from unit STAGES on, as the kernel keeps
         # it: the same units, and each tile's first row and token
-        if total > STAGES:
-            cursor = (*unit(STAGES, p, P, whole, u0, S),)
-            cursor = (*cursor, *tile_at(cursor[0], M, N, BN, BT, GROUP))
-        for g in range(STAGES, total):
-            t, i, off_n, off_t = map(int, cursor)
-            assert (t, i) == loads[g] and (off_n, off_t) == tuple(
-                map(int, tile_at(t, M, N, BN, BT, GROUP))
-            )
-            if g + 1 < total:
-                cursor = advance(
-                    *cursor, g, P, whole * S, u0 // S, u0 % S, S, M, N, BN, BT, GROUP
-                )  # fmt: skip
+        # the loader warp's cursor (``_advance``) from unit 0, the loading consumer's from unit
+        # STAGES, as the kernel keeps them: the same units, and each tile's first row and token
+        for start in (0, STAGES):
+            if total > start:
+                cursor = (*unit(start, p, P, whole, u0, S),)
+                cursor = (*cursor, *tile_at(cursor[0], M, N, BN, BT, GROUP))
+            for g in range(start, total):
+                t, i, off_n, off_t = map(int, cursor)
+                assert (t, i) == loads[g] and (off_n, off_t) == tuple(
+                    map(int, tile_at(t, M, N, BN, BT, GROUP))
+                )
+                if g + 1 < total:
+                    cursor = advance(
+                        *cursor, g, P, whole * S, u0 // S, u0 % S, S, M, N, BN, BT, GROUP
+                    )  # fmt: skip
         taken = []  # (tile, step) in the consumers' order: stage g % STAGES is g-th unit's
         for n in range(whole):
             t = p + n * P

@@ -114,9 +114,20 @@ def _loader(
     w_desc, x_desc, w_bufs, x_bufs, ready, empty, p, P, whole, u0, u1, S, M, N,
     GROUP: gl.constexpr,
 ):  # fmt: skip
-    for g in range(whole * S + u1 - u0):
-        t, i = _unit(g, p, P, whole, u0, S)
-        _load_unit(w_desc, x_desc, w_bufs, x_bufs, ready, empty, t, i, g, M, N, GROUP)
+    """The loader warp: every unit of the program in order, by the cursor ``_advance`` keeps."""
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    BKW: gl.constexpr = w_bufs.type.shape[2]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    BT: gl.constexpr = x_bufs.type.shape[2] * (x_bufs.type.shape[0] // STAGES)
+    total = whole * S + u1 - u0
+    t, i = _unit(0, p, P, whole, u0, S)
+    off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
+    for g in range(total):
+        _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, i - g, g, BKW)
+        if g + 1 < total:
+            t, i, off_n, off_t = _advance(
+                t, i, off_n, off_t, g, P, whole * S, u0 // S, u0 % S, S, M, N, BN, BT, GROUP
+            )
 
 
 @gluon.jit
