@@ -22,6 +22,10 @@ Design rules:
   g % STAGES, ready barrier g % STAGES and phase g // STAGES, as ``mma_ws``'s j-th step: both
   consumers take every step (128 rows or more, one ready barrier a stage), so the parity waits
   hold as there.
+* Whoever loads (the loader warp, or the second consumer) walks the units by a cursor that
+  ``_advance`` moves by additions, working a tile's first row and token out once a tile; it
+  must name the same (tile, step) as ``_unit`` (the prologue's) for every g, which
+  ``tests/test_hopper_ws_stream.py`` walks on the CPU from the kernels' own source.
 * The tile order is ``_hopper_ws.tile_at``'s, so a tile's rows and tokens are the same in the
   kernel and the fixup.
 * Not launched under PDL: the kernel starts when a's decode has ended, so nothing here waits
@@ -32,8 +36,9 @@ Design rules:
   the tiles mostly filled the SMs; the buckets between the powers of two were not timed then.
   There its 128 x 128 tile with the loader warp took 0.78x its split form's time where 72
   tiles filled 55% of the SMs (4608 x 7168, M = 512), while 128 x 256 without the loader warp
-  was slower than its split form wherever it cut (128 KB slots, and one fixup program a
-  tile): so both forms stay, and the sweep times both.
+  was slower than its split form wherever it cut (128 KB slots, one fixup program a tile,
+  and a loading consumer dividing its unit's index out at every step; not since): so both
+  forms stay, and the sweep times both.
 """
 
 from __future__ import annotations
