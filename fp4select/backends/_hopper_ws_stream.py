@@ -87,8 +87,8 @@ def _advance(
     t, i, off_n, off_t, g, P, whole_units, rt, ri, S, M, N, BN: gl.constexpr, BT: gl.constexpr,
     GROUP: gl.constexpr,
 ):  # fmt: skip
-    """The loading consumer's cursor from unit g to unit g + 1: (tile, step, the tile's first
-    weight row and token) of the next step, the next whole tile (P on), the run's first unit
+    """The loader's cursor (the loader warp's, or the loading consumer's) from unit g to unit
+    g + 1: (tile, step, the tile's first weight row and token) of the next step, the next whole tile (P on), the run's first unit
     (rt, ri) or the run's next tile. ``_unit`` divides by S and P and ``tile_at`` by the tile
     counts: at every step that took the loading consumer's loop from about 300 sm90
     instructions (``mma_ws``'s) to 450, and its decode is what the step waits on; here
@@ -125,13 +125,14 @@ def _loader(
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     BT: gl.constexpr = x_bufs.type.shape[2] * (x_bufs.type.shape[0] // STAGES)
     total = whole * S + u1 - u0
+    rt, ri = u0 // S, u0 % S  # the run's first unit
     t, i = _unit(0, p, P, whole, u0, S)
     off_n, off_t = tile_at(t, M, N, BN, BT, GROUP)
     for g in range(total):
         _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, i - g, g, BKW)
         if g + 1 < total:
             t, i, off_n, off_t = _advance(
-                t, i, off_n, off_t, g, P, whole * S, u0 // S, u0 % S, S, M, N, BN, BT, GROUP
+                t, i, off_n, off_t, g, P, whole * S, rt, ri, S, M, N, BN, BT, GROUP
             )
 
 
