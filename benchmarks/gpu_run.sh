@@ -12,8 +12,9 @@
 #          there is a GPU (python -m pytest --all, 163 s in one process on the H200); with 2
 #          or more GPUs also fp4select.distributed over NCCL
 #   kernels the kernel matrix: tests/test_hopper_kernels_gpu.py, every Hopper kernel and tactic
-#          against the exact reference (121 tests: 87 s in 6 processes on the H200; the
-#          whole gpu mark took about 9 min in one process)
+#          against the exact reference (121 tests at 626dc80: 58 s in 6 processes on the
+#          H200; since then also stream-K's 20, not yet run; the whole gpu mark took about 9
+#          min in one process)
 #          Both run in GPU_TEST_WORKERS processes (default 6) where pytest-xdist is installed.
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
