@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The engine plugins against the real SGLang and vLLM, on a CPU machine.
 #
-# Builds (once) a Python 3.11 virtual environment with sglang 0.5.23 and vllm 0.33.0 installed
+# Builds (once) a Python 3.11 virtual environment with sglang 0.5.23 and vllm 0.34.0 installed
 # without their GPU dependencies, plus the pure-Python packages their modules import, with
 # flashinfer-python 0.7.4 and torch 2.14.1 + torchvision 0.29.1 (a CUDA build that runs CPU
 # tensors; the registry's torchvision does not load beside a CPU-only torch): the list is
 # .ci/engines-requirements.txt, the versions .ci/engines-constraints.txt. Then installs this
 # checkout into it (editable, so the entry points are this checkout's) and runs the tests marked
-# `engines`. Exits non-zero if the environment cannot be built, if the engines are not the
-# versions the tests were written for, or if a test fails.
+# `engines`. The vLLM tests then run once more for each earlier vLLM the plugin still claims
+# (VLLM_EARLIER), installed without dependencies into a folder beside the environment that goes
+# first on PYTHONPATH, as .ci/run's oldest-flashinfer step does. Exits non-zero if the
+# environment cannot be built, if the engines are not the versions the tests were written for,
+# or if a test fails.
 #
 #   FP4SELECT_ENGINES_VENV    where the environment lives (default .venv-engines in this
 #                             clone, which .gitignore leaves out); it takes about 8.5 GB of
@@ -21,7 +24,8 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 
 SGLANG=0.5.23
-VLLM=0.33.0
+VLLM=0.34.0
+VLLM_EARLIER=(0.33.0)
 venv=${FP4SELECT_ENGINES_VENV:-$repo/.venv-engines}
 python=${FP4SELECT_ENGINES_PYTHON:-python3.11}
 requirements=.ci/engines-requirements.txt
@@ -76,12 +80,46 @@ if not here.startswith(os.path.realpath(repo) + os.sep):
 EOF
 echo "engines: environment ready in $(( $(date +%s) - started )) s"
 
+# An earlier vLLM, installed once into its own folder: the path of that folder.
+earlier_vllm() {
+  local version=$1 folder="$venv.vllm-$1"
+  if [ ! -f "$folder/.fp4select-done" ]; then
+    rm -rf "$folder"
+    "$venv/bin/python" -m pip install -q --no-deps --target "$folder" "vllm==$version" \
+      >>"$log" 2>&1 || return 1
+    touch "$folder/.fp4select-done"
+  fi
+  echo "$folder"
+}
+
+# Runs the engine tests with $1 first on PYTHONPATH (may be empty); checks first that vllm $2 is
+# the one imported. No test collected (pytest's exit 5) means they did not run: a failure here.
+run_tests() {
+  local path="$1${1:+:}$repo" want=$2
+  shift 2
+  PYTHONPATH="$path" "$venv/bin/python" -c '
+import importlib.metadata as md, sys
+found = md.version("vllm")
+sys.exit(None if found == sys.argv[1] else f"engines: expected vllm {sys.argv[1]}, found {found}")
+' "$want" || return 1
+  PYTHONPATH="$path" "$venv/bin/python" -m pytest -m engines -p no:cacheprovider \
+    -W ignore::FutureWarning -W ignore::UserWarning "$@"
+}
+
 set +e
-PYTHONPATH="$repo" "$venv/bin/python" -m pytest -m engines -p no:cacheprovider \
-  -W ignore::FutureWarning -W ignore::UserWarning \
-  tests/test_integrations_sglang.py tests/test_integrations_vllm.py
+run_tests "" "$VLLM" tests/test_integrations_sglang.py tests/test_integrations_vllm.py
 rc=$?
+for version in "${VLLM_EARLIER[@]}"; do
+  echo "engines: the vLLM tests with vllm $version"
+  if folder=$(earlier_vllm "$version"); then
+    run_tests "$folder" "$version" tests/test_integrations_vllm.py
+    earlier=$?
+  else
+    echo "engines: installing vllm $version failed (log: $log)" >&2
+    earlier=1
+  fi
+  [ "$rc" -eq 0 ] && rc=$earlier
+done
 set -e
-echo "engines: done in $(( $(date +%s) - started )) s (pytest exit $rc)"
-# No test collected (exit 5) means the engine tests did not run: that is a failure here.
+echo "engines: done in $(( $(date +%s) - started )) s (exit $rc)"
 exit "$rc"

@@ -66,8 +66,8 @@ def main() -> int:
     if missing:
         print(
             f"{' and '.join(missing)} not installed: this example needs vLLM and flashinfer "
-            "(pip install vllm==0.33.0 flashinfer-python; fp4select's plugin is tested with "
-            "vLLM 0.33.0)",
+            "(pip install vllm==0.34.0 flashinfer-python; fp4select's plugin is tested with "
+            "vLLM 0.34.0 and 0.33.0)",
             file=sys.stderr,
         )
         return 1

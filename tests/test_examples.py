@@ -64,7 +64,7 @@ def test_example_runs_and_leaves_no_trace(script, tmp_path):
     ("script", "engine", "pin"),
     [
         ("sglang_fp4select.py", "sglang", "sglang==0.5.23"),
-        ("vllm_fp4select.py", "vllm", "vllm==0.33.0"),
+        ("vllm_fp4select.py", "vllm", "vllm==0.34.0"),
     ],
 )
 @pytest.mark.parametrize("flag", [["--check"], []])

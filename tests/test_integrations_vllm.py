@@ -1,13 +1,16 @@
 """The vLLM plugin against the real vLLM package, on the CPU.
 
-Run by .ci/engines.sh in an environment with vllm 0.33.0 installed without its GPU
-dependencies; skipped elsewhere. vLLM's ``vllm::flashinfer_mm_fp4`` op is registered for CUDA
-only; these tests give it a CPU kernel made of its own Python body (``op._init_fn``), so a call
-through ``flashinfer_scaled_fp4_mm`` runs the same op body, which imports ``flashinfer.mm_fp4``.
+Run by .ci/engines.sh in an environment with vLLM installed without its GPU dependencies, once
+for each version the plugin was tested with; skipped elsewhere. vLLM's ``vllm::flashinfer_mm_fp4``
+op is registered for CUDA only. In 0.33 every call goes through the op: these tests give it a
+CPU kernel made of its own Python body (``op._init_fn``). From 0.34 an eager call skips the
+dispatcher and runs the body (``_flashinfer_mm_fp4``) itself. Either way a call through
+``flashinfer_scaled_fp4_mm`` runs the op's body, which imports ``flashinfer.mm_fp4``.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -57,11 +60,18 @@ def _objects() -> dict[str, object]:
         "gemm_base.mm_fp4": gemm_base.mm_fp4,
         "Worker.load_model": vars(Worker)["load_model"],
         "vllm op": vllm_flashinfer.flashinfer_mm_fp4,
-        "vllm op body": vllm_flashinfer.flashinfer_mm_fp4._init_fn,
+        "vllm op body": _op_body(),
         "NVFP4 kernels": vllm_linear._POSSIBLE_NVFP4_KERNELS,
         "backend map": vllm_linear._LINEAR_BACKEND_KERNEL_MAP,
         "CLI choices": _linear_backend_field().type,
     }
+
+
+def _op_body():
+    """The Python function behind vLLM's ``flashinfer_mm_fp4``: the torch.library op's own in
+    0.33; from 0.34 the one its eager wrapper calls."""
+    op = vllm_flashinfer.flashinfer_mm_fp4
+    return getattr(op, "_init_fn", None) or vllm_flashinfer._flashinfer_mm_fp4
 
 
 def _linear_backend_field():
@@ -86,9 +96,10 @@ def _clean(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cpu_op():
-    """vLLM's op with a CPU kernel: its own body, registered for the CPU once per process."""
+    """vLLM's op, callable on the CPU: in 0.33 its body is registered as its CPU kernel once per
+    process; from 0.34 an eager call runs the body without the dispatcher."""
     op = vllm_flashinfer.flashinfer_mm_fp4
-    if "cpu" not in getattr(op, "_backend_fns", {}):
+    if hasattr(op, "register_kernel") and "cpu" not in op._backend_fns:
         op.register_kernel("cpu")(op._init_fn)
     return op
 
@@ -98,7 +109,7 @@ def test_vllm_version_and_patch_targets_are_what_the_plugin_expects():
     assert integration.engine_version() in integration.TESTED_VERSIONS
     assert vllm_plugins.DEFAULT_PLUGINS_GROUP == "vllm.general_plugins"
     # The custom op imports flashinfer.mm_fp4 inside its body, on every call.
-    body = vllm_flashinfer.flashinfer_mm_fp4._init_fn
+    body = _op_body()
     assert "from flashinfer import mm_fp4" in inspect.getsource(body)
     assert list(inspect.signature(body).parameters) == [
         "A",
@@ -125,13 +136,19 @@ def test_vllm_version_and_patch_targets_are_what_the_plugin_expects():
     # The load-time hook point comes before memory profiling, and has what tune_worker reads.
     assert callable(Worker.load_model) and callable(Worker.determine_available_memory)
     from vllm.config import SchedulerConfig
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
 
     init = inspect.getsource(WorkerBase.__init__)
     assert "self.vllm_config = vllm_config" in init
     assert "self.model_config = vllm_config.model_config" in init
-    assert callable(GPUModelRunner.get_model)
+    # Its model runner: gpu_model_runner's by default in 0.33, gpu.model_runner's (the only one
+    # from 0.34, where the other module is gone) with use_v2_model_runner.
+    runners = [
+        importlib.import_module(name).GPUModelRunner
+        for name in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
+        if importlib.util.find_spec(name) is not None
+    ]
+    assert runners and all(callable(runner.get_model) for runner in runners)
     assert "max_num_batched_tokens" in SchedulerConfig.__dataclass_fields__
     # Where model_shapes finds each layer's kernel: quant_method.kernel (ModelOpt) and
     # scheme.kernel (compressed-tensors).
@@ -241,7 +258,7 @@ def test_unpatch_restores_every_object():
 
 
 def test_an_untested_vllm_logs_one_warning_and_is_left_untouched(monkeypatch, caplog):
-    monkeypatch.setattr(integration, "engine_version", lambda: "0.34.0")
+    monkeypatch.setattr(integration, "engine_version", lambda: "0.99.0")
     monkeypatch.setenv("VLLM_PLUGINS", "fp4select")
     before = _objects()
     with caplog.at_level(logging.WARNING, logger="fp4select.integrations"):
@@ -251,7 +268,7 @@ def test_an_untested_vllm_logs_one_warning_and_is_left_untouched(monkeypatch, ca
     assert _objects() == before
     warnings = [r.getMessage() for r in caplog.records if r.name == "fp4select.integrations"]
     assert len(warnings) == 1, warnings
-    assert "vLLM 0.34.0 is not a version" in warnings[0] and "0.33.0" in warnings[0]
+    assert "vLLM 0.99.0 is not a version" in warnings[0] and "0.34.0" in warnings[0]
 
 
 # -- tuning at load ------------------------------------------------------------------------------

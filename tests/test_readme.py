@@ -149,6 +149,9 @@ def test_the_stated_versions_are_the_declared_ones():
     engines_sh = (ROOT / ".ci" / "engines.sh").read_text(encoding="utf-8")
     assert re.search(r"^SGLANG=(\S+)$", engines_sh, re.M)[1] == sglang.TESTED_VERSIONS[-1]
     assert re.search(r"^VLLM=(\S+)$", engines_sh, re.M)[1] == vllm.TESTED_VERSIONS[-1]
-    stated = re.search(r"Tested with SGLang (\S+) and vLLM (\S+?);", readme)
+    # The earlier vLLM releases the plugin claims are each tested by engines.sh too.
+    earlier = re.search(r"^VLLM_EARLIER=\((.*)\)$", engines_sh, re.M)[1].split()
+    assert earlier == list(vllm.TESTED_VERSIONS[:-1])
+    stated = re.search(r"Tested with SGLang (\S+) and vLLM ([^;]+);", readme)
     assert stated is not None
-    assert stated.groups() == (sglang.TESTED_VERSIONS[-1], vllm.TESTED_VERSIONS[-1])
+    assert stated.groups() == (sglang.TESTED_VERSIONS[-1], " and ".join(vllm.TESTED_VERSIONS))

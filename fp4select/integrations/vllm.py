@@ -4,8 +4,9 @@ How to turn it on and what it covers: docs/engines.md.
 
 Design rules (the shared ones are in :mod:`fp4select.integrations._common`):
 
-* The patch target is the attribute ``flashinfer.mm_fp4``: vLLM's custom op
-  ``vllm::flashinfer_mm_fp4`` imports it on every call, so every FlashInfer NVFP4 linear kernel
+* The patch target is the attribute ``flashinfer.mm_fp4``: the body of vLLM's custom op
+  ``vllm::flashinfer_mm_fp4`` (from 0.34 called directly in eager mode, through the op only
+  under torch.compile) imports it on every call, so every FlashInfer NVFP4 linear kernel
   reaches fp4select while the op stays opaque to torch.compile. The op itself is not replaced.
 * vLLM prepared the weights at load for the backend it names in each call (trtllm: shuffled;
   the others plain 128x4) and sends 8x4 activation scales to trtllm at M <= 32; fp4select
@@ -39,7 +40,7 @@ from fp4select.keys import installed_version
 
 ENGINE = "vLLM"
 DIST = "vllm"
-TESTED_VERSIONS = ("0.33.0",)
+TESTED_VERSIONS = ("0.33.0", "0.34.0")
 ALLOW_LIST_ENV = "VLLM_PLUGINS"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 LINEAR_MODULE = "vllm.model_executor.kernels.linear"
