@@ -69,6 +69,10 @@ def test_hopper_ws_runs_on_sm90_only(monkeypatch):
     assert "SM90" in triton_hopper.ws_why_unavailable(B200)  # no wgmma on Blackwell
     assert "SM90" in triton_hopper.ws_why_unavailable({"device": "cuda", "cc": 89})
     assert "8.0" in triton_hopper.ws_why_unavailable({"device": "cuda", "cc": 75})
+    # Triton 3.5's Gluon takes warp_specialize's partitions apart: the kernel does not compile.
+    assert "3.6" in triton_hopper.ws_why_unavailable({**H200, "triton": "3.5.1"})
+    for version in ("3.6.0", "3.8.0", "3.10.0+git1234abcd", "not a version", None):
+        assert triton_hopper.ws_why_unavailable({**H200, "triton": version}) is None, version
     monkeypatch.setattr(triton_hopper.importlib.util, "find_spec", lambda name: None)
     assert "Gluon" in triton_hopper.ws_why_unavailable(H200)
 

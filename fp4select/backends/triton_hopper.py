@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from fp4select.backends import (
     hopper_args,
@@ -73,6 +74,9 @@ FAMILY = "native"
 # docs/hopper_kernels.md, 'What held `hopper-ws` at M = 256-512').
 WS_MIN_M = 64
 WS_MAX_M = 2048
+# Gluon's warp_specialize takes (function, args) pairs from Triton 3.6; 3.5's takes them apart,
+# and the kernel does not compile there. .ci/run's triton step compiles it from 3.6 on.
+WS_MIN_TRITON = "3.6"
 ASM = True  # False runs every decode through its pure-Triton twin (the CPU tests set it)
 
 _kernels: Any = None
@@ -109,7 +113,21 @@ def ws_why_unavailable(env: Mapping[str, Any]) -> str | None:
         return f"needs SM90 (wgmma through Gluon's Hopper API), got SM{env.get('cc')}"
     if importlib.util.find_spec("triton.experimental.gluon") is None:
         return "this Triton has no Gluon (triton.experimental.gluon)"
+    if _older_than(env.get("triton"), WS_MIN_TRITON):
+        return (
+            f"needs Triton >= {WS_MIN_TRITON} (Gluon's warp_specialize as it takes its "
+            f"partitions from 3.6), found {env.get('triton')}"
+        )
     return None
+
+
+def _older_than(version: object, minimum: str) -> bool:
+    """Whether a version read from the environment is below ``minimum``; an unreadable one is
+    not (the sandbox's compile then says what is wrong)."""
+    try:
+        return Version(str(version)) < Version(minimum)
+    except InvalidVersion:
+        return False
 
 
 def ws_declines(problem: Problem, env: Mapping[str, Any]) -> str | None:
