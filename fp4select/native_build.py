@@ -25,6 +25,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
+from packaging.version import Version
 
 from fp4select import native_key
 from fp4select.native_key import SOURCE, Key, library_path
@@ -43,12 +44,21 @@ def _compiler() -> list[str]:
     return [next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), "c++")]
 
 
+def cxx_standard(torch_version: str = torch.__version__) -> str:
+    """The C++ standard torch's own extension builder uses: C++20 from torch 2.12, whose
+    headers need it (2.15's use ``requires`` clauses; 2.14's refuse anything older), C++17
+    before."""
+    release = Version(torch_version).release
+    return "c++20" if release >= (2, 12) else "c++17"
+
+
 def _compile_command(source: Path, target: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     lib_dir = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    command = [*_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", abi]
+    command = [*_compiler(), "-O2", f"-std={cxx_standard()}", "-shared", "-fPIC", abi]
+    command += ["-fvisibility=hidden"]
     command += [f"-I{p}" for p in cpp_extension.include_paths()]
     command += [f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)]
     command += [f"-L{lib_dir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -353,6 +354,25 @@ def test_cxx_may_name_a_wrapper_and_its_compiler(monkeypatch):
     assert native_build._compiler() == ["ccache", "g++", "-fdiagnostics-color=never"]
     command = native_build._compile_command(native_key.SOURCE, Path("/tmp/x.so"))
     assert command[:3] == ["ccache", "g++", "-fdiagnostics-color=never"]
+
+
+def test_the_key_is_compiled_in_the_c_plus_plus_the_installed_torch_requires():
+    """ATen.h says which C++ it needs (C++17 to torch 2.13, C++20 from 2.14, whose headers
+    refuse anything older); a key compiled as C++17 did not build against torch 2.14 and 2.15."""
+    header = Path(torch.__file__).parent / "include" / "ATen" / "ATen.h"
+    if not header.is_file():
+        pytest.skip("this torch ships no C++ headers")
+    needed = re.search(r"#error C\+\+(\d+) or later", header.read_text(encoding="utf-8"))
+    assert needed is not None
+    chosen = native_build.cxx_standard()
+    assert int(chosen.removeprefix("c++")) >= int(needed[1]), (torch.__version__, chosen)
+    assert f"-std={chosen}" in native_build._compile_command(native_key.SOURCE, Path("/x.so"))
+    # as torch's own extension builder: C++20 from 2.12; the H200's 2.11 built it as C++17
+    assert [native_build.cxx_standard(v) for v in ("2.11.0+cu130", "2.12.0", "2.15.0")] == [
+        "c++17",
+        "c++20",
+        "c++20",
+    ]
 
 
 def test_doctor_reports_the_key(native_dir):
