@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packaging.version import Version
 
 from fp4select.backends import (
     dequant,
@@ -216,8 +217,59 @@ def _fake_cuda_inputs(problem: Problem, m: int):
     return mode, tensors
 
 
+# From torch 2.14 the op checks its arguments in C++ before any kernel, on the CPU as on CUDA
+# (then its CPU kernel refuses the swizzle: as far as a CPU goes); before, only its Python meta
+# function can be read without a GPU, on fake CUDA tensors.
+CPU_CHECKS = Version(torch.__version__).release >= (2, 14)
+CPU_KERNEL_REFUSES = "CPU does not support swizzle."
+
+
+def _torch_refusal(problem: Problem, m: int) -> str | None:
+    """torch's own verdict on what ``scaled_mm_arguments`` builds for ``problem``: the message
+    it refuses the arguments with, or None."""
+    if CPU_CHECKS:
+        inputs = make_inputs(problem, m, "cpu", with_reference=False)
+        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
+            inputs.a, inputs.b, inputs.a_descale, inputs.b_descale,
+            inputs.alpha if problem.use_nvfp4 else None, torch.bfloat16, problem.use_nvfp4,
+        )  # fmt: skip
+    else:
+        mode, t = _fake_cuda_inputs(problem, m)
+        with mode:
+            args, kwargs = torch_scaled_mm.scaled_mm_arguments(
+                t["a"], t["b"], t["a_descale"], t["b_descale"],
+                t["alpha"] if problem.use_nvfp4 else None, torch.bfloat16, problem.use_nvfp4,
+            )  # fmt: skip
+            return _refusal(args, kwargs)
+    refusal = _refusal(args, kwargs)
+    return None if refusal == CPU_KERNEL_REFUSES else refusal
+
+
+def _refusal(args, kwargs) -> str | None:
+    try:
+        torch.nn.functional.scaled_mm(*args, **kwargs)
+    except (RuntimeError, ValueError) as exc:  # torch._check raises RuntimeError; C++ ValueError
+        return str(exc).splitlines()[0]
+    return None
+
+
 @needs_scaled_mm
-@pytest.mark.parametrize(("nvfp4", "alpha_kind"), [(True, "scalar"), (True, "none")])
+def test_torchs_checks_are_read_where_this_torch_runs_them():
+    """The oracle below is the right one for this torch: an a scale buffer of the 8x4 size is
+    refused by the C++ checks on CPU tensors exactly when CPU_CHECKS says they run."""
+    bad = Problem(n=208, k=320, m_bucket=8, a_sf_layout="8x4")
+    inputs = make_inputs(bad, 7, "cpu", with_reference=False)
+    args, kwargs = torch_scaled_mm.scaled_mm_arguments(
+        inputs.a, inputs.b, inputs.a_descale, inputs.b_descale, inputs.alpha, torch.bfloat16, True
+    )
+    refusal = _refusal(args, kwargs)
+    assert (refusal != CPU_KERNEL_REFUSES) == CPU_CHECKS, (torch.__version__, refusal)
+
+
+@needs_scaled_mm
+@pytest.mark.parametrize(
+    ("nvfp4", "alpha_kind"), [(True, "scalar"), (True, "none"), (False, "none"), (False, "scalar")]
+)
 def test_scaled_mm_arguments_satisfy_torchs_shape_and_dtype_rules(nvfp4, alpha_kind):
     problem = Problem(
         n=208,
@@ -227,6 +279,9 @@ def test_scaled_mm_arguments_satisfy_torchs_shape_and_dtype_rules(nvfp4, alpha_k
         block_size=16 if nvfp4 else 32,
         alpha_kind=alpha_kind,
     )
+    if torch_scaled_mm.BACKEND.caps.rejects(problem, "cuda"):
+        pytest.skip(f"not declared with torch {torch.__version__}: the MXFP4 test says why")
+    assert _torch_refusal(problem, 7) is None
     mode, t = _fake_cuda_inputs(problem, 7)
     with mode:
         args, kwargs = torch_scaled_mm.scaled_mm_arguments(
@@ -235,8 +290,9 @@ def test_scaled_mm_arguments_satisfy_torchs_shape_and_dtype_rules(nvfp4, alpha_k
         assert args[0].dtype == torch.float4_e2m1fn_x2 and args[0].stride() == (160, 1)
         assert args[1].dtype == torch.float4_e2m1fn_x2 and args[1].stride() == (1, 160)
         sf = torch.float8_e4m3fn if nvfp4 else torch.float8_e8m0fnu
-        first_scale = args[2][0] if isinstance(args[2], list) else args[2]
-        assert first_scale.dtype == sf
+        scales = [args[i][0] if isinstance(args[i], list) else args[i] for i in (2, 4)]
+        assert all(s.dtype == sf and s.is_contiguous() for s in scales)
+        assert scales[1].shape == (256, 20 if nvfp4 else 12)  # b's (N, K/block) buffer, padded
         assert kwargs["swizzle_a"] in (
             torch.nn.functional.SwizzleType.SWIZZLE_32_4_4,
             [
@@ -244,8 +300,27 @@ def test_scaled_mm_arguments_satisfy_torchs_shape_and_dtype_rules(nvfp4, alpha_k
                 torch.nn.functional.SwizzleType.NO_SWIZZLE,
             ],
         )
-        out = torch.nn.functional.scaled_mm(*args, **kwargs)  # torch's meta checks run here
+        out = torch.nn.functional.scaled_mm(*args, **kwargs)  # the meta function's shape
         assert tuple(out.shape) == (7, 208) and out.dtype == torch.bfloat16
+
+
+@needs_scaled_mm
+def test_b_scales_that_are_not_a_T_view_of_one_buffer_are_refused_by_name():
+    """torch refuses a block-scale tensor that is not contiguous, and a contiguous (K/16, N)
+    tensor holds other bytes than the weight's (N, K/16) swizzled rows: both are refused."""
+    problem = Problem(n=208, k=320, m_bucket=8)
+    inputs = make_inputs(problem, 7, "cpu", with_reference=False)
+    assert inputs.b_descale.T.is_contiguous()
+    with pytest.raises(ValueError, match=r"b_descale must be the \.T view"):
+        torch_scaled_mm.scaled_mm_arguments(
+            inputs.a, inputs.b, inputs.a_descale, inputs.b_descale.contiguous(),
+            inputs.alpha, torch.bfloat16, True,
+        )  # fmt: skip
+    flat = inputs.b_descale.T.reshape(-1)  # a 1-D buffer of the same bytes is taken as it is
+    args, _ = torch_scaled_mm.scaled_mm_arguments(
+        inputs.a, inputs.b, inputs.a_descale, flat, inputs.alpha, torch.bfloat16, True
+    )
+    assert args[4][0].data_ptr() == inputs.b_descale.data_ptr()
 
 
 @needs_scaled_mm
@@ -253,41 +328,35 @@ def test_scaled_mm_declares_the_divisibility_torch_checks():
     """N=200 passes every other rule; torch refuses it, so the declaration must exclude it."""
     problem = Problem(n=200, k=320, m_bucket=8)
     assert "N % 16" in torch_scaled_mm.BACKEND.caps.rejects(problem, "cuda")
-    mode, t = _fake_cuda_inputs(problem, 7)
-    with mode:
-        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
-            t["a"], t["b"], t["a_descale"], t["b_descale"], t["alpha"], torch.bfloat16, True
-        )
-        with pytest.raises(RuntimeError, match="divisible by 16"):
-            torch.nn.functional.scaled_mm(*args, **kwargs)
+    refusal = _torch_refusal(problem, 7)
+    if refusal is None:
+        pytest.skip(f"torch {torch.__version__} checks N % 16 only in its CUDA kernel")
+    assert "divisible by 16" in refusal
 
 
 @needs_scaled_mm
-def test_mxfp4_is_not_declared_because_torchs_mx_scale_rule_disagrees_with_the_layout():
-    """If torch starts accepting K/32 MX scales for FP4, this fails: then declare mxfp4."""
+def test_mxfp4_is_declared_exactly_where_torchs_checks_take_its_scales():
+    """MXFP4's a scales are 128 x K/32 (1536 for a 7 x 320 a); torch 2.13's meta function counts
+    them from the packed K/2 (1024) and refuses them, 2.14's C++ checks take them. If torch
+    changes its mind either way, this fails: then move MXFP4_FROM_TORCH."""
     problem = Problem(n=208, k=320, m_bucket=8, use_nvfp4=False, block_size=32, alpha_kind="none")
-    assert "mxfp4" in torch_scaled_mm.BACKEND.caps.rejects(problem, "cuda")
-    mode, t = _fake_cuda_inputs(problem, 7)
-    with mode:
-        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
-            t["a"], t["b"], t["a_descale"], t["b_descale"], None, torch.bfloat16, False
-        )
-        assert args[2].dtype == torch.float8_e8m0fnu and args[2].numel() == 128 * 12
-        with pytest.raises(RuntimeError, match="MX scaling"):
-            torch.nn.functional.scaled_mm(*args, **kwargs)
+    declared = torch_scaled_mm.BACKEND.caps.rejects(problem, "cuda") is None
+    refusal = _torch_refusal(problem, 7)
+    assert declared == (refusal is None), (torch.__version__, refusal)
+    if refusal is not None:
+        assert "MX scaling" in refusal
+    assert [torch_scaled_mm.declared_formats(v) for v in ("2.13.0+cpu", "2.14.1", "2.15.0")] == [
+        frozenset({"nvfp4"}),
+        frozenset({"nvfp4", "mxfp4"}),
+        frozenset({"nvfp4", "mxfp4"}),
+    ]
 
 
 @needs_scaled_mm
 def test_scaled_mm_rejects_scales_of_the_wrong_layout_size():
     """An 8x4-sized a scale buffer (not 128-row padded) must not get past torch's checks."""
-    problem = Problem(n=208, k=320, m_bucket=8, a_sf_layout="8x4")
-    mode, t = _fake_cuda_inputs(problem, 7)
-    with mode:
-        args, kwargs = torch_scaled_mm.scaled_mm_arguments(
-            t["a"], t["b"], t["a_descale"], t["b_descale"], t["alpha"], torch.bfloat16, True
-        )
-        with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError or its own
-            torch.nn.functional.scaled_mm(*args, **kwargs)
+    refusal = _torch_refusal(Problem(n=208, k=320, m_bucket=8, a_sf_layout="8x4"), 7)
+    assert refusal is not None and refusal != CPU_KERNEL_REFUSES
 
 
 def test_scaled_mm_runner_refuses_8x4_before_reaching_torch():

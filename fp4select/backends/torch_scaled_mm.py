@@ -14,12 +14,15 @@ Design rules:
 * Declared honestly: 128x4 scales for a only (cuBLASLt has no 8x4 swizzle), plain b, alpha
   none or one scalar (no per-token alpha in the recipe), N % 16 == 0 and K % 32 == 0 (torch
   wants the packed operands' dimensions multiples of 16).
-* MXFP4 is built but not declared: torch 2.13's shape rule for MX scales
-  (``_check_scaled_mm_sizes_v2``) counts them from the packed ``a.shape[1] = K/2``, so its meta
-  function refuses the MXFP4 128x4 scales; whether the CUDA path agrees needs a Blackwell GPU.
+* MXFP4 is declared from torch 2.14, whose op checks its arguments in C++ before any kernel
+  (``validate_scaled_mm_v2_inputs``, the same checks on the CPU as on CUDA) and takes MXFP4's
+  K/32 scales. torch 2.13 has only its Python meta function to read without a GPU, and that
+  counts MX scales from the packed ``a.shape[1] = K/2`` and refuses them.
 * :func:`scaled_mm_arguments` builds exactly what is passed, so CPU tests check it against
-  torch's own shape/dtype rules for ``_scaled_mm_v2`` (its meta function, on fake CUDA tensors).
-  No result of this backend on a Blackwell GPU has been measured by this project.
+  torch's own rules: its C++ checks on CPU tensors from torch 2.14 (these caught a ``.T`` view
+  passed as b's scales, which torch refuses: "both scales should be contiguous"), its meta
+  function on fake CUDA tensors before. No result of this backend on a Blackwell GPU has been
+  measured by this project.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 from fp4select import formats
 from fp4select.backends.base import Backend, Capabilities
@@ -35,6 +39,7 @@ from fp4select.keys import OUT_DTYPES
 
 NAME = "torch-scaled-mm"
 MIN_CC = 100
+MXFP4_FROM_TORCH = (2, 14)  # the first torch whose checks (read on the CPU) take MXFP4's scales
 
 _ones: dict[Any, torch.Tensor] = {}
 
@@ -50,6 +55,12 @@ def missing_torch_support() -> str | None:
     if not all(hasattr(scaling, n) for n in ("BlockWise1x16", "BlockWise1x32", "TensorWise")):
         return f"torch {torch.__version__} scaled_mm lacks the BlockWise1x16/1x32 recipes"
     return None
+
+
+def declared_formats(torch_version: str = torch.__version__) -> frozenset[str]:
+    """MXFP4 only where torch's own checks were read to take its scales (the note at the top)."""
+    mxfp4 = Version(torch_version).release >= MXFP4_FROM_TORCH
+    return frozenset({"nvfp4", "mxfp4"} if mxfp4 else {"nvfp4"})
 
 
 def why_unavailable(env: Mapping[str, Any]) -> str | None:
@@ -96,6 +107,15 @@ def scaled_mm_arguments(
     swizzle: Any = f.SwizzleType.SWIZZLE_32_4_4
     cols = 2 * a.shape[1] // (16 if use_nvfp4 else 32)
     a_descale = formats.without_spare_row_tiles(a_descale, a.shape[0], cols, "128x4")
+    # cuBLASLt reads a block-scale tensor as its memory, the swizzled rows of the matrix it
+    # scales, and torch refuses one that is not contiguous: b_descale's .T view goes in as
+    # the (N, K/16) buffer under it, the same bytes.
+    b_descale = b_descale.T if b_descale.dim() == 2 else b_descale
+    if not b_descale.is_contiguous():
+        raise ValueError(
+            "b_descale must be the .T view of a contiguous (N, K/block_size) scale tensor, got "
+            f"shape {tuple(b_descale.T.shape)} strides {b_descale.T.stride()}"
+        )
     if use_nvfp4:
         sa = (
             a_descale
@@ -168,10 +188,7 @@ BACKEND = Backend(
     checked_runner=_run,
     why_unavailable=why_unavailable,
     caps=Capabilities(
-        # MXFP4 not declared: torch's rule for MX scales counts them from the packed K/2
-        # (1024 for a 7x320 a), not from K/32 as the MXFP4 layout has (1536): see the note at
-        # the top and tests/test_backends_gpu_builtin.py. Unverifiable without Blackwell.
-        formats=frozenset({"nvfp4"}),
+        formats=declared_formats(),
         a_sf_layouts=frozenset({"128x4"}),
         b_layouts=frozenset({"plain"}),
         out_dtypes=frozenset(OUT_DTYPES),
