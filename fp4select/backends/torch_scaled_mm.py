@@ -109,7 +109,7 @@ def scaled_mm_arguments(
     a_descale = formats.without_spare_row_tiles(a_descale, a.shape[0], cols, "128x4")
     # cuBLASLt reads a block-scale tensor as its memory, the swizzled rows of the matrix it
     # scales, and torch refuses one that is not contiguous: b_descale's .T view goes in as
-    # the (N, K/16) buffer under it, the same bytes.
+    # the (N, K/block_size) buffer under it, the same bytes.
     b_descale = b_descale.T if b_descale.dim() == 2 else b_descale
     if not b_descale.is_contiguous():
         raise ValueError(
