@@ -119,7 +119,7 @@ def _walk(tiles: int, steps: int, sms: int, split: int):
     "tiles,steps,split",
     [
         (72, 56, 1),  # below a wave: every tile in runs
-        (96, 448, 1),
+        (78, 448, 1),
         (10, 17, 2),  # few units: programs of 8 or more
         (144, 56, 1),  # a whole tile each, 12 in runs
         (133, 16, 1),  # one tile in runs over 132 programs: most runs empty (q = 0)

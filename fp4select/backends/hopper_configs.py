@@ -222,10 +222,14 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 #   the loader warp (loader_warp 0: 255 registers a thread, not 168): the fastest tile at most
 #   points, and faster than hopper-dequant at M = 2048 on most shapes. Each candidate costs
 #   deploying a compile and a tuning per key, so M = 513-2048 time this tile alone;
+# - from M = 129 the 128-row tiles cut the last wave of tiles into runs of K steps where it
+#   leaves many SMs idle (split -1, stream-K: ``stream_plan``; elsewhere the same kernel as
+#   split 0): at M = 512-3072 on six shapes the pick took 0.81-1.0x the time it took split,
+#   0.965x in the geomean;
 # - 64-row tiles (the consumers on alternate steps) and 256 rows x 128 tokens (8 warps) for
 #   the narrower layers and M <= 128.
 # Measured (every configuration checked first): docs/hopper_kernels.md, '`hopper-ws` splitting
-# K', '`hopper-ws` multiplying each plane', 'What held `hopper-ws` at M = 256-512'.
+# K', '`hopper-ws` multiplying each plane', 'What held `hopper-ws` at M = 256-512', 'Stream-K'.
 WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
     (64, (WsConfig(64, 64, 4, 0),)),  # the fastest ws tile at every M = 64 point timed
     (
@@ -239,12 +243,12 @@ WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
     (
         512,
         (
-            WsConfig(128, 256, 3, 0, 256, 0),
-            WsConfig(128, 128, 3, 0, 128),
+            WsConfig(128, 256, 3, -1, 256, 0),
+            WsConfig(128, 128, 3, -1, 128),
             WsConfig(64, 128, 5, 0, 128),  # the fastest of the three at 4096 x 7168, M = 256
         ),
     ),
-    (2048, (WsConfig(128, 256, 3, 0, 256, 0),)),
+    (2048, (WsConfig(128, 256, 3, -1, 256, 0),)),
 )
 
 
@@ -295,11 +299,16 @@ def ws_split(tiles: int, steps: int, cfg: WsConfig, sms: int) -> int:
 
 
 # Stream-K (``WsConfig.split = -1``, ``_hopper_ws_stream``): K steps a program's run takes at
-# least, and the share of the SMs' waves the tiles (split as ``ws_split`` splits them) must keep
-# busy for nothing to be cut. On the H200 tiles filling 97% of the SMs ran 1.36x slower cut
-# into runs, and 72 tiles on 132 SMs 0.76x (docs/hopper_kernels.md, 'Stream-K').
+# least; the share of the SMs' waves the tiles (split as ``ws_split`` splits them) must keep
+# busy for nothing to be cut; and the largest share of the SMs the last, partial wave may keep
+# busy for its tiles to be cut. On the H200 tiles filling 97% of the SMs ran 1.36x slower cut
+# into runs, and 72 tiles on 132 SMs 0.76x. At M = 512-3072, where the tiles left SMs idle, the
+# runs gained 2-28% at all 37 points whose last wave kept 9-64% of the SMs busy (both tiles),
+# and the 128 x 256 tile lost 3-8% at five of the six where it kept 70-82% (96, 108 and 224
+# tiles; docs/hopper_kernels.md, 'Stream-K').
 STREAM_MIN_UNITS = 8
 STREAM_WAVE_FILL = 0.9
+STREAM_LAST_WAVE = 0.66
 
 
 def stream_runs(units: int, programs: int) -> list[tuple[int, int]]:
@@ -311,10 +320,11 @@ def stream_runs(units: int, programs: int) -> list[tuple[int, int]]:
 
 def stream_plan(tiles: int, steps: int, sms: int, split: int) -> tuple[int, int] | None:
     """(programs, whole tiles each takes first), or None where the tiles, K split in ``split``,
-    keep ``STREAM_WAVE_FILL`` of the SMs' waves busy (then the runs' partial sums cost more than
-    the idle SMs). From a whole wave of tiles on, one program an SM takes ``tiles // sms``
-    whole tiles (p, p + sms, ...) and only the last, partial wave's tiles are cut into runs,
-    so that few tiles are shared; below a wave every tile is cut, into runs of at least
+    keep ``STREAM_WAVE_FILL`` of the SMs' waves busy, or their last wave more than
+    ``STREAM_LAST_WAVE`` of the SMs (then the runs' partial sums cost more than the idle SMs).
+    From a whole wave of tiles on, one program an SM takes ``tiles // sms`` whole tiles
+    (p, p + sms, ...) and only the last, partial wave's tiles are cut into runs, so that few
+    tiles are shared; below a wave every tile is cut, into runs of at least
     ``STREAM_MIN_UNITS`` steps, and only where that keeps more SMs busy than the split tiles
     do (2304 x 4096 at M = 512: 36 tiles split in two and 72 runs of 8 steps both fill 55%;
     the runs took twice the split tiles' time in the first form's sweep)."""
@@ -322,7 +332,7 @@ def stream_plan(tiles: int, steps: int, sms: int, split: int) -> tuple[int, int]
     if sms < 1 or busy < 1:
         return None
     fill = busy / (-(-busy // sms) * sms)
-    if fill >= STREAM_WAVE_FILL:
+    if fill >= STREAM_WAVE_FILL or (busy % sms) / sms > STREAM_LAST_WAVE:
         return None
     if tiles >= sms:
         return sms, tiles // sms
