@@ -222,10 +222,11 @@ def dequant_tile(m: int, n: int, sms: int) -> GemmTile:
 #   the loader warp (loader_warp 0: 255 registers a thread, not 168): the fastest tile at most
 #   points, and faster than hopper-dequant at M = 2048 on most shapes. Each candidate costs
 #   deploying a compile and a tuning per key, so M = 513-2048 time this tile alone;
-# - from M = 129 the 128-row tiles cut the last wave of tiles into runs of K steps where it
+# - from M = 129 the 128 x 256 tile cuts the last wave of tiles into runs of K steps where it
 #   leaves many SMs idle (split -1, stream-K: ``stream_plan``; elsewhere the same kernel as
 #   split 0): at M = 512-3072 on six shapes the pick took 0.81-1.0x the time it took split,
-#   0.965x in the geomean;
+#   0.965x in the geomean. The 128 x 128 tile in runs changed the pick at none of those 54
+#   points and at 1 of the record's 208, and cost deploying two compiles: it stays split;
 # - 64-row tiles (the consumers on alternate steps) and 256 rows x 128 tokens (8 warps) for
 #   the narrower layers and M <= 128.
 # Measured (every configuration checked first): docs/hopper_kernels.md, '`hopper-ws` splitting
@@ -244,7 +245,7 @@ WS_TACTICS: tuple[tuple[int, tuple[WsConfig, ...]], ...] = (
         512,
         (
             WsConfig(128, 256, 3, -1, 256, 0),
-            WsConfig(128, 128, 3, -1, 128),
+            WsConfig(128, 128, 3, 0, 128),
             WsConfig(64, 128, 5, 0, 128),  # the fastest of the three at 4096 x 7168, M = 256
         ),
     ),
