@@ -12,9 +12,9 @@
 #          there is a GPU (python -m pytest --all, 163 s in one process on the H200); with 2
 #          or more GPUs also fp4select.distributed over NCCL
 #   kernels the kernel matrix: tests/test_hopper_kernels_gpu.py, every Hopper kernel and tactic
-#          against the exact reference (121 tests at 626dc80: 58 s in 6 processes on the
-#          H200; since then also stream-K's 20, not yet run; the whole gpu mark took about 9
-#          min in one process)
+#          against the exact reference (141 tests, stream-K's 20 among them, at e679921:
+#          115 s in 6 processes on the H200; the whole gpu mark took about 9 min in
+#          one process)
 #          Both run in GPU_TEST_WORKERS processes (default 6) where pytest-xdist is installed.
 #   bench  benchmarks/bench_gpu.py (the suite the README cites), the warm path (C++ key built
 #          first) and verify, doctor's report; with 2 or more GPUs also bench_multi_gpu.py
@@ -35,10 +35,11 @@
 #   wins   fp4select warm of the record's 16 shapes to M = 8192 at default settings, then
 #          tactic_wins.py over its decisions (which tactics a table could drop: each costs
 #          deploying a compile; the decisions come back as decisions_wins.tgz); not part of all
-#   stream hopper-ws's last wave of tiles cut into runs of K steps (WsConfig.split = -1, an
-#          experiment): its tests in the kernel matrix first (20), then hopper_sweep.py
-#          --families stream,tactics on Llama-3.1-8B's four layers and two others at M = 512-3584,
-#          the buckets between the powers of two among them; not part of all
+#   stream hopper-ws's last wave of tiles cut into runs of K steps (WsConfig.split = -1,
+#          stream-K): its tests in the kernel matrix first (20), then hopper_sweep.py
+#          --families stream,tactics on Llama-3.1-8B's four layers and two others at M =
+#          512-3072, the buckets between the powers of two among them (about 70 s on the
+#          H200: hopper_sweep_stream3.json); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
