@@ -80,9 +80,6 @@ FAMILY_HELP = {
     "mid": "from M = 513 (above 2048 too): hopper-ws at every tile of its M <= 512 tactics",
     "stream": "from M = 256: hopper-ws's 128 x 256 and 128 x 128 tiles with the last wave cut "
     "into runs of K steps (split -1), and split as today",
-    "persist": "from M = 512: the same two tiles persistent (stream-K's kernel, nothing cut: P "
-    "programs, P the largest divisor of the tiles in 0.85-1x the SMs, each P-th tile whole), "
-    "beside split as today",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -118,6 +115,7 @@ OLD = {"triton-gemv": 4, "triton-m16": 64, "triton-m64": None}
 #   b784645 "wslast": the 64-row ws tactics summing a K split in their last program
 #   5e72b05 "early": the pre GEMV tactics loading their first weight step before PDL's wait
 #   69c4b1c "earlyw": the ws tactics asking for their weight before PDL's wait (since their own)
+#   9047eae "persist" (not ae7441c's): the 128-row ws tiles persistent, no tile cut
 
 
 # hopper-gemv's tilings (families gemv, gemv2, late3).
@@ -417,27 +415,6 @@ STREAM = (
 )
 
 
-def persistent_plan(tiles: int, steps: int, sms: int, split: int) -> tuple[int, int] | None:
-    """``stream_plan``'s answer for family "persist": (P, tiles / P) with P the largest divisor
-    of the tiles from 0.85 x the SMs up, so that no tile is cut; None (as split today) below
-    two tiles a program."""
-    for programs in range(sms, int(0.85 * sms) - 1, -1):
-        if tiles % programs == 0 and tiles // programs >= 2:
-            return programs, tiles // programs
-    return None
-
-
-def run_persistent(*args, cfg: hopper_configs.WsConfig) -> torch.Tensor:
-    """``run_ws`` with split -1 and ``persistent_plan`` in place of ``stream_plan``: each
-    program takes whole tiles (p, p + P, ...), its stage ring going on across them."""
-    planned = hopper_configs.stream_plan
-    hopper_configs.stream_plan = persistent_plan
-    try:
-        return triton_hopper.run_ws(*args, cfg=dataclasses.replace(cfg, split=-1))
-    finally:
-        hopper_configs.stream_plan = planned
-
-
 def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functools.partial]:
     """What ``point`` checks and times at M = m: each name (its family first) to a call that
     takes mm_fp4's arguments. One block per family, each with the M it runs at."""
@@ -538,11 +515,6 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     map(str, dataclasses.astuple(cfg))
                 )
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=cfg)
-    if m >= 512 and "persist" in families:  # whole tiles a program, beside split as today
-        for c in STREAM:
-            tile = " ".join(map(str, dataclasses.astuple(c)))
-            out["persist " + tile] = functools.partial(run_persistent, cfg=c)
-            out["ws " + tile] = functools.partial(triton_hopper.run_ws, cfg=c)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
