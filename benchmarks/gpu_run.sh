@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|final]
+#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|final]
 #   (default: all)
 #
 #   tests  the tests marked gpu but the kernel matrix, then the warm path's, the guard's, the
@@ -40,6 +40,11 @@
 #          --families stream,tactics on Llama-3.1-8B's four layers and two others at M =
 #          512-3072, the buckets between the powers of two among them (about 70 s on the
 #          H200: hopper_sweep_stream3.json); not part of all
+#   tiled  the GEMV and mma tactics reading the weight re-laid by tiles (each program's step one
+#          contiguous run; hopper_args.tiled_words): their tests in the kernel matrix, then
+#          hopper_sweep.py --families tiled,tactics at M = 1-64 on five shapes, each tactic
+#          beside itself on the plain layout and (to M = 16) the mma tilings' loads alone on
+#          both (about 6-7 min: hopper_sweep_tiled.json); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -50,8 +55,8 @@
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|final)" >&2
+  tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -145,6 +150,13 @@ print(json.dumps({'shapes': [[n, k] for _, n, k in SHAPES]}))" > "$decisions.sha
       --families stream,tactics --name hopper_sweep_stream3 --out "$OUT" --time-limit-s 330 \
       --shapes 4096x4096,6144x4096,28672x4096,4096x14336,4608x7168,8192x8192 \
       --ms 768,1024,1280,1536,1792,2560,3072,512,2048
+  fi
+  if [ "$MODE" = tiled ]; then
+    step "the tiled weight's tests" timeout 150 python3 -m pytest "${XDIST[@]}" -m gpu -p no:cacheprovider \
+      -q -rs tests/test_hopper_kernels_gpu.py -k re_laid_by_tiles
+    step "hopper_sweep.py tiled" timeout 420 python3 benchmarks/hopper_sweep.py \
+      --families tiled,tactics --name hopper_sweep_tiled --out "$OUT" --time-limit-s 380 \
+      --shapes 8192x8192,28672x4096,4096x14336,2560x8192,14336x8192 --ms 16,8,1,4,32,64,2
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)

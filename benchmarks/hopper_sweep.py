@@ -80,6 +80,9 @@ FAMILY_HELP = {
     "mid": "from M = 513 (above 2048 too): hopper-ws at every tile of its M <= 512 tactics",
     "stream": "from M = 256: hopper-ws's 128 x 256 and 128 x 128 tiles with the last wave cut "
     "into runs of K steps (split -1), and split as today",
+    "tiled": "to M = 64: the GEMV and mma tactics reading the weight re-laid by tiles (each "
+    "program's step one contiguous run), beside the same tactics on the plain layout; to "
+    "M = 16 also the mma tilings' loads alone on both layouts",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -320,20 +323,26 @@ DQ = [
 def _floor(
     x_ptr, w_ptr, sw_ptr, out_ptr, N, KW, MP, stride_wn, cp, iters,
     BN: tl.constexpr, BT: tl.constexpr, BKW: tl.constexpr, MMA: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):  # fmt: skip
-    """``mma_planes``' loads (and with MMA its tensor-core work) without the decode."""
+    """``mma_planes``' loads (and with MMA its tensor-core work) without the decode; TILED:
+    from the weight re-laid by tiles, as ``mma_planes``' W_TILED reads it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows_n = tl.where(offs_n < N, offs_n, 0)
     kx = tl.arange(0, 8 * BKW)
-    w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
+    if TILED:
+        tile = pid_n.to(tl.int64) * tl.cdiv(KW, BKW) * BN
+        w_rows = w_ptr + (tile + tl.arange(0, BN)[:, None]) * BKW
+    else:
+        w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
     tl.assume(iters > 0)
     acc = tl.zeros((BN, BT), dtype=tl.float32)
     bits = tl.zeros((BN, BKW), dtype=tl.int32)
     for i in range(0, iters):
         k0 = (pid_k * iters + i) * BKW
-        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW)  # mma_planes' own loads
+        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW, TILED)  # mma_planes' own
         if MMA:
             h = ((wq ^ sw) & 0x3FF).to(tl.float16)  # finite: the MMA still runs on every word
             w = plane_major(h, h, h, h, h, h, h, h, BN, BKW)
@@ -346,11 +355,13 @@ def _floor(
     tl.store(ptrs, acc, mask=(offs_n < N)[:, None])
 
 
-def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool) -> torch.Tensor:
+def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool, tiled: bool = False) -> torch.Tensor:
     """Launch ``_floor`` on mm_fp4's arguments with ``cfg``'s tiling and split."""
     b, b_descale = args[1], args[3]
     n, kh = b.shape[1], b.shape[0]
     w32 = b.T.view(torch.int32)
+    if tiled:
+        w32 = _tiled(w32, cfg.block_n, cfg.words_per_step)
     sw32 = hopper_args.scale_words(b_descale)
     kw = kh // 4
     sms = triton_fp4._sms(b.device)
@@ -363,10 +374,34 @@ def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool) -> torch.Tensor:
     out = torch.empty((split, n, cfg.block_t), dtype=torch.float32, device=b.device)
     _floor[(triton.cdiv(n, cfg.block_n), split)](
         x, w32, sw32, out, n, kw, cfg.block_t, w32.stride(0), cp, iters,
-        BN=cfg.block_n, BT=cfg.block_t, BKW=cfg.words_per_step, MMA=mma,
+        BN=cfg.block_n, BT=cfg.block_t, BKW=cfg.words_per_step, MMA=mma, TILED=tiled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+# The weights re-laid by tiles (family tiled), by (data pointer, rows, columns): made on a
+# variant's first call with each input set, before any is timed (``point``), and dropped at
+# the next point, whose tensors may reuse the addresses.
+_TILED: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _tiled(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    key = (w.data_ptr(), rows, cols)
+    if key not in _TILED:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a tiled weight would be made inside a graph capture")
+        _TILED[key] = hopper_args.tiled_words(w, rows, cols)
+    return _TILED[key]
+
+
+def run_tiled(*args, kind: str, cfg) -> torch.Tensor:
+    """The GEMV or mma tactic ``cfg`` reading the weight re-laid by its program's tile."""
+    if kind == "gemv":
+        w = _tiled(args[1].T.view(torch.int64), cfg.rows_per_program, cfg.blocks_per_step)
+        return triton_hopper.run_gemv(*args, cfg=cfg, tiled=w)
+    w = _tiled(args[1].T.view(torch.int32), cfg.block_n, cfg.words_per_step)
+    return triton_hopper.run_mma(*args, cfg=cfg, tiled=w)
 
 
 @triton.jit
@@ -515,6 +550,18 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     map(str, dataclasses.astuple(cfg))
                 )
                 out[name] = functools.partial(triton_hopper.run_ws, cfg=cfg)
+    if m <= 64 and "tiled" in families:  # each tactic on both layouts, side by side
+        kinds = (["gemv"] if m <= 8 else []) + ["mma"]
+        runs = {"gemv": triton_hopper.run_gemv, "mma": triton_hopper.run_mma}
+        for kind in kinds:
+            for c in hopper_configs.candidates(kind, m):
+                tactic = " ".join(map(str, dataclasses.astuple(c)))
+                out[f"{kind} {tactic}"] = functools.partial(runs[kind], cfg=c)
+                out[f"tiled-{kind} {tactic}"] = functools.partial(run_tiled, kind=kind, cfg=c)
+                if kind == "mma" and m <= 16:
+                    for tiled in (False, True):
+                        name = f"floor-loads{'-tiled' if tiled else ''} {tactic}"
+                        out[name] = functools.partial(run_floor, cfg=c, mma=False, tiled=tiled)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []
@@ -567,6 +614,7 @@ def is_new(name: str) -> bool:
 
 def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...]) -> dict:
     problem = Problem(n=n, k=k, m_bucket=m_bucket(m))
+    _TILED.clear()
     first = validate.make_inputs(problem, m, device, seed=11, with_reference=m * n * k <= 2**34)
     runs = variants(m, families)
     compile_ahead(runs, first.args(problem))
@@ -596,6 +644,10 @@ def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...
     calls = {
         nm: [functools.partial(fn, *s.args(problem)) for s in sets] for nm, fn in passed.items()
     }
+    for nm, fns in calls.items():  # the tiled weights made now, not inside the timed graphs
+        if "tiled" in nm:
+            for fn in fns:
+                fn()
     dq = []
     for s in sets[: min(len(sets), 4)]:
         a = formats.dequantize(s.a, s.a_descale, k, use_nvfp4=True, sf_layout="128x4")

@@ -286,3 +286,22 @@ def test_pdl_is_asked_for_by_enable_pdl_and_only_on_cuda():
     # Without PDL a launch names nothing of it: a Triton before 3.4 refuses launch_pdl.
     assert th._with_pdl(False) == {}
     assert th._with_pdl(True) == {"PDL": True, "launch_pdl": True}
+
+
+@pytest.mark.parametrize("n,kw,rows,cols", [(5, 37, 2, 8), (128, 64, 128, 32), (1, 3, 4, 8)])
+def test_tiled_words_puts_each_tile_step_in_one_contiguous_run(n, kw, rows, cols):
+    w = torch.randint(-(2**31), 2**31 - 1, (n, kw), dtype=torch.int32)
+    tiled = hopper_args.tiled_words(w, rows, cols)
+    tiles, steps = -(-n // rows), -(-kw // cols)
+    assert tiled.shape == (tiles, steps, rows, cols) and tiled.is_contiguous()
+    flat = tiled.reshape(-1)
+    for t, s, r, c in [(0, 0, 0, 0), (tiles - 1, steps - 1, rows - 1, cols - 1), (0, steps - 1, 0, 1)]:
+        row, col = t * rows + r, s * cols + c
+        # tile t's step s starts (t * steps + s) * rows * cols words in
+        at = ((t * steps + s) * rows + r) * cols + c
+        assert flat[at] == (w[row, col] if row < n and col < kw else 0)
+    assert torch.equal(tiled.transpose(1, 2).reshape(tiles * rows, steps * cols)[:n, :kw], w)
+    assert tiled.transpose(1, 2).reshape(tiles * rows, -1)[n:].count_nonzero() == 0
+    assert tiled.transpose(1, 2).reshape(tiles * rows, -1)[:, kw:].count_nonzero() == 0
+    tiled.zero_()  # a copy: the caller's weight is not touched
+    assert w.count_nonzero() > 0

@@ -72,6 +72,22 @@ for run, cfg, n, k, m, layout, alpha, out_dtype in fast:
         inputs = validate.make_inputs(p, m, "cpu", seed=seed)
         res = validate.check(run(*inputs.args(p), cfg=cfg), inputs, p.torch_out_dtype)
         print("fast", run.__name__, seed, "ok" if res.ok else "WRONG " + res.reason)
+# The weight re-laid by tiles (hopper_args.tiled_words, hopper_sweep.py's family tiled): N, K
+# not whole tiles or steps, a K split; the row-major words read as tiles must come out wrong.
+import torch
+from fp4select.backends import hopper_args
+tiled = [
+    (th.run_gemv, th.GemvConfig(2, 2, 1, 1), torch.int64, 5, 96, 3, "8x4", "scalar", "bfloat16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 3, 8, 1), torch.int32, 24, 288, 17, "128x4", "per_token", "float16"),
+]
+for run, cfg, word, n, k, m, layout, alpha, out_dtype in tiled:
+    p = Problem(n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype)
+    inputs = validate.make_inputs(p, m, "cpu", seed=m + n)
+    w = hopper_args.words(inputs.args(p)[1].T, word)
+    shape = (cfg.rows_per_program, cfg.blocks_per_step) if word == torch.int64 else (cfg.block_n, cfg.words_per_step)
+    for name, words in (("tiles", hopper_args.tiled_words(w, *shape)), ("rows", w.contiguous())):
+        got = run(*inputs.args(p), cfg=cfg, tiled=words)
+        print("tiled", run.__name__, name, "ok" if validate.check(got, inputs, p.torch_out_dtype).ok else "WRONG")
 if len(sys.argv) > 1:
     p = Problem(n=40, k=64, m_bucket=4)
     inputs = validate.make_inputs(p, 3, "cpu", seed=1)
@@ -103,7 +119,7 @@ def child_lines() -> list[str]:
 
 
 def test_every_twin_matches_the_exact_reference(child_lines):
-    lines = [line for line in child_lines if not line.startswith(("planted", "fast"))]
+    lines = [line for line in child_lines if not line.startswith(("planted", "fast", "tiled"))]
     assert len(lines) == 16, child_lines
     assert all(line.endswith(" ok") for line in lines), lines
 
@@ -116,3 +132,14 @@ def test_the_warm_paths_planned_runners_read_each_calls_own_tensors(child_lines)
 
 def test_a_planted_layout_mix_up_fails(child_lines):
     assert child_lines[-1] == "planted WRONG", child_lines
+
+
+def test_the_kernels_read_a_weight_re_laid_by_tiles(child_lines):
+    """W_TILED reads hopper_args.tiled_words' layout exactly, and only that layout."""
+    lines = [line for line in child_lines if line.startswith("tiled")]
+    assert lines == [
+        "tiled run_gemv tiles ok",
+        "tiled run_gemv rows WRONG",
+        "tiled run_mma tiles ok",
+        "tiled run_mma rows WRONG",
+    ], child_lines

@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from fp4select import formats, validate
-from fp4select.backends import dequant, hopper_configs, hopper_tactics, triton_fp4, triton_hopper
+from fp4select.backends import (
+    dequant,
+    hopper_args,
+    hopper_configs,
+    hopper_tactics,
+    triton_fp4,
+    triton_hopper,
+)
 from fp4select.keys import Problem, m_bucket
 
 pytestmark = [
@@ -258,6 +265,31 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
         inputs = validate.make_inputs(problem, m, "cuda", seed=m + k)
         res = validate.check(run(*inputs.args(problem), cfg=cfg), inputs, problem.torch_out_dtype)
         assert res.ok, (cfg, m, n, k, res.reason)
+
+
+@pytest.mark.parametrize("n,k", [(520, 2064), (4096, 4096)])
+def test_every_small_m_tactic_reads_a_weight_re_laid_by_tiles(n, k):
+    """``hopper_sweep.py``'s family tiled: each GEMV and mma tactic to M = 64 reading
+    ``hopper_args.tiled_words``' copy of the weight, exact, as on the weight itself."""
+    for kind, run, word in (
+        ("gemv", triton_hopper.run_gemv, torch.int64),
+        ("mma", triton_hopper.run_mma, torch.int32),
+    ):
+        for cfg in hopper_configs.candidates(kind, None):
+            rows, cols = (
+                dataclasses.astuple(cfg)[:2]
+                if kind == "gemv"
+                else (cfg.block_n, cfg.words_per_step)
+            )
+            for m in (1, 5) if kind == "gemv" else (3, cfg.block_t):
+                problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")
+                inputs = validate.make_inputs(problem, m, "cuda", seed=m + k)
+                args = inputs.args(problem)
+                tiled = hopper_args.tiled_words(args[1].T.view(word), rows, cols)
+                res = validate.check(
+                    run(*args, cfg=cfg, tiled=tiled), inputs, problem.torch_out_dtype
+                )
+                assert res.ok, (cfg, m, n, k, res.reason)
 
 
 def test_tuning_times_every_candidate_and_its_choice_is_exact():

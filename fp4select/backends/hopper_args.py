@@ -64,6 +64,22 @@ def scale_words(scales: torch.Tensor) -> torch.Tensor | None:
     return raw.reshape(-1).view(torch.int32)
 
 
+def tiled_words(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The (N, KW) word matrix ``w`` re-laid by tiles: ``out[t, s, r, c] = w[t * rows + r,
+    s * cols + c]``, zeros past N and KW, shape (ceil(N / rows), ceil(KW / cols), rows, cols).
+
+    A kernel whose program reads ``rows`` rows ``cols`` words at a time then reads each step
+    as one contiguous run instead of ``rows`` runs a row apart (``mma_planes``' ``W_TILED``):
+    an experiment of ``benchmarks/hopper_sweep.py`` (family ``tiled``), a copy made once, not
+    a view of the caller's weight.
+    """
+    n, kw = w.shape
+    tiles, steps = -(-n // rows), -(-kw // cols)
+    padded = w.new_zeros((tiles * rows, steps * cols))
+    padded[:n, :kw] = w
+    return padded.view(tiles, rows, steps, cols).transpose(1, 2).contiguous()
+
+
 _shift_tables: dict[tuple[str, int | None], torch.Tensor] = {}
 
 

@@ -228,7 +228,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _gemv_plan(args: tuple[Any, ...], cfg: GemvConfig | None) -> Plan:
+def _gemv_plan(
+    args: tuple[Any, ...], cfg: GemvConfig | None, tiled: torch.Tensor | None = None
+) -> Plan:
+    """``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows_per_program,
+    blocks_per_step)`` read in its place, an experiment of ``benchmarks/hopper_sweep.py``."""
     c, a64, w64 = _checked_words(args, "hopper-gemv", torch.int64)
     if c.m > 8:
         raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
@@ -252,7 +256,8 @@ def _gemv_plan(args: tuple[Any, ...], cfg: GemvConfig | None) -> Plan:
         A_8X4=a8x4, ALPHA=c.alpha_kind, BM=_next_pow2(m), R=cfg.rows_per_program,
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl), **hw,
         **({"EVICT_FIRST": True} if cfg.evict_first else {}), **({"PRE": True} if cfg.pre else {}),
-        **({"LATE_TRIGGER": True} if cfg.late and pdl else {}), num_warps=cfg.num_warps,
+        **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
+        **({"W_TILED": True} if tiled is not None else {}), num_warps=cfg.num_warps,
     )  # fmt: skip
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
@@ -261,6 +266,8 @@ def _gemv_plan(args: tuple[Any, ...], cfg: GemvConfig | None) -> Plan:
         if views is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         (a_words, w_words), x_stride = views, a_stride
+        if tiled is not None:
+            w_words = tiled
         out, alpha_ptr, alpha_value = hopper_args.per_call(args, m, n)
         if decode is not None:
             x = torch.empty((m, 3, words), dtype=torch.int64, device=out.device)
@@ -275,9 +282,11 @@ def _gemv_plan(args: tuple[Any, ...], cfg: GemvConfig | None) -> Plan:
     return run
 
 
-def run_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
+def run_gemv(
+    *args: Any, cfg: GemvConfig | None = None, tiled: torch.Tensor | None = None
+) -> torch.Tensor:
     """``hopper-gemv``: mm_fp4's positional order (without backend)."""
-    return _gemv_plan(args, cfg)(args)
+    return _gemv_plan(args, cfg, tiled)(args)
 
 
 def fast_gemv(*args: Any, cfg: GemvConfig | None = None) -> torch.Tensor:
@@ -345,10 +354,16 @@ def _reduction(c: triton_fp4.Checked, split: int, pdl: bool) -> Launch:
 
 
 def _planes_plan(
-    args: tuple[Any, ...], name: str, cfg: MmaConfig, hw_e4m3: bool | None = None
+    args: tuple[Any, ...],
+    name: str,
+    cfg: MmaConfig,
+    hw_e4m3: bool | None = None,
+    tiled: torch.Tensor | None = None,
 ) -> Plan:
     """a decoded once into float16 planes, then the weight decoded in the tensor-core loop
-    (``hw_e4m3=False``: the weight's scales in integer arithmetic, SM80's path, for sweeps)."""
+    (``hw_e4m3=False``: the weight's scales in integer arithmetic, SM80's path, for sweeps;
+    ``tiled``: the weight's words as ``hopper_args.tiled_words(w, block_n, words_per_step)``
+    read in its place, an experiment of ``benchmarks/hopper_sweep.py``)."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
     m, n, kw, cp = c.m, c.n, c.kh // 4, c.cp
     if m == 0 or n == 0:
@@ -379,6 +394,7 @@ def _planes_plan(
         k.mma_planes, (tiles, split),
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
+        **({"W_TILED": True} if tiled is not None else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None and counts is None else None
@@ -390,6 +406,8 @@ def _planes_plan(
         if call is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         _, w32, sw32, out, alpha_ptr, alpha_value, x = call
+        if tiled is not None:
+            w32 = tiled
         main(
             x, w32, sw32, shifts, alpha_ptr, out, out if parts is None else parts,
             m, n, kw, mp, w_stride, out.stride(0), out.stride(1), cp, per_split, alpha_value, last,
@@ -558,13 +576,17 @@ def fast_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
     return hopper_launch.planned("ws", _ws_plan, args, cfg)
 
 
-def _mma_plan(args: tuple[Any, ...], cfg: MmaConfig | None) -> Plan:
-    return _planes_plan(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)))
+def _mma_plan(
+    args: tuple[Any, ...], cfg: MmaConfig | None, tiled: torch.Tensor | None = None
+) -> Plan:
+    return _planes_plan(args, "hopper-mma", cfg or for_m(MMA_BY_M, _rows(args)), tiled=tiled)
 
 
-def run_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
+def run_mma(
+    *args: Any, cfg: MmaConfig | None = None, tiled: torch.Tensor | None = None
+) -> torch.Tensor:
     """``hopper-mma``: mm_fp4's positional order (without backend)."""
-    return _mma_plan(args, cfg)(args)
+    return _mma_plan(args, cfg, tiled)(args)
 
 
 def fast_mma(*args: Any, cfg: MmaConfig | None = None) -> torch.Tensor:
