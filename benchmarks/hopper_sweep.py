@@ -443,6 +443,21 @@ def run_gemv_floor(*args, cfg: triton_hopper.GemvConfig, with_a: bool) -> torch.
     return out
 
 
+# Family tiled at M <= 16: tilings beyond the tactics, on both layouts, in case the re-laid
+# weight streams faster with deeper rings, other steps or more warps than the tactics chose
+# for the rows' layout.
+TILED_EXTRA = [
+    hopper_configs.MmaConfig(bn, 16, bkw, w, st, sp, sum_last=1)
+    for bn, bkw, w, st, sp in [
+        (128, 32, 4, 4, 0),
+        (128, 16, 4, 4, 0),
+        (128, 32, 8, 3, 0),
+        (64, 64, 4, 3, 4),
+        (128, 32, 4, 3, 8),
+    ]
+]
+
+
 # hopper-ws's tiles that family "stream" times in runs (WsConfig.split = -1) and split as today.
 STREAM = (
     hopper_configs.WsConfig(128, 256, 3, 0, 256, 0),
@@ -554,7 +569,8 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
         kinds = (["gemv"] if m <= 8 else []) + ["mma"]
         runs = {"gemv": triton_hopper.run_gemv, "mma": triton_hopper.run_mma}
         for kind in kinds:
-            for c in hopper_configs.candidates(kind, m):
+            extra = TILED_EXTRA if kind == "mma" and m <= 16 else []
+            for c in (*hopper_configs.candidates(kind, m), *extra):
                 tactic = " ".join(map(str, dataclasses.astuple(c)))
                 out[f"{kind} {tactic}"] = functools.partial(runs[kind], cfg=c)
                 out[f"tiled-{kind} {tactic}"] = functools.partial(run_tiled, kind=kind, cfg=c)
