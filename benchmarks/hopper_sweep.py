@@ -380,14 +380,14 @@ def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool, tiled: bool = Fals
     return out
 
 
-# The weights re-laid by tiles (family tiled), by (data pointer, rows, columns): made on a
-# variant's first call with each input set, before any is timed (``point``), and dropped at
-# the next point, whose tensors may reuse the addresses.
-_TILED: dict[tuple[int, int, int], torch.Tensor] = {}
+# The weights re-laid by tiles (family tiled), by (data pointer, word type, rows, columns):
+# made on a variant's first call with each input set, before any is timed (``point``), and
+# dropped at the next point, whose tensors may reuse the addresses.
+_TILED: dict[tuple[int, torch.dtype, int, int], torch.Tensor] = {}
 
 
 def _tiled(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    key = (w.data_ptr(), rows, cols)
+    key = (w.data_ptr(), w.dtype, rows, cols)
     if key not in _TILED:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a tiled weight would be made inside a graph capture")
