@@ -41,10 +41,11 @@
 #          512-3072, the buckets between the powers of two among them (about 70 s on the
 #          H200: hopper_sweep_stream3.json); not part of all
 #   tiled  the GEMV and mma tactics reading the weight re-laid by tiles (each program's step one
-#          contiguous run; hopper_args.tiled_words): their tests in the kernel matrix, then
-#          hopper_sweep.py --families tiled,tactics at M = 1-64 on five shapes, each tactic
-#          beside itself on the plain layout and (to M = 16) the mma tilings' loads alone on
-#          both (about 6-7 min: hopper_sweep_tiled.json); not part of all
+#          contiguous run, or for mma runs of 16 rows; hopper_args.tiled_words): their tests
+#          in the kernel matrix, then hopper_sweep.py --families tiled,tactics at M = 16, 8, 1
+#          and 4 on four shapes, each tactic beside itself on the plain layout, and the mma
+#          tilings' loads alone on each layout (about 6-7 min: hopper_sweep_tiled.json; the
+#          points past its time limit are named as skipped); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -156,7 +157,7 @@ print(json.dumps({'shapes': [[n, k] for _, n, k in SHAPES]}))" > "$decisions.sha
       -q -rs tests/test_hopper_kernels_gpu.py -k re_laid_by_tiles
     step "hopper_sweep.py tiled" timeout 420 python3 benchmarks/hopper_sweep.py \
       --families tiled,tactics --name hopper_sweep_tiled --out "$OUT" --time-limit-s 380 \
-      --shapes 8192x8192,28672x4096,4096x14336,2560x8192,14336x8192 --ms 16,8,1,4,32,64,2
+      --shapes 8192x8192,28672x4096,4096x14336,2560x8192 --ms 16,8,1,4
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)

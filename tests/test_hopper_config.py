@@ -295,7 +295,11 @@ def test_tiled_words_puts_each_tile_step_in_one_contiguous_run(n, kw, rows, cols
     tiles, steps = -(-n // rows), -(-kw // cols)
     assert tiled.shape == (tiles, steps, rows, cols) and tiled.is_contiguous()
     flat = tiled.reshape(-1)
-    for t, s, r, c in [(0, 0, 0, 0), (tiles - 1, steps - 1, rows - 1, cols - 1), (0, steps - 1, 0, 1)]:
+    for t, s, r, c in [
+        (0, 0, 0, 0),
+        (tiles - 1, steps - 1, rows - 1, cols - 1),
+        (0, steps - 1, 0, 1),
+    ]:
         row, col = t * rows + r, s * cols + c
         # tile t's step s starts (t * steps + s) * rows * cols words in
         at = ((t * steps + s) * rows + r) * cols + c

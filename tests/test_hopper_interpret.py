@@ -76,18 +76,24 @@ for run, cfg, n, k, m, layout, alpha, out_dtype in fast:
 # not whole tiles or steps, a K split; the row-major words read as tiles must come out wrong.
 import torch
 from fp4select.backends import hopper_args
+# Tiles of a program's rows, and (mma) of fewer rows than a program's: a program then reads
+# several tiles a step, and its rows past N (clamped) fall in no tile.
 tiled = [
-    (th.run_gemv, th.GemvConfig(2, 2, 1, 1), torch.int64, 5, 96, 3, "8x4", "scalar", "bfloat16"),
-    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 3, 8, 1), torch.int32, 24, 288, 17, "128x4", "per_token", "float16"),
+    (th.run_gemv, th.GemvConfig(2, 2, 1, 1), torch.int64, 2, 5, 96, 3, "8x4", "scalar", "bfloat16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 3, 8, 1), torch.int32, 16, 24, 288, 17, "128x4", "per_token", "float16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 2), torch.int32, 8, 20, 288, 5, "8x4", "none", "bfloat16"),
 ]
-for run, cfg, word, n, k, m, layout, alpha, out_dtype in tiled:
+for run, cfg, word, rows, n, k, m, layout, alpha, out_dtype in tiled:
     p = Problem(n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype)
     inputs = validate.make_inputs(p, m, "cpu", seed=m + n)
     w = hopper_args.words(inputs.args(p)[1].T, word)
-    shape = (cfg.rows_per_program, cfg.blocks_per_step) if word == torch.int64 else (cfg.block_n, cfg.words_per_step)
-    for name, words in (("tiles", hopper_args.tiled_words(w, *shape)), ("rows", w.contiguous())):
+    step = cfg.blocks_per_step if word == torch.int64 else cfg.words_per_step
+    t = hopper_args.tiled_words(w, rows, step)
+    # the same words said to be tiles of half as many rows: the kernels must read them wrong
+    half = t.view(t.shape[0] * 2, t.shape[1], rows // 2, step)
+    for name, words in (("tiles", t), ("half", half)):
         got = run(*inputs.args(p), cfg=cfg, tiled=words)
-        print("tiled", run.__name__, name, "ok" if validate.check(got, inputs, p.torch_out_dtype).ok else "WRONG")
+        print("tiled", run.__name__, rows, name, "ok" if validate.check(got, inputs, p.torch_out_dtype).ok else "WRONG")
 if len(sys.argv) > 1:
     p = Problem(n=40, k=64, m_bucket=4)
     inputs = validate.make_inputs(p, 3, "cpu", seed=1)
@@ -138,8 +144,10 @@ def test_the_kernels_read_a_weight_re_laid_by_tiles(child_lines):
     """W_TILED reads hopper_args.tiled_words' layout exactly, and only that layout."""
     lines = [line for line in child_lines if line.startswith("tiled")]
     assert lines == [
-        "tiled run_gemv tiles ok",
-        "tiled run_gemv rows WRONG",
-        "tiled run_mma tiles ok",
-        "tiled run_mma rows WRONG",
+        "tiled run_gemv 2 tiles ok",
+        "tiled run_gemv 2 half WRONG",
+        "tiled run_mma 16 tiles ok",
+        "tiled run_mma 16 half WRONG",
+        "tiled run_mma 8 tiles ok",
+        "tiled run_mma 8 half WRONG",
     ], child_lines

@@ -224,6 +224,16 @@ def launch_path(env: Mapping[str, Any]) -> str:
     )
 
 
+def _tile_rows(tiled: torch.Tensor | None, step: int) -> dict[str, int]:
+    """The kernels' ``W_TILE_ROWS`` for a weight re-laid by ``hopper_args.tiled_words`` (none
+    for the plain rows); its steps must be the kernel's."""
+    if tiled is None:
+        return {}
+    if tiled.dim() != 4 or tiled.shape[3] != step:
+        raise ValueError(f"tiled must be tiled_words(w, rows, {step}), got shape {tiled.shape}")
+    return {"W_TILE_ROWS": int(tiled.shape[2])}
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -231,8 +241,9 @@ def _next_pow2(x: int) -> int:
 def _gemv_plan(
     args: tuple[Any, ...], cfg: GemvConfig | None, tiled: torch.Tensor | None = None
 ) -> Plan:
-    """``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows_per_program,
-    blocks_per_step)`` read in its place, an experiment of ``benchmarks/hopper_sweep.py``."""
+    """``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows, blocks_per_step)``
+    (rows: ``tiled.shape[2]``) read in its place, an experiment of
+    ``benchmarks/hopper_sweep.py``."""
     c, a64, w64 = _checked_words(args, "hopper-gemv", torch.int64)
     if c.m > 8:
         raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
@@ -257,7 +268,7 @@ def _gemv_plan(
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl), **hw,
         **({"EVICT_FIRST": True} if cfg.evict_first else {}), **({"PRE": True} if cfg.pre else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
-        **({"W_TILED": True} if tiled is not None else {}), num_warps=cfg.num_warps,
+        **_tile_rows(tiled, cfg.blocks_per_step), num_warps=cfg.num_warps,
     )  # fmt: skip
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
@@ -362,7 +373,7 @@ def _planes_plan(
 ) -> Plan:
     """a decoded once into float16 planes, then the weight decoded in the tensor-core loop
     (``hw_e4m3=False``: the weight's scales in integer arithmetic, SM80's path, for sweeps;
-    ``tiled``: the weight's words as ``hopper_args.tiled_words(w, block_n, words_per_step)``
+    ``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows, words_per_step)``
     read in its place, an experiment of ``benchmarks/hopper_sweep.py``)."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
     m, n, kw, cp = c.m, c.n, c.kh // 4, c.cp
@@ -394,8 +405,7 @@ def _planes_plan(
         k.mma_planes, (tiles, split),
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
-        **({"W_TILED": True} if tiled is not None else {}),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_tile_rows(tiled, bkw), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None and counts is None else None
     w_stride, last = w32.stride(0), shifts if counts is None else counts
