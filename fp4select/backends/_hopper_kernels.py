@@ -1,6 +1,6 @@
 """Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
 
-Why one file of ~1050 lines: Triton resolves a kernel's helpers through its module's globals,
+Why one file of ~1090 lines: Triton resolves a kernel's helpers through its module's globals,
 and the four kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
 asm strings and the twins they must agree with read best side by side.
 
@@ -30,6 +30,9 @@ Design rules:
   arithmetic: the Triton interpreter (the CPU tests) cannot run inline asm, so ``ASM=False``
   selects the twin there. ``tests/test_hopper_asm.py`` proves the asm's bit logic on the CPU by
   emulating ``prmt``, shifts and masks over every input, and the GPU suite runs the asm itself.
+* The weight is read where ``mm_fp4`` put it: ``W_TILE_ROWS`` (reading a copy re-laid by
+  ``hopper_args.tiled_words``, ``tiled_rows``) is an experiment of ``benchmarks/hopper_sweep.py``
+  that no backend launches.
 """
 
 from __future__ import annotations

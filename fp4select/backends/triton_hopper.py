@@ -1,6 +1,6 @@
 """``hopper-*``: NVFP4 kernels for GPUs without FP4 tensor cores that decode whole words.
 
-Why one file of ~630 lines: each path's plan (what a call launches: its checks, split, grid
+Why one file of ~690 lines: each path's plan (what a call launches: its checks, split, grid
 and kernels; ``hopper_launch``) sits beside the path's registration, because a module of
 plans between ``triton_fp4`` and the registry would put every importer of the backends a
 level deeper than issue 17's bound of ten allows; the call's views and the splits' arithmetic
