@@ -41,11 +41,12 @@
 #          512-3072, the buckets between the powers of two among them (about 70 s on the
 #          H200: hopper_sweep_stream3.json); not part of all
 #   tiled  the GEMV and mma tactics reading the weight re-laid by tiles (each program's step one
-#          contiguous run, or for mma runs of 16 rows; hopper_args.tiled_words): their tests
-#          in the kernel matrix, then hopper_sweep.py --families tiled,tactics at M = 16, 8, 1
-#          and 4 on four shapes, each tactic beside itself on the plain layout, and the mma
-#          tilings' loads alone on each layout (about 6-7 min: hopper_sweep_tiled.json; the
-#          points past its time limit are named as skipped); not part of all
+#          contiguous run, or tiles of 16 rows x 128 bytes that every tactic reads;
+#          hopper_args.tiled_words): their tests in the kernel matrix, then hopper_sweep.py
+#          --families tiled,tactics at M = 16, 8, 1 and 4 on four shapes, each tactic beside
+#          itself on the plain layout, and the mma tilings' loads alone on each layout (about
+#          6-7 min: hopper_sweep_tiled.json; points past its time limit are named as skipped);
+#          not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests

@@ -81,8 +81,9 @@ FAMILY_HELP = {
     "stream": "from M = 256: hopper-ws's 128 x 256 and 128 x 128 tiles with the last wave cut "
     "into runs of K steps (split -1), and split as today",
     "tiled": "to M = 64: the GEMV and mma tactics reading the weight re-laid by tiles (each "
-    "program's step one contiguous run; for mma also runs of 16 rows), beside the same "
-    "tactics on the plain layout; to M = 16 also the mma tilings' loads alone on each layout",
+    "program's step one contiguous run; and tiles of 16 rows x 128 bytes, one copy for all), "
+    "beside the same tactics on the plain layout; to M = 16 also the mma tilings' loads alone "
+    "on each layout",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -323,17 +324,17 @@ DQ = [
 def _floor(
     x_ptr, w_ptr, sw_ptr, out_ptr, N, KW, MP, stride_wn, cp, iters,
     BN: tl.constexpr, BT: tl.constexpr, BKW: tl.constexpr, MMA: tl.constexpr,
-    TILE_ROWS: tl.constexpr = 0,
+    TILE_ROWS: tl.constexpr = 0, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """``mma_planes``' loads (and with MMA its tensor-core work) without the decode; TILE_ROWS:
-    from the weight re-laid by tiles, as ``mma_planes``' W_TILE_ROWS reads it."""
+    from the weight re-laid by tiles (runs of COLS words), as ``mma_planes`` reads it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows_n = tl.where(offs_n < N, offs_n, 0)
     kx = tl.arange(0, 8 * BKW)
     if TILE_ROWS:
-        w_rows = hk.tiled_rows(w_ptr, rows_n, KW, BKW, TILE_ROWS)
+        w_rows = hk.tiled_rows(w_ptr, rows_n, KW, COLS, TILE_ROWS)
     else:
         w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
     tl.assume(iters > 0)
@@ -341,7 +342,7 @@ def _floor(
     bits = tl.zeros((BN, BKW), dtype=tl.int32)
     for i in range(0, iters):
         k0 = (pid_k * iters + i) * BKW
-        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW, TILE_ROWS)  # mma_planes' own
+        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW, TILE_ROWS, COLS)  # its own
         if MMA:
             h = ((wq ^ sw) & 0x3FF).to(tl.float16)  # finite: the MMA still runs on every word
             w = plane_major(h, h, h, h, h, h, h, h, BN, BKW)
@@ -354,14 +355,16 @@ def _floor(
     tl.store(ptrs, acc, mask=(offs_n < N)[:, None])
 
 
-def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool, tile_rows: int = 0) -> torch.Tensor:
-    """Launch ``_floor`` on mm_fp4's arguments with ``cfg``'s tiling and split (tile_rows: from
-    the weight re-laid by tiles of that many rows)."""
+def run_floor(
+    *args, cfg: triton_hopper.MmaConfig, mma: bool, tiles: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """Launch ``_floor`` on mm_fp4's arguments with ``cfg``'s tiling and split (tiles: from the
+    weight re-laid by tiles of (rows, words))."""
     b, b_descale = args[1], args[3]
     n, kh = b.shape[1], b.shape[0]
     w32 = b.T.view(torch.int32)
-    if tile_rows:
-        w32 = _tiled(w32, tile_rows, cfg.words_per_step)
+    if tiles:
+        w32 = _tiled(w32, *tiles)
     sw32 = hopper_args.scale_words(b_descale)
     kw = kh // 4
     sms = triton_fp4._sms(b.device)
@@ -374,7 +377,8 @@ def run_floor(*args, cfg: triton_hopper.MmaConfig, mma: bool, tile_rows: int = 0
     out = torch.empty((split, n, cfg.block_t), dtype=torch.float32, device=b.device)
     _floor[(triton.cdiv(n, cfg.block_n), split)](
         x, w32, sw32, out, n, kw, cfg.block_t, w32.stride(0), cp, iters,
-        BN=cfg.block_n, BT=cfg.block_t, BKW=cfg.words_per_step, MMA=mma, TILE_ROWS=tile_rows,
+        BN=cfg.block_n, BT=cfg.block_t, BKW=cfg.words_per_step, MMA=mma,
+        TILE_ROWS=tiles[0] if tiles else 0, COLS=tiles[1] if tiles else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -395,15 +399,24 @@ def _tiled(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return _TILED[key]
 
 
-def run_tiled(*args, kind: str, cfg, rows: int | None = None) -> torch.Tensor:
-    """The GEMV or mma tactic ``cfg`` reading the weight re-laid by tiles of ``rows`` rows
-    (None: a program's rows, so that each step it reads is one contiguous run)."""
-    if kind == "gemv":
-        rows = rows or cfg.rows_per_program
-        w = _tiled(args[1].T.view(torch.int64), rows, cfg.blocks_per_step)
-        return triton_hopper.run_gemv(*args, cfg=cfg, tiled=w)
-    w = _tiled(args[1].T.view(torch.int32), rows or cfg.block_n, cfg.words_per_step)
-    return triton_hopper.run_mma(*args, cfg=cfg, tiled=w)
+# The layout one copy could serve every tactic from: tiles of 16 rows x 128 bytes (32 int32
+# words, 16 int64 words), 2 KB runs.
+SHARED = (16, 128)
+
+
+def run_tiled(*args, kind: str, cfg, shared: bool = False) -> torch.Tensor:
+    """The GEMV or mma tactic ``cfg`` reading the weight re-laid by tiles: of a program's rows
+    and step (each step it reads one contiguous run), or with ``shared`` ``SHARED``'s."""
+    word = torch.int64 if kind == "gemv" else torch.int32
+    if shared:
+        tiles = (SHARED[0], SHARED[1] // word.itemsize)
+    elif kind == "gemv":
+        tiles = (cfg.rows_per_program, cfg.blocks_per_step)
+    else:
+        tiles = (cfg.block_n, cfg.words_per_step)
+    w = _tiled(args[1].T.view(word), *tiles)
+    run = triton_hopper.run_gemv if kind == "gemv" else triton_hopper.run_mma
+    return run(*args, cfg=cfg, tiled=w)
 
 
 @triton.jit
@@ -576,14 +589,14 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 tactic = " ".join(map(str, dataclasses.astuple(c)))
                 out[f"{kind} {tactic}"] = functools.partial(runs[kind], cfg=c)
                 out[f"tiled-{kind} {tactic}"] = functools.partial(run_tiled, kind=kind, cfg=c)
-                if kind == "mma":  # runs of 16 rows (2 KB at 32-word steps), 4-8 a step
-                    out[f"tiled16-mma {tactic}"] = functools.partial(
-                        run_tiled, kind=kind, cfg=c, rows=16
-                    )
+                out[f"shared-{kind} {tactic}"] = functools.partial(
+                    run_tiled, kind=kind, cfg=c, shared=True
+                )
                 if kind == "mma" and m <= 16:  # the loads alone on each layout
-                    for rows, label in ((0, ""), (c.block_n, "-tiled"), (16, "-tiled16")):
+                    own = (c.block_n, c.words_per_step)
+                    for tiles, label in ((None, ""), (own, "-tiled"), ((16, 32), "-shared")):
                         name = f"floor-loads{label} {tactic}"
-                        out[name] = functools.partial(run_floor, cfg=c, mma=False, tile_rows=rows)
+                        out[name] = functools.partial(run_floor, cfg=c, mma=False, tiles=tiles)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []

@@ -76,24 +76,28 @@ for run, cfg, n, k, m, layout, alpha, out_dtype in fast:
 # not whole tiles or steps, a K split; the row-major words read as tiles must come out wrong.
 import torch
 from fp4select.backends import hopper_args
-# Tiles of a program's rows, and (mma) of fewer rows than a program's: a program then reads
-# several tiles a step, and its rows past N (clamped) fall in no tile.
+# The weight re-laid by tiles (hopper_args.tiled_words): a program's own tiles, and tiles of
+# other rows and runs (a program reads several a step, a step crosses runs, or a run holds
+# several steps); N, K not whole tiles, a K split. The same words said to be tiles of half as
+# many rows must come out wrong.
+import torch
+from fp4select.backends import hopper_args
 tiled = [
-    (th.run_gemv, th.GemvConfig(2, 2, 1, 1), torch.int64, 2, 5, 96, 3, "8x4", "scalar", "bfloat16"),
-    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 3, 8, 1), torch.int32, 16, 24, 288, 17, "128x4", "per_token", "float16"),
-    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 2), torch.int32, 8, 20, 288, 5, "8x4", "none", "bfloat16"),
+    (th.run_gemv, th.GemvConfig(2, 2, 1, 1), torch.int64, 2, 2, 5, 96, 3, "8x4", "scalar", "bfloat16"),
+    (th.run_gemv, th.GemvConfig(2, 4, 1, 1), torch.int64, 4, 2, 5, 144, 3, "8x4", "scalar", "bfloat16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 3, 8, 1), torch.int32, 16, 16, 24, 288, 17, "128x4", "per_token", "float16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 2), torch.int32, 8, 32, 20, 288, 5, "8x4", "none", "bfloat16"),
+    (th.run_mma, th.MmaConfig(16, 16, 16, 1, 1, 0), torch.int32, 4, 8, 37, 160, 2, "8x4", "scalar", "bfloat16"),
 ]
-for run, cfg, word, rows, n, k, m, layout, alpha, out_dtype in tiled:
+for run, cfg, word, rows, cols, n, k, m, layout, alpha, out_dtype in tiled:
     p = Problem(n=n, k=k, m_bucket=m_bucket(m), a_sf_layout=layout, alpha_kind=alpha, out_dtype=out_dtype)
     inputs = validate.make_inputs(p, m, "cpu", seed=m + n)
-    w = hopper_args.words(inputs.args(p)[1].T, word)
-    step = cfg.blocks_per_step if word == torch.int64 else cfg.words_per_step
-    t = hopper_args.tiled_words(w, rows, step)
-    # the same words said to be tiles of half as many rows: the kernels must read them wrong
-    half = t.view(t.shape[0] * 2, t.shape[1], rows // 2, step)
+    t = hopper_args.tiled_words(hopper_args.words(inputs.args(p)[1].T, word), rows, cols)
+    half = t.view(t.shape[0] * 2, t.shape[1], rows // 2, cols)
     for name, words in (("tiles", t), ("half", half)):
         got = run(*inputs.args(p), cfg=cfg, tiled=words)
-        print("tiled", run.__name__, rows, name, "ok" if validate.check(got, inputs, p.torch_out_dtype).ok else "WRONG")
+        ok = validate.check(got, inputs, p.torch_out_dtype).ok
+        print("tiled", run.__name__, rows, cols, name, "ok" if ok else "WRONG")
 if len(sys.argv) > 1:
     p = Problem(n=40, k=64, m_bucket=4)
     inputs = validate.make_inputs(p, 3, "cpu", seed=1)
@@ -141,13 +145,16 @@ def test_a_planted_layout_mix_up_fails(child_lines):
 
 
 def test_the_kernels_read_a_weight_re_laid_by_tiles(child_lines):
-    """W_TILED reads hopper_args.tiled_words' layout exactly, and only that layout."""
+    """W_TILE_ROWS reads hopper_args.tiled_words' layout exactly, and only that layout."""
     lines = [line for line in child_lines if line.startswith("tiled")]
     assert lines == [
-        "tiled run_gemv 2 tiles ok",
-        "tiled run_gemv 2 half WRONG",
-        "tiled run_mma 16 tiles ok",
-        "tiled run_mma 16 half WRONG",
-        "tiled run_mma 8 tiles ok",
-        "tiled run_mma 8 half WRONG",
+        f"tiled {run} {rows} {cols} {name} {'ok' if name == 'tiles' else 'WRONG'}"
+        for run, rows, cols in [
+            ("run_gemv", 2, 2),
+            ("run_gemv", 4, 2),
+            ("run_mma", 16, 16),
+            ("run_mma", 8, 32),
+            ("run_mma", 4, 8),
+        ]
+        for name in ("tiles", "half")
     ], child_lines

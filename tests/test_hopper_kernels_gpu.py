@@ -270,26 +270,27 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
 @pytest.mark.parametrize("n,k", [(520, 2064), (4096, 4096)])
 def test_every_small_m_tactic_reads_a_weight_re_laid_by_tiles(n, k):
     """``hopper_sweep.py``'s family tiled: each GEMV and mma tactic reading
-    ``hopper_args.tiled_words``' copy of the weight (tiles of a program's rows, and for mma of
-    16), exact, as on the weight itself."""
+    ``hopper_args.tiled_words``' copy of the weight (tiles of a program's rows and step, and of
+    16 rows x 128 bytes, its ``SHARED``), exact, as on the weight itself."""
     cases = [
-        (triton_hopper.run_gemv, torch.int64, cfg, cfg.rows_per_program, cfg.blocks_per_step, m)
+        (triton_hopper.run_gemv, torch.int64, cfg, tiles, m)
         for cfg in hopper_configs.candidates("gemv", None)
+        for tiles in ((cfg.rows_per_program, cfg.blocks_per_step), (16, 16))
         for m in (1, 5)
     ]
     cases += [
-        (triton_hopper.run_mma, torch.int32, cfg, rows, cfg.words_per_step, m)
+        (triton_hopper.run_mma, torch.int32, cfg, tiles, m)
         for cfg in hopper_configs.candidates("mma", None)
-        for rows in (cfg.block_n, 16)
+        for tiles in ((cfg.block_n, cfg.words_per_step), (16, 32))
         for m in (3, cfg.block_t)
     ]
-    for run, word, cfg, rows, step, m in cases:
+    for run, word, cfg, tiles, m in cases:
         problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")
         inputs = validate.make_inputs(problem, m, "cuda", seed=m + k)
         args = inputs.args(problem)
-        tiled = hopper_args.tiled_words(args[1].T.view(word), rows, step)
+        tiled = hopper_args.tiled_words(args[1].T.view(word), *tiles)
         res = validate.check(run(*args, cfg=cfg, tiled=tiled), inputs, problem.torch_out_dtype)
-        assert res.ok, (cfg, rows, m, n, k, res.reason)
+        assert res.ok, (cfg, tiles, m, n, k, res.reason)
 
 
 def test_tuning_times_every_candidate_and_its_choice_is_exact():

@@ -74,6 +74,7 @@ SIGNATURE = {
     "SUM_LAST": "constexpr",
     "PDL": "constexpr",
     "W_TILE_ROWS": "constexpr",
+    "W_COLS": "constexpr",
 }
 # What a real launch specializes on: 16-aligned pointers, sizes and strides divisible by 16.
 DIVISIBLE = {"N", "KW", "MP", "stride_wn", "stride_om", "cp"}
@@ -253,7 +254,7 @@ GEMV_SIGNATURE = {
     name: "constexpr"
     for name in (
         "A_8X4", "ALPHA", "BM", "R", "BK", "ASM", "PREFETCH", "PDL", "EVICT_FIRST", "HW_E4M3",
-        "LATE_TRIGGER", "PRE", "W_TILE_ROWS",
+        "LATE_TRIGGER", "PRE", "W_TILE_ROWS", "W_COLS",
     )
 }  # fmt: skip
 

@@ -31,8 +31,8 @@ Design rules:
   selects the twin there. ``tests/test_hopper_asm.py`` proves the asm's bit logic on the CPU by
   emulating ``prmt``, shifts and masks over every input, and the GPU suite runs the asm itself.
 * The weight is read where ``mm_fp4`` put it: ``W_TILE_ROWS`` (reading a copy re-laid by
-  ``hopper_args.tiled_words``, ``tiled_rows``) is an experiment of ``benchmarks/hopper_sweep.py``
-  that no backend launches.
+  ``hopper_args.tiled_words``: ``tiled_rows``, ``tiled_at``) is an experiment of
+  ``benchmarks/hopper_sweep.py`` that no backend launches.
 """
 
 from __future__ import annotations
@@ -660,30 +660,42 @@ def _scale_cols(k, KW, LAYOUT_8X4: tl.constexpr):
 
 
 @triton.jit
-def tiled_rows(w_ptr, rows, KW, STEP: tl.constexpr, TILE_ROWS: tl.constexpr):
-    """Pointers to ``rows`` (each in range) in ``hopper_args.tiled_words(w, TILE_ROWS, STEP)``'s
-    layout, at their first step: step s of a row is TILE_ROWS * STEP * s words on, so a
-    step's words of TILE_ROWS rows are one contiguous run (an experiment: ``hopper_sweep.py``'s
-    family tiled, docs/hopper_kernels.md, 'The weight re-laid by tiles')."""
+def tiled_rows(w_ptr, rows, KW, COLS: tl.constexpr, TILE_ROWS: tl.constexpr):
+    """Pointers to ``rows`` (each in range) in ``hopper_args.tiled_words(w, TILE_ROWS, COLS)``'s
+    layout, at their first word: words k of a row are then ``tiled_at`` on, so COLS words of
+    TILE_ROWS rows are one contiguous run (an experiment: ``hopper_sweep.py``'s family tiled,
+    docs/hopper_kernels.md, 'The weight re-laid by tiles')."""
     r = rows.to(tl.int64)
     tile = r // TILE_ROWS
-    return w_ptr + ((tile * tl.cdiv(KW, STEP) * TILE_ROWS) + (r - tile * TILE_ROWS))[:, None] * STEP
+    return w_ptr + ((tile * tl.cdiv(KW, COLS) * TILE_ROWS) + (r - tile * TILE_ROWS))[:, None] * COLS
+
+
+@triton.jit
+def tiled_at(k, k0, TILE_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Words k (a kernel's step, starting at k0) past ``tiled_rows``' pointers. A step of COLS
+    words (k0 a multiple of COLS) is one run, TILE_ROWS * k0 words on; other steps cross runs
+    (words k // COLS runs of TILE_ROWS rows on, k % COLS into the run)."""
+    STEP: tl.constexpr = k.shape[0]
+    if STEP == COLS:
+        return (k - k0) + k0 * TILE_ROWS
+    else:
+        return (k // COLS) * (TILE_ROWS * COLS) + k % COLS
 
 
 @triton.jit
 def _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST: tl.constexpr = False, k0=0,
-                 TILE_ROWS: tl.constexpr = 0):  # fmt: skip
+                 TILE_ROWS: tl.constexpr = 0, COLS: tl.constexpr = 0):  # fmt: skip
     """A step's weight words and their scale bytes (zeros past K).
 
     EVICT_FIRST: the weight streams past L2 (read once) ahead of a's rows, which every program
     reads again (where it pays: docs/hopper_kernels.md, 'The GEMV's weight loads with
     `evict_first`').
-    TILE_ROWS: ``w_rows`` come from ``tiled_rows`` (the step starting at block ``k0`` is
-    TILE_ROWS * k0 words on).
+    TILE_ROWS: ``w_rows`` come from ``tiled_rows`` with runs of COLS words (``tiled_at``; the
+    step starts at block ``k0``).
     """
     k_ok = k < KW
     scales = sw_rows + _scale_cols(k, KW, False)[None, :]
-    w_at = w_rows + (k - k0 + k0 * TILE_ROWS)[None, :] if TILE_ROWS else w_rows + k[None, :]
+    w_at = w_rows + tiled_at(k, k0, TILE_ROWS, COLS)[None, :] if TILE_ROWS else w_rows + k[None, :]
     if EVICT_FIRST:
         w = tl.load(w_at, mask=k_ok[None, :], other=0, eviction_policy="evict_first")
         sw = tl.load(scales, mask=k_ok[None, :], other=0, eviction_policy="evict_first")
@@ -815,7 +827,8 @@ def gemv_dp4a(
     HW_E4M3: tl.constexpr = False,
     LATE_TRIGGER: tl.constexpr = False,  # under PDL the next launch is let in after the K loop
     PRE: tl.constexpr = False,  # a_ptr is gemv_a_words' workspace (stride_am: its plane)
-    W_TILE_ROWS: tl.constexpr = 0,  # > 0: w_ptr is hopper_args.tiled_words(weight, this, BK)
+    W_TILE_ROWS: tl.constexpr = 0,  # > 0: w_ptr is hopper_args.tiled_words(w, this, W_COLS)
+    W_COLS: tl.constexpr = 0,  # the tiles' runs, in words (0: BK)
 ):
     """Small-M product: each program takes R weight rows over the whole K, on the CUDA cores.
 
@@ -833,8 +846,9 @@ def gemv_dp4a(
     kk = tl.arange(0, BK)
     tpos, tneg = lane_tables(kk * 0, M, ASM)
     rows, w_rows, sw_rows = _gemv_rows(pid, N, w_ptr, sw_ptr, stride_wn, cp, R)
+    COLS: tl.constexpr = W_COLS if W_COLS else BK
     if W_TILE_ROWS:
-        w_rows = tiled_rows(w_ptr, tl.where(rows < N, rows, N - 1), KW, BK, W_TILE_ROWS)
+        w_rows = tiled_rows(w_ptr, tl.where(rows < N, rows, N - 1), KW, COLS, W_TILE_ROWS)
     acc0 = tl.zeros((R, BK), dtype=tl.float32)
     acc1 = tl.zeros((R, BK), dtype=tl.float32)
     acc2 = tl.zeros((R, BK), dtype=tl.float32)
@@ -844,15 +858,15 @@ def gemv_dp4a(
     acc6 = tl.zeros((R, BK), dtype=tl.float32)
     acc7 = tl.zeros((R, BK), dtype=tl.float32)
     if PREFETCH:
-        w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST, 0, W_TILE_ROWS)
+        w, sw = _gemv_weight(w_rows, sw_rows, kk, KW, EVICT_FIRST, 0, W_TILE_ROWS, COLS)
     for k0 in range(0, KW, BK):
         k = k0 + kk
         if PREFETCH:
             w_next, sw_next = _gemv_weight(
-                w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST, k0 + BK, W_TILE_ROWS
+                w_rows, sw_rows, k0 + BK + kk, KW, EVICT_FIRST, k0 + BK, W_TILE_ROWS, COLS
             )
         else:
-            w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST, k0, W_TILE_ROWS)
+            w, sw = _gemv_weight(w_rows, sw_rows, k, KW, EVICT_FIRST, k0, W_TILE_ROWS, COLS)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_step(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, sw, a_ptr, sa_ptr,
             M, k, KW, stride_am, cp, tpos, tneg, A_8X4, BM, ASM, HW_E4M3, PRE,
@@ -912,7 +926,10 @@ def decode_planes(
 
 
 @triton.jit
-def weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW: tl.constexpr, TILE_ROWS: tl.constexpr = 0):
+def weight_step(
+    w_rows, sw_ptr, rows_n, k0, KW, cp, BKW: tl.constexpr, TILE_ROWS: tl.constexpr = 0,
+    COLS: tl.constexpr = 0,
+):  # fmt: skip
     """One step's weight words (zeros past K) and, for each word, the 128x4 scale word holding
     its block's scale.
 
@@ -920,13 +937,12 @@ def weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW: tl.constexpr, TILE_ROWS
     in registers (docs/hopper_kernels.md, 'One scale load per 8 weight words'). Words, not
     bytes: an 8-bit load sends the decoded tile through shared memory.
     Past K the scales of block 0 stand in (a valid scale times the zero words there).
-    TILE_ROWS: ``w_rows`` come from ``tiled_rows`` (step k0 / BKW is TILE_ROWS * k0 words on).
+    TILE_ROWS: ``w_rows`` come from ``tiled_rows`` with runs of COLS words (``tiled_at``).
     """
     k = k0 + tl.arange(0, BKW)
     if TILE_ROWS:
-        wq = tl.load(
-            w_rows + (tl.arange(0, BKW) + k0 * TILE_ROWS)[None, :], mask=(k < KW)[None, :], other=0
-        )
+        at = tiled_at(k, k0, TILE_ROWS, COLS)
+        wq = tl.load(w_rows + at[None, :], mask=(k < KW)[None, :], other=0)
     else:
         wq = tl.load(w_rows + k[None, :], mask=(k < KW)[None, :], other=0)
     j = k0 // 8 + tl.arange(0, BKW // 8)
@@ -1000,7 +1016,8 @@ def mma_planes(
     HW_E4M3: tl.constexpr = False,  # the weight's scales converted by the GPU (SM89+)
     SUM_LAST: tl.constexpr = False,  # the last split program of a tile sums the partials
     PDL: tl.constexpr = False,
-    W_TILE_ROWS: tl.constexpr = 0,  # > 0: w_ptr is hopper_args.tiled_words(weight, this, BKW)
+    W_TILE_ROWS: tl.constexpr = 0,  # > 0: w_ptr is hopper_args.tiled_words(w, this, W_COLS)
+    W_COLS: tl.constexpr = 0,  # the tiles' runs, in words (0: BKW)
 ):
     """Tensor-core product with the operands swapped: out^T = W . A^T, the weight decoded in
     the main loop, a read already decoded (``decode_planes``).
@@ -1031,8 +1048,9 @@ def mma_planes(
     # layout only when every input of the decode comes from memory; a value derived from
     # tl.arange there sends the decoded tile through shared memory, one store per value.
     shift = tl.load(shift_ptr + kw)[None, :]
+    COLS: tl.constexpr = W_COLS if W_COLS else BKW
     if W_TILE_ROWS:
-        w_rows = tiled_rows(w_ptr, rows_n, KW, BKW, W_TILE_ROWS)
+        w_rows = tiled_rows(w_ptr, rows_n, KW, COLS, W_TILE_ROWS)
     else:
         w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn
     x_cols = x_ptr + offs_t[None, :]  # no clamp: the workspace is whole tiles wide
@@ -1043,7 +1061,7 @@ def mma_planes(
     acc = tl.zeros((BN, BT), dtype=tl.float32)
     for i in range(0, iters_per_split):
         k0 = (pid_k * iters_per_split + i) * BKW
-        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW, W_TILE_ROWS)
+        wq, sw = weight_step(w_rows, sw_ptr, rows_n, k0, KW, cp, BKW, W_TILE_ROWS, COLS)
         w = plane_major(*pair_to_f16(wq, sw >> shift, ASM, HW_E4M3), BN, BKW)
         xb = x_cols + (k0 * 8 + kx)[:, None].to(tl.int64) * MP
         acc = retired(tl.dot(w, tl.load(xb), acc), ASM)

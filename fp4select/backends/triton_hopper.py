@@ -225,13 +225,18 @@ def launch_path(env: Mapping[str, Any]) -> str:
 
 
 def _tile_rows(tiled: torch.Tensor | None, step: int) -> dict[str, int]:
-    """The kernels' ``W_TILE_ROWS`` for a weight re-laid by ``hopper_args.tiled_words`` (none
-    for the plain rows); its steps must be the kernel's."""
+    """The kernels' ``W_TILE_ROWS`` and ``W_COLS`` for a weight re-laid by
+    ``hopper_args.tiled_words`` (none for the plain rows): runs of any number of rows, and of
+    the kernel's step or a power-of-two multiple or fraction of it."""
     if tiled is None:
         return {}
-    if tiled.dim() != 4 or tiled.shape[3] != step:
-        raise ValueError(f"tiled must be tiled_words(w, rows, {step}), got shape {tiled.shape}")
-    return {"W_TILE_ROWS": int(tiled.shape[2])}
+    cols = int(tiled.shape[-1]) if tiled.dim() == 4 else 0
+    if cols < 1 or cols & (cols - 1) or (cols % step and step % cols):
+        raise ValueError(
+            f"tiled must be tiled_words(w, rows, cols), cols a power of two that divides or "
+            f"is divided by {step} words, got shape {tuple(tiled.shape)}"
+        )
+    return {"W_TILE_ROWS": int(tiled.shape[2])} | ({"W_COLS": cols} if cols != step else {})
 
 
 def _next_pow2(x: int) -> int:
@@ -241,9 +246,8 @@ def _next_pow2(x: int) -> int:
 def _gemv_plan(
     args: tuple[Any, ...], cfg: GemvConfig | None, tiled: torch.Tensor | None = None
 ) -> Plan:
-    """``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows, blocks_per_step)``
-    (rows: ``tiled.shape[2]``) read in its place, an experiment of
-    ``benchmarks/hopper_sweep.py``."""
+    """``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows, cols)`` read in its
+    place, an experiment of ``benchmarks/hopper_sweep.py`` (``_tile_rows``)."""
     c, a64, w64 = _checked_words(args, "hopper-gemv", torch.int64)
     if c.m > 8:
         raise ValueError(f"hopper-gemv takes M <= 8, got M={c.m}")
@@ -373,8 +377,8 @@ def _planes_plan(
 ) -> Plan:
     """a decoded once into float16 planes, then the weight decoded in the tensor-core loop
     (``hw_e4m3=False``: the weight's scales in integer arithmetic, SM80's path, for sweeps;
-    ``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows, words_per_step)``
-    read in its place, an experiment of ``benchmarks/hopper_sweep.py``)."""
+    ``tiled``: the weight's words as ``hopper_args.tiled_words(w, rows, cols)`` read in its
+    place, an experiment of ``benchmarks/hopper_sweep.py``: ``_tile_rows``)."""
     c, a32, w32 = _checked_words(args, name, torch.int32)
     m, n, kw, cp = c.m, c.n, c.kh // 4, c.cp
     if m == 0 or n == 0:
