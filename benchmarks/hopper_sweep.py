@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
+import math
 import time
 import traceback
 from pathlib import Path
@@ -694,6 +695,29 @@ def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...
     return {"n": n, "k": k, "m": m, "us": us, "verdicts": verdicts}
 
 
+def layout_ratios(rows: list[dict]) -> dict[str, dict[int, list[float]]]:
+    """Family tiled's answer: for each re-laid layout ("tiled", "shared", and their loads
+    alone), by M, the geomean, least and most of each variant's time over the same variant's
+    on the plain layout, over every shape and tactic both ran (and were exact) at."""
+    found: dict[str, dict[int, list[float]]] = {}
+    for row in rows:
+        us = row["us"]
+        for name, t in us.items():
+            head, _, rest = name.partition(" ")  # e.g. "shared-mma", "floor-loads-tiled"
+            parts = head.split("-")
+            layout = next((x for x in parts if x in ("tiled", "shared")), None)
+            plain = layout and us.get("-".join(x for x in parts if x != layout) + " " + rest)
+            if plain:
+                found.setdefault(head, {}).setdefault(row["m"], []).append(t / plain)
+    return {
+        label: {
+            m: [math.exp(sum(map(math.log, r)) / len(r)), min(r), max(r), len(r)]
+            for m, r in sorted(by_m.items())
+        }
+        for label, by_m in sorted(found.items())
+    }
+
+
 def write(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> None:
     """The JSON of the points so far: written after each, so a call's timeout keeps them."""
     record = {
@@ -703,6 +727,11 @@ def write(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> N
         "timing": OPTIONS.to_json(),
         "rows": rows,
     }
+    ratios = layout_ratios(rows)
+    if ratios:
+        record["layout_ratios"] = {
+            k: {str(m): v for m, v in by_m.items()} for k, by_m in ratios.items()
+        }
     path = Path(args.out) / f"{args.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(record))
@@ -760,6 +789,13 @@ def main() -> None:
             flush=True,
         )
     write(args, device, rows)
+    for label, by_m in layout_ratios(rows).items():  # family tiled's answer, in one table
+        print(
+            f"{label:22} time / plain: "
+            + " ".join(
+                f"M={m}: {g:.3f} ({lo:.2f}-{hi:.2f}, {n})" for m, (g, lo, hi, n) in by_m.items()
+            )
+        )
     print(f"wrote {Path(args.out) / args.name}.json in {time.perf_counter() - started:.0f} s")
 
 
