@@ -394,7 +394,7 @@ _TILED: dict[tuple[int, torch.dtype, int, int], torch.Tensor] = {}
 def _tiled(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     key = (w.data_ptr(), w.dtype, rows, cols)
     if key not in _TILED:
-        if torch.cuda.is_current_stream_capturing():
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a tiled weight would be made inside a graph capture")
         _TILED[key] = hopper_args.tiled_words(w, rows, cols)
     return _TILED[key]
