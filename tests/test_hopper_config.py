@@ -309,3 +309,28 @@ def test_tiled_words_puts_each_tile_step_in_one_contiguous_run(n, kw, rows, cols
     assert tiled.transpose(1, 2).reshape(tiles * rows, -1)[:, kw:].count_nonzero() == 0
     tiled.zero_()  # a copy: the caller's weight is not touched
     assert w.count_nonzero() > 0
+
+
+def test_the_kernels_refuse_a_tiled_weight_that_is_not_this_weights_tiles():
+    """A copy of the wrong shape, word or run length is refused before any kernel could read
+    past it (the plan is built on the CPU; nothing compiles or runs)."""
+    from fp4select import validate
+    from fp4select.backends import triton_hopper as th
+    from fp4select.keys import Problem, m_bucket
+
+    problem = Problem(n=40, k=512, m_bucket=m_bucket(5))
+    args = validate.make_inputs(problem, 5, "cpu", seed=1).args(problem)
+    w32 = hopper_args.words(args[1].T, torch.int32)
+    w64 = hopper_args.words(args[1].T, torch.int64)
+    mma, gemv = th.MmaConfig(16, 16, 16, 1, 1, 1), th.GemvConfig(2, 4, 1)
+    bad = [
+        (th.run_mma, mma, hopper_args.tiled_words(w32[:20], 16, 16)),  # another weight's rows
+        (th.run_mma, mma, hopper_args.tiled_words(w64, 16, 8)),  # 64-bit words
+        (th.run_mma, mma, hopper_args.tiled_words(w32, 16, 24)),  # runs of 24 words
+        (th.run_mma, mma, hopper_args.tiled_words(w32, 16, 16).transpose(1, 2)),  # a view
+        (th.run_gemv, gemv, hopper_args.tiled_words(w32, 2, 4)),  # 32-bit words
+        (th.run_gemv, gemv, w64),  # the plain words
+    ]
+    for run, cfg, tiled in bad:
+        with pytest.raises(ValueError, match="tiled must be"):
+            run(*args, cfg=cfg, tiled=tiled)

@@ -69,9 +69,9 @@ def tiled_words(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     s * cols + c]``, zeros past N and KW, shape (ceil(N / rows), ceil(KW / cols), rows, cols).
 
     A kernel whose program reads ``rows`` rows ``cols`` words at a time then reads each step
-    as one contiguous run instead of ``rows`` runs a row apart (``mma_planes``' ``W_TILED``):
-    an experiment of ``benchmarks/hopper_sweep.py`` (family ``tiled``), a copy made once, not
-    a view of the caller's weight.
+    as one contiguous run instead of ``rows`` runs a row apart (``W_TILE_ROWS`` and ``W_COLS``
+    of ``mma_planes`` and ``gemv_dp4a``): an experiment of ``benchmarks/hopper_sweep.py``
+    (family ``tiled``), a copy made once, not a view of the caller's weight.
     """
     n, kw = w.shape
     tiles, steps = -(-n // rows), -(-kw // cols)

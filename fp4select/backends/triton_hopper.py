@@ -224,19 +224,30 @@ def launch_path(env: Mapping[str, Any]) -> str:
     )
 
 
-def _tile_rows(tiled: torch.Tensor | None, step: int) -> dict[str, int]:
-    """The kernels' ``W_TILE_ROWS`` and ``W_COLS`` for a weight re-laid by
-    ``hopper_args.tiled_words`` (none for the plain rows): runs of any number of rows, and of
-    the kernel's step or a power-of-two multiple or fraction of it."""
+def _tile_rows(
+    tiled: torch.Tensor | None, n: int, kw: int, step: int, word: torch.dtype
+) -> dict[str, int]:
+    """The kernels' ``W_TILE_ROWS`` and ``W_COLS`` for ``tiled``, the (N, ``kw``) weight words
+    re-laid by ``hopper_args.tiled_words`` (none for the plain rows): tiles of any number of
+    rows, runs of the kernel's step or a power-of-two multiple or fraction of it. Any other
+    tensor is refused here, before a kernel could read past it."""
     if tiled is None:
         return {}
-    cols = int(tiled.shape[-1]) if tiled.dim() == 4 else 0
-    if cols < 1 or cols & (cols - 1) or (cols % step and step % cols):
+    rows, cols = (int(tiled.shape[2]), int(tiled.shape[3])) if tiled.dim() == 4 else (0, 0)
+    whole = (-(-n // rows), -(-kw // cols), rows, cols) if rows and cols else None
+    if (
+        tiled.dtype != word
+        or not tiled.is_contiguous()
+        or tuple(tiled.shape) != whole
+        or cols & (cols - 1)
+        or (cols % step and step % cols)
+    ):
         raise ValueError(
-            f"tiled must be tiled_words(w, rows, cols), cols a power of two that divides or "
-            f"is divided by {step} words, got shape {tuple(tiled.shape)}"
+            f"tiled must be hopper_args.tiled_words(w, rows, cols) of this weight's {word} words "
+            f"({n} x {kw}), cols a power of two that divides or is divided by {step}; got "
+            f"{tiled.dtype} of shape {tuple(tiled.shape)}"
         )
-    return {"W_TILE_ROWS": int(tiled.shape[2])} | ({"W_COLS": cols} if cols != step else {})
+    return {"W_TILE_ROWS": rows} | ({"W_COLS": cols} if cols != step else {})
 
 
 def _next_pow2(x: int) -> int:
@@ -272,7 +283,7 @@ def _gemv_plan(
         BK=cfg.blocks_per_step, ASM=ASM, PREFETCH=bool(cfg.prefetch), **_with_pdl(pdl), **hw,
         **({"EVICT_FIRST": True} if cfg.evict_first else {}), **({"PRE": True} if cfg.pre else {}),
         **({"LATE_TRIGGER": True} if cfg.late and pdl else {}),
-        **_tile_rows(tiled, cfg.blocks_per_step), num_warps=cfg.num_warps,
+        **_tile_rows(tiled, n, kw, cfg.blocks_per_step, torch.int64), num_warps=cfg.num_warps,
     )  # fmt: skip
 
     def run(args: tuple[Any, ...]) -> torch.Tensor:
@@ -409,7 +420,8 @@ def _planes_plan(
         k.mma_planes, (tiles, split),
         ALPHA=c.alpha_kind, PARTIALS=split > 1, BN=cfg.block_n, BT=cfg.block_t, BKW=bkw,
         GROUP=cfg.group, ASM=ASM, HW_E4M3=hw, SUM_LAST=counts is not None, **_with_pdl(pdl_main),
-        **_tile_rows(tiled, bkw), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_tile_rows(tiled, n, kw, bkw, torch.int32),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     reduce = _reduction(c, split, pdl) if parts is not None and counts is None else None
     w_stride, last = w32.stride(0), shifts if counts is None else counts
