@@ -4,7 +4,7 @@
 # Here, once (with flashinfer-python installed):   python benchmarks/gpu_carry.py
 #   -> .whl/ (wheels that machine lacks) and .fi/ (the Python modules `import flashinfer` loads)
 # There, from a copy of this working tree, carrying .whl and .fi:
-#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|final]
+#   bash benchmarks/gpu_run.sh [tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|tiledws|final]
 #   (default: all)
 #
 #   tests  the tests marked gpu but the kernel matrix, then the warm path's, the guard's, the
@@ -47,6 +47,10 @@
 #          itself on the plain layout, and the mma tilings' loads alone on each layout (about
 #          6-7 min: hopper_sweep_tiled.json; points past its time limit are named as skipped);
 #          not part of all
+#   tiledws hopper-ws's tiles with a loader warp reading the weight re-laid by their own tiles:
+#          hopper_sweep.py --families tiled at M = 64, 128 and 512 on four shapes, beside the
+#          same tiles on the plain layout (about 3 min: hopper_sweep_tiled_ws.json; its GPU
+#          test is in tiled's); not part of all
 #   final  what a release's figures need from one tree, in one 600 s call: the record (as
 #          record, about 200 s), then bench_deploy.py (about 150 s), then hazard_stress.py in
 #          the time left (each step's limit shrinks to fit 560 s); not part of all. The tests
@@ -57,8 +61,8 @@
 set -u
 MODE=${1:-all}
 case "$MODE" in
-  tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|final) ;;
-  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|final)" >&2
+  tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|tiledws|final) ;;
+  *) echo "gpu_run.sh: unknown mode '$MODE' (tests|kernels|bench|all|record|quant|floor|deploy|hazard|wins|stream|tiled|tiledws|final)" >&2
      exit 2 ;;
 esac
 OUT=${OUT:-benchmarks/results}
@@ -159,6 +163,11 @@ print(json.dumps({'shapes': [[n, k] for _, n, k in SHAPES]}))" > "$decisions.sha
     step "hopper_sweep.py tiled" timeout 420 python3 benchmarks/hopper_sweep.py \
       --families tiled,tactics --name hopper_sweep_tiled --out "$OUT" --time-limit-s 380 \
       --shapes 8192x8192,28672x4096,4096x14336,2560x8192 --ms 16,8,1,4
+  fi
+  if [ "$MODE" = tiledws ]; then
+    step "hopper_sweep.py tiled, hopper-ws" timeout 300 python3 benchmarks/hopper_sweep.py \
+      --families tiled --name hopper_sweep_tiled_ws --out "$OUT" --time-limit-s 260 \
+      --shapes 8192x8192,28672x4096,4096x14336,4608x7168 --ms 128,64,512
   fi
   if [ "$MODE" = final ]; then
     start=$(date +%s)

@@ -84,7 +84,7 @@ FAMILY_HELP = {
     "tiled": "to M = 64: the GEMV and mma tactics reading the weight re-laid by tiles (each "
     "program's step one contiguous run; and tiles of 16 rows x 128 bytes, one copy for all), "
     "beside the same tactics on the plain layout; to M = 16 also the mma tilings' loads alone "
-    "on each layout",
+    "on each layout; from M = 33 hopper-ws's tactics with a loader warp on their own tiles",
 }
 # The default families.
 FAMILIES = ("gemv", "mma", "prefill", "old")
@@ -406,18 +406,21 @@ SHARED = (16, 128)
 
 
 def run_tiled(*args, kind: str, cfg, shared: bool = False) -> torch.Tensor:
-    """The GEMV or mma tactic ``cfg`` reading the weight re-laid by tiles: of a program's rows
-    and step (each step it reads one contiguous run), or with ``shared`` ``SHARED``'s."""
+    """The GEMV, mma or ws tactic ``cfg`` reading the weight re-laid by tiles: of a program's
+    rows and step (each step it reads one contiguous run), or with ``shared`` ``SHARED``'s
+    (GEMV and mma only: ``hopper-ws`` reads its tiles by 2-D TMA boxes)."""
     word = torch.int64 if kind == "gemv" else torch.int32
     if shared:
         tiles = (SHARED[0], SHARED[1] // word.itemsize)
     elif kind == "gemv":
         tiles = (cfg.rows_per_program, cfg.blocks_per_step)
+    elif kind == "ws":
+        tiles = (cfg.block_n, triton_hopper.ws_kernels().STEP_WORDS)
     else:
         tiles = (cfg.block_n, cfg.words_per_step)
     w = _tiled(args[1].T.view(word), *tiles)
-    run = triton_hopper.run_gemv if kind == "gemv" else triton_hopper.run_mma
-    return run(*args, cfg=cfg, tiled=w)
+    run = {"gemv": triton_hopper.run_gemv, "mma": triton_hopper.run_mma, "ws": triton_hopper.run_ws}
+    return run[kind](*args, cfg=cfg, tiled=w)
 
 
 @triton.jit
@@ -598,6 +601,12 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                     for tiles, label in ((None, ""), (own, "-tiled"), ((16, 32), "-shared")):
                         name = f"floor-loads{label} {tactic}"
                         out[name] = functools.partial(run_floor, cfg=c, mma=False, tiles=tiles)
+    if 33 <= m <= 2048 and "tiled" in families:  # hopper-ws's tiles with the loader warp
+        for c in hopper_configs.candidates("ws", m):
+            if c.loader_warp and c.split != -1:
+                tactic = " ".join(map(str, dataclasses.astuple(c)))
+                out[f"ws {tactic}"] = functools.partial(triton_hopper.run_ws, cfg=c)
+                out[f"tiled-ws {tactic}"] = functools.partial(run_tiled, kind="ws", cfg=c)
     if "tactics" in families:  # the product's own tactic candidates at this M
         kinds = [("gemv", triton_hopper.run_gemv)] if m <= 8 else []
         kinds += [("mma", triton_hopper.run_mma)] if m <= 256 else []

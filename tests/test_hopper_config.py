@@ -334,3 +334,7 @@ def test_the_kernels_refuse_a_tiled_weight_that_is_not_this_weights_tiles():
     for run, cfg, tiled in bad:
         with pytest.raises(ValueError, match="tiled must be"):
             run(*args, cfg=cfg, tiled=tiled)
+    # hopper-ws reads tiles only with its loader warp, and not in runs of K steps
+    for ws in (th.WsConfig(256, 128, 3, 0, 128, 0), th.WsConfig(128, 256, 3, -1, 256, 0)):
+        with pytest.raises(ValueError, match="loader warp"):
+            th.run_ws(*args, cfg=ws, tiled=hopper_args.tiled_words(w32, ws.block_n, 16))

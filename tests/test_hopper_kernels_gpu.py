@@ -271,7 +271,8 @@ def test_every_tactic_candidate_matches_the_exact_reference(n, k):
 def test_every_small_m_tactic_reads_a_weight_re_laid_by_tiles(n, k):
     """``hopper_sweep.py``'s family tiled: each GEMV and mma tactic reading
     ``hopper_args.tiled_words``' copy of the weight (tiles of a program's rows and step, and of
-    16 rows x 128 bytes, its ``SHARED``), exact, as on the weight itself."""
+    16 rows x 128 bytes, its ``SHARED``), and each ``hopper-ws`` tile with a loader warp on its
+    own tiles, exact, as on the weight itself."""
     cases = [
         (triton_hopper.run_gemv, torch.int64, cfg, tiles, m)
         for cfg in hopper_configs.candidates("gemv", None)
@@ -283,6 +284,12 @@ def test_every_small_m_tactic_reads_a_weight_re_laid_by_tiles(n, k):
         for cfg in hopper_configs.candidates("mma", None)
         for tiles in ((cfg.block_n, cfg.words_per_step), (16, 32))
         for m in (3, cfg.block_t)
+    ]
+    cases += [  # hopper-ws's tiles with the loader warp, on their own tiles
+        (triton_hopper.run_ws, torch.int32, cfg, (cfg.block_n, 16), m)
+        for cfg in hopper_configs.candidates("ws", None)
+        if cfg.loader_warp and cfg.split != -1
+        for m in (64, 300)
     ]
     for run, word, cfg, tiles, m in cases:
         problem = Problem(n=n, k=k, m_bucket=m_bucket(m), alpha_kind="per_token")

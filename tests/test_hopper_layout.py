@@ -449,9 +449,9 @@ def test_every_step_waits_for_its_wgmma_before_the_next_writes_a_register(cfg):
     assert tool.hazards(loop) == []
 
 
-def _compile_ws(cfg, alpha: int, pdl: bool = False):
+def _compile_ws(cfg, alpha: int, pdl: bool = False, tiled: bool = False):
     """``hopper-ws``'s kernel as ``run_ws`` launches ``cfg`` with alpha of kind ``alpha``
-    (Gluon, for sm90), under PDL or not."""
+    (Gluon, for sm90), under PDL or not (``tiled``: reading a re-laid weight, an experiment)."""
     gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
     gl = pytest.importorskip("triton.experimental.gluon.language")
     from fp4select.backends import _hopper_ws
@@ -473,6 +473,8 @@ def _compile_ws(cfg, alpha: int, pdl: bool = False):
     constexprs["OWN_LOADS"] = not cfg.loader_warp
     signature["PDL"] = "constexpr"
     constexprs["PDL"] = pdl
+    signature["W_TILED"] = "constexpr"
+    constexprs["W_TILED"] = tiled
     stride = _hopper_ws.ALPHA_STRIDE[alpha]
     if stride == 1:  # Triton specializes an int argument of 1 into a constant
         signature["alpha_stride"] = "constexpr"
@@ -533,6 +535,27 @@ def test_hopper_ws_compiles_and_waits_for_each_steps_wgmma(cfg, alpha):
         wait = next(i for i, line in enumerate(loop) if line.startswith("WARPGROUP.DEPBAR"))
         handed = [line for line in loop[last:wait] if "SYNCS.ARRIVE" in line]
         assert bool(handed) == (cfg.block_n == 64), loop[last:wait]
+
+
+@pytest.mark.parametrize(
+    "cfg", [c for c in hopper_configs.candidates("ws", None) if c.loader_warp], ids=str
+)
+def test_hopper_ws_reading_tiles_loads_and_waits_as_on_rows(cfg):
+    """``W_TILED`` (hopper_sweep.py's family tiled) moves only the weight's TMA coordinates:
+    the same TMA loads and wgmma in the same loops, each step's wgmma still waited for."""
+    tool = _hazard_tool()
+    rows, tiles = (_compile_ws(cfg, 2, pdl=True, tiled=t) for t in (False, True))
+
+    def tma(kernel):
+        return re.findall(r"cp\.async\.bulk\.tensor\S*", kernel.asm["ptx"])
+
+    assert tma(tiles) == tma(rows) and tma(rows)
+    loops = tool.mma_loops(tool._sass(tiles))
+    assert len(loops) == 2
+    assert [sum("HGMMA" in x for x in loop) for loop in loops] == [
+        sum("HGMMA" in x for x in loop) for loop in tool.mma_loops(tool._sass(rows))
+    ]
+    assert all(tool.hazards(loop) == [] for loop in loops)
 
 
 @pytest.mark.parametrize("cfg", hopper_configs.candidates("ws", None), ids=str)

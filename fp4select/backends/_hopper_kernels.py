@@ -1,6 +1,6 @@
 """Triton kernels behind ``triton_hopper`` (imported only when one of its backends first runs).
 
-Why one file of ~1090 lines: Triton resolves a kernel's helpers through its module's globals,
+Why one file of ~1110 lines: Triton resolves a kernel's helpers through its module's globals,
 and the four kernels share the asm decodes, their pure-Triton twins and the scale helpers; the
 asm strings and the twins they must agree with read best side by side.
 

@@ -62,6 +62,9 @@ Design rules:
 * Gluon's API moves between Triton releases; the one name that differs between 3.6 (the
   H200's) and 3.9 is aliased below, and both compile this for sm90 (the same test).
 * Imported only by ``triton_hopper.ws_kernels()``: importing fp4select never imports triton.
+* ``W_TILED`` (reading a copy of the weight re-laid by ``hopper_args.tiled_words``: only the
+  TMA boxes' coordinates change, ``_load_w``) is an experiment of
+  ``benchmarks/hopper_sweep.py`` that no backend launches.
 """
 
 from __future__ import annotations
@@ -111,18 +114,24 @@ def _gdc_wait():
 
 @gluon.jit
 def _load_step(
-    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW: gl.constexpr
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW: gl.constexpr,
+    TILED: gl.constexpr = False,
 ):  # fmt: skip
     """This program's step j (step first + j of K) into stage j % STAGES, once the stage's
     step j - STAGES has been given back (at once for j < STAGES); ready barrier j % READY."""
-    _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW)
+    _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW, TILED)
     _load_x(x_desc, w_bufs, x_bufs, ready, off_t, first, j, BKW)
 
 
 @gluon.jit
-def _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW: gl.constexpr):
+def _load_w(
+    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW: gl.constexpr,
+    TILED: gl.constexpr = False,
+):  # fmt: skip
     """``_load_step``'s first half: the stage given back, its ready barrier told the bytes of
-    the whole step, the weight's words asked for."""
+    the whole step, the weight's words asked for. TILED (an experiment, ``mma_ws``' W_TILED):
+    ``w_desc`` reads the weight re-laid by ``hopper_args.tiled_words(w, BN, BKW)`` as rows of
+    BKW words, and ``off_n`` is the tiled row of the tile's step 0."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     READY: gl.constexpr = ready.type.shape[0]
     HALVES: gl.constexpr = x_bufs.type.shape[0] // STAGES
@@ -131,7 +140,11 @@ def _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW: 
     mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
     r = j % READY
     mbarrier.expect(ready.index(r), nbytes)
-    _tma_load(w_desc, [off_n, (first + j) * BKW], ready.index(r), w_bufs.index(s))
+    if TILED:
+        BN: gl.constexpr = w_bufs.type.shape[1]
+        _tma_load(w_desc, [off_n + (first + j) * BN, 0], ready.index(r), w_bufs.index(s))
+    else:
+        _tma_load(w_desc, [off_n, (first + j) * BKW], ready.index(r), w_bufs.index(s))
 
 
 @gluon.jit
@@ -153,7 +166,7 @@ def _load_x(x_desc, w_bufs, x_bufs, ready, off_t, first, j, BKW: gl.constexpr):
 @gluon.jit
 def _first_loads(
     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW: gl.constexpr,
-    PDL: gl.constexpr,
+    PDL: gl.constexpr, TILED: gl.constexpr = False,
 ):  # fmt: skip
     """The ring's first STAGES steps. Under PDL the weight's words are asked for before the
     wait for a's decode, a's tiles after it (the design rules); without, each step's loads
@@ -162,7 +175,7 @@ def _first_loads(
     if PDL:
         for j in gl.static_range(STAGES):
             if j < steps:
-                _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW)
+                _load_w(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, first, j, BKW, TILED)
         _gdc_wait()
         for j in gl.static_range(STAGES):
             if j < steps:
@@ -171,20 +184,23 @@ def _first_loads(
         for j in gl.static_range(STAGES):
             if j < steps:
                 _load_step(
-                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW
-                )
+                    w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW,
+                    TILED,
+                )  # fmt: skip
 
 
 @gluon.jit
 def _loader(
     w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW: gl.constexpr,
-    PDL: gl.constexpr,
+    PDL: gl.constexpr, TILED: gl.constexpr = False,
 ):  # fmt: skip
     """Steps first .. first + steps - 1 of K, each into stage j % STAGES (j counts from 0)."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
-    _first_loads(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW, PDL)
+    _first_loads(
+        w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps, BKW, PDL, TILED
+    )
     for j in range(STAGES, steps):
-        _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW)
+        _load_step(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, j, BKW, TILED)
 
 
 @gluon.jit
@@ -369,9 +385,13 @@ def mma_ws(
     split_stride,  # elements between two splits' partial sums
     BN: gl.constexpr, BT: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, OWN_LOADS: gl.constexpr = False, PDL: gl.constexpr = False,
+    W_TILED: gl.constexpr = False,
 ):  # fmt: skip
     """out^T = W . A^T for one [BN, BT] tile and one range of K (see the module docstring);
-    num_warps=4 (the default partition is the first consumer)."""
+    num_warps=4 (the default partition is the first consumer). W_TILED (an experiment of
+    ``benchmarks/hopper_sweep.py``, with the loader warp only): ``w_desc`` reads
+    ``hopper_args.tiled_words(w, BN, BKW)`` as rows of BKW words, each step one contiguous
+    box."""
     FIRST: gl.constexpr = 0  # the consumers' roles (``_consumer``)
     SECOND: gl.constexpr = 1
     XW: gl.constexpr = x_desc.block_type.shape[1]  # tokens a wgmma takes: 64 (halves) or BT
@@ -409,6 +429,9 @@ def mma_ws(
         mbarrier.init(empty.index(s), count=2 if BN >= 128 else 1)
     mbarrier.init(done.index(0), count=1)
     fence_async_shared()
+    gl.static_assert(not (W_TILED and OWN_LOADS), "W_TILED takes the loader warp")
+    # the tiled copy's row of this tile's step 0 (``_load_w``), else the tile's first row
+    w_off = (off_n // BN) * gl.cdiv(KW, BKW) * BN if W_TILED else off_n
     # The arguments written out in place: in a tuple variable a constexpr loses being one.
     if OWN_LOADS:  # no loader warp: the stages filled here, then by the second consumer
         _first_loads(
@@ -449,8 +472,8 @@ def mma_ws(
                 ),
                 (
                     _loader,
-                    (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_t, first, steps,
-                     BKW, PDL),
+                    (w_desc, x_desc, w_bufs, x_bufs, ready, empty, w_off, off_t, first, steps,
+                     BKW, PDL, W_TILED),
                 ),
             ],
             [4, 1],

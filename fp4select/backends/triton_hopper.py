@@ -1,6 +1,6 @@
 """``hopper-*``: NVFP4 kernels for GPUs without FP4 tensor cores that decode whole words.
 
-Why one file of ~690 lines: each path's plan (what a call launches: its checks, split, grid
+Why one file of ~720 lines: each path's plan (what a call launches: its checks, split, grid
 and kernels; ``hopper_launch``) sits beside the path's registration, because a module of
 plans between ``triton_fp4`` and the registry would put every importer of the backends a
 level deeper than issue 17's bound of ten allows; the call's views and the splits' arithmetic
@@ -460,14 +460,20 @@ def _ws_tile_layouts(block_n: int, bkw: int, tokens: int) -> tuple[Any, Any]:
     return w_layout, gl.NVMMASharedLayout.get_default_for([8 * bkw, tokens], gl.float16)
 
 
-def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
+def _ws_plan(
+    args: tuple[Any, ...], cfg: WsConfig | None, tiled: torch.Tensor | None = None
+) -> Plan:
     """A call TMA cannot read (K not a multiple of 32, a misaligned view) or with alpha a Python
-    number (see ``_hopper_ws``) runs ``hopper-mma``'s kernel instead."""
+    number (see ``_hopper_ws``) runs ``hopper-mma``'s kernel instead. ``tiled``: the weight's
+    words as ``hopper_args.tiled_words(w, block_n, 16)`` read in its place (tiles with the
+    loader warp, K split but not in runs), an experiment of ``benchmarks/hopper_sweep.py``."""
     c, a32, w32 = _checked_words(args, "hopper-ws", torch.int32)
     cfg = cfg or hopper_configs.default("ws", c.m)
     m, n, kw, cp = c.m, c.n, c.kh // 4, c.cp
     if m == 0 or n == 0:
         return hopper_args.nothing_to_do(m, n)
+    if tiled is not None and (not cfg.loader_warp or cfg.split == -1):
+        raise ValueError(f"tiled takes a tile with the loader warp, not in runs: got {cfg}")
     # TMA reads the weight's rows: its base and row stride must be multiples of 16 bytes, and
     # only whole 16-word steps were run on the GPU (K a multiple of 32).
     # alpha kind 1 is a Python number, which the kernel does not take (_hopper_ws).
@@ -494,6 +500,11 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
     xw = cfg.mma_tokens
     w_layout, x_layout = _ws_tile_layouts(bn, bkw, xw)
     w_shape, w_strides = list(w32.shape), list(w32.stride())
+    meta = _tile_rows(tiled, n, kw, bkw, torch.int32)
+    if tiled is not None:  # its tiles' steps as rows of bkw words, each box one contiguous run
+        if meta != {"W_TILE_ROWS": bn}:
+            raise ValueError(f"tiled must be tiled_words(w, {bn}, {bkw}), got {tuple(tiled.shape)}")
+        w_shape, w_strides = [tiled.numel() // bkw, bkw], [bkw, 1]
     x_shape = [steps * bkw * 8, mp]  # the planes' workspace (_a_planes), row-major
     reduce = _reduction(c, split, pdl) if parts is not None else None
     alpha_stride = ws.ALPHA_STRIDE[c.alpha_kind]
@@ -502,7 +513,7 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         main = Launch(
             ws.mma_ws, (tiles, split),
             BN=bn, BT=bt, BKW=bkw, STAGES=cfg.stages, GROUP=ws.TILE_GROUP,
-            OWN_LOADS=not cfg.loader_warp,
+            OWN_LOADS=not cfg.loader_warp, **({"W_TILED": True} if tiled is not None else {}),
             **_with_pdl(pdl), num_warps=4, maxnreg=ws.launch_regs(cfg.loader_warp),
         )  # fmt: skip
         launches = (decode, main, reduce)
@@ -514,6 +525,8 @@ def _ws_plan(args: tuple[Any, ...], cfg: WsConfig | None) -> Plan:
         if call is None:  # an offset the plan's key does not tell apart
             return _fallback(args)
         direct, w32, sw32, out, alpha_ptr, alpha_value, x = call
+        if tiled is not None:
+            w32 = tiled.view(-1, bkw)
         describe = _unchecked if direct else TensorDescriptor
         w_desc = describe(w32, w_shape, w_strides, [bn, bkw], w_layout)
         x_desc = describe(x, x_shape, [mp, 1], [8 * bkw, xw], x_layout)
@@ -592,9 +605,11 @@ def _unchecked(
     return made
 
 
-def run_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
+def run_ws(
+    *args: Any, cfg: WsConfig | None = None, tiled: torch.Tensor | None = None
+) -> torch.Tensor:
     """``hopper-ws``: mm_fp4's positional order (without backend)."""
-    return _ws_plan(args, cfg)(args)
+    return _ws_plan(args, cfg, tiled)(args)
 
 
 def fast_ws(*args: Any, cfg: WsConfig | None = None) -> torch.Tensor:
