@@ -596,7 +596,7 @@ def variants(m: int, families: tuple[str, ...] = FAMILIES) -> dict[str, functool
                 out[f"shared-{kind} {tactic}"] = functools.partial(
                     run_tiled, kind=kind, cfg=c, shared=True
                 )
-                if kind == "mma" and m <= 16:  # the loads alone on each layout
+                if kind == "mma" and m <= 16 and c not in extra:  # loads alone, each layout
                     own = (c.block_n, c.words_per_step)
                     for tiles, label in ((None, ""), (own, "-tiled"), ((16, 32), "-shared")):
                         name = f"floor-loads{label} {tactic}"
