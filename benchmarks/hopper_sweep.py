@@ -83,7 +83,7 @@ FAMILY_HELP = {
     "into runs of K steps (split -1), and split as today",
     "tiled": "to M = 64: the GEMV and mma tactics reading the weight re-laid by tiles (each "
     "program's step one contiguous run; and tiles of 16 rows x 128 bytes, one copy for all), "
-    "beside the same tactics on the plain layout; to M = 16 also the mma tilings' loads alone "
+    "beside the same tactics on the plain layout; to M = 16 also the mma tactics' loads alone "
     "on each layout; from M = 33 hopper-ws's tactics with a loader warp on their own tiles",
 }
 # The default families.
@@ -689,8 +689,8 @@ def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...
     calls = {
         nm: [functools.partial(fn, *s.args(problem)) for s in sets] for nm, fn in passed.items()
     }
-    for nm, fns in calls.items():  # the tiled weights made now, not inside the timed graphs
-        if "tiled" in nm:
+    for nm, fns in calls.items():  # the re-laid weights made now, not inside the timed graphs
+        if _re_laid(nm):
             for fn in fns:
                 fn()
     dq = []
@@ -704,6 +704,11 @@ def point(n: int, k: int, m: int, device: torch.device, families: tuple[str, ...
     return {"n": n, "k": k, "m": m, "us": us, "verdicts": verdicts}
 
 
+def _re_laid(name: str) -> str | None:
+    """The re-laid layout a variant of family tiled reads ("tiled" or "shared"), else None."""
+    return next((x for x in name.partition(" ")[0].split("-") if x in ("tiled", "shared")), None)
+
+
 def layout_ratios(rows: list[dict]) -> dict[str, dict[int, list[float]]]:
     """Family tiled's answer: for each re-laid layout ("tiled", "shared", and their loads
     alone), by M, the geomean, least and most of each variant's time over the same variant's
@@ -713,9 +718,10 @@ def layout_ratios(rows: list[dict]) -> dict[str, dict[int, list[float]]]:
         us = row["us"]
         for name, t in us.items():
             head, _, rest = name.partition(" ")  # e.g. "shared-mma", "floor-loads-tiled"
-            parts = head.split("-")
-            layout = next((x for x in parts if x in ("tiled", "shared")), None)
-            plain = layout and us.get("-".join(x for x in parts if x != layout) + " " + rest)
+            layout = _re_laid(name)
+            plain = layout and us.get(
+                "-".join(x for x in head.split("-") if x != layout) + " " + rest
+            )
             if plain:
                 found.setdefault(head, {}).setdefault(row["m"], []).append(t / plain)
     return {
